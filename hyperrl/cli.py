@@ -1,0 +1,24 @@
+"""``hyperrl`` command line: ``hyperrl demo`` (more subcommands arrive with the trainer and planner)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hyperrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("demo", help="build GRPO/DAPO/GSPO losses on a synthetic batch and time group advantages")
+    args = parser.parse_args(argv)
+    if args.command in (None, "demo"):
+        from .demo import main as demo
+
+        demo()
+        return 0
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The trajectory contract: a token-first TensorDict batch of ``B`` sequences.
+
+Layout (``B`` sequences, ``T`` padded length; every sequence is *right-padded*: its valid
+tokens are ``tokens[b, :L_b]`` and ``attention_mask[b]`` is ``1…1 0…0``):
+
+============================  ===========  ========  =============================================
+key                           shape        dtype     meaning
+============================  ===========  ========  =============================================
+``tokens``                    ``[B, T]``   int64     the rollout's own token ids (prompt, response,
+                                                     tool/observation tokens), never re-tokenised
+``attention_mask``            ``[B, T]``   bool      1 on real tokens, 0 on padding
+``action_mask``               ``[B, T]``   bool      1 only on tokens the policy generated (incl.
+                                                     the EOS it sampled); 0 on prompt, observation,
+                                                     tool output and padding
+``rollout_logprobs``          ``[B, T]``   float32   log-prob the rollout engine sampled each
+                                                     action token with (0 off the action mask)
+``policy_version``            ``[B]``      int64     version of the weights that generated it
+``group_id``                  ``[B]``      int64     prompt group: the n samples of a prompt share it
+``reward``                    ``[B]``      float32   scalar (outcome) reward per sequence
+optional: ``token_rewards``,  ``[B, T]``   float32   per-token reward / critic value / behaviour,
+``values``, ``old_logprobs``,                        reference log-probs, advantages, returns
+``ref_logprobs``,
+``advantages``, ``returns``
+============================  ===========  ========  =============================================
+
+**Alignment convention (used everywhere in hyperrl).** Every per-token field is aligned with
+the *token it describes*: ``logprobs[b, t] = log π(tokens[b, t] | tokens[b, :t])``, and likewise
+``values[b, t]``, ``advantages[b, t]``, ``token_rewards[b, t]`` belong to the action that emitted
+``tokens[b, t]``. A model's ``logits[:, t]`` predict token ``t + 1``, so logits are shifted by one
+before use (:func:`hyperrl.transforms.sequence_logprobs` does this). Position 0 is never an
+action (a sequence starts with at least one prompt token).
+
+The packed (padding-free) layout concatenates the valid tokens of all sequences:
+``to_packed(batch)`` returns a TensorDict with sub-dicts ``token`` (batch ``[N]``) and ``seq``
+(batch ``[B]``) and ``cu_seqlens`` ``[B + 1]``; ``from_packed`` inverts it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+__all__ = [
+    "TOKEN_FIELDS",
+    "SEQ_FIELDS",
+    "REQUIRED",
+    "TrajectoryError",
+    "make_trajectory",
+    "validate",
+    "to_packed",
+    "from_packed",
+    "sequence_lengths",
+    "response_lengths",
+]
+
+
+@dataclass(frozen=True)
+class _Field:
+    dtype: torch.dtype
+    per_token: bool
+    required: bool
+    finite: bool = False
+
+
+_F32 = torch.float32
+FIELDS: dict[str, _Field] = {
+    "tokens": _Field(torch.int64, True, True),
+    "attention_mask": _Field(torch.bool, True, True),
+    "action_mask": _Field(torch.bool, True, True),
+    "rollout_logprobs": _Field(_F32, True, True, finite=True),
+    "policy_version": _Field(torch.int64, False, True),
+    "group_id": _Field(torch.int64, False, True),
+    "reward": _Field(_F32, False, True, finite=True),
+    "token_rewards": _Field(_F32, True, False, finite=True),
+    "values": _Field(_F32, True, False, finite=True),
+    "old_logprobs": _Field(_F32, True, False, finite=True),
+    "ref_logprobs": _Field(_F32, True, False, finite=True),
+    "advantages": _Field(_F32, True, False, finite=True),
+    "returns": _Field(_F32, True, False, finite=True),
+}
+TOKEN_FIELDS = tuple(k for k, f in FIELDS.items() if f.per_token)
+SEQ_FIELDS = tuple(k for k, f in FIELDS.items() if not f.per_token)
+REQUIRED = tuple(k for k, f in FIELDS.items() if f.required)
+
+_HINTS = {
+    "group_id": "give each sequence the integer id of its prompt group (the n samples of one prompt share it)",
+    "policy_version": "record the weight version the rollout engine served when it generated the sequence",
+    "rollout_logprobs": "request the sampled-token log-probs from the rollout engine (fp32)",
+}
+
+
+class TrajectoryError(ValueError):
+    """A batch violates the trajectory contract; the message names the field and the fix."""
+
+
+def make_trajectory(**fields: torch.Tensor) -> TensorDict:
+    """Build a trajectory TensorDict, casting masks to bool and float fields to fp32, then validate."""
+    out = {}
+    for key, value in fields.items():
+        value = torch.as_tensor(value)
+        spec = FIELDS.get(key)
+        if spec is not None and value.dtype != spec.dtype:
+            if spec.dtype == torch.bool and value.dtype.is_floating_point:
+                raise TrajectoryError(f"{key}: expected a 0/1 mask, got dtype {value.dtype}")
+            if spec.dtype == torch.int64 and (value.dtype.is_floating_point or value.dtype == torch.bool):
+                raise TrajectoryError(f"{key}: dtype {value.dtype}, expected integers (torch.int64)")
+            if spec.dtype == torch.float32 and not value.dtype.is_floating_point:
+                raise TrajectoryError(f"{key}: dtype {value.dtype}, expected floating point (stored as float32)")
+            value = value.to(spec.dtype)
+        out[key] = value
+    if "tokens" not in out or out["tokens"].dim() != 2:
+        raise TrajectoryError("tokens: missing or not [B, T]; a trajectory needs token ids [B, T]")
+    _check_shapes(out, *out["tokens"].shape)
+    batch = TensorDict(out, batch_size=[out["tokens"].shape[0]])
+    validate(batch)
+    return batch
+
+
+def _fail(key: str, msg: str) -> None:
+    raise TrajectoryError(f"{key}: {msg}")
+
+
+def _check_shapes(fields, B: int, T: int) -> None:
+    for key, v in fields.items():
+        spec = FIELDS.get(key)
+        if spec is None:
+            continue
+        want = (B, T) if spec.per_token else (B,)
+        if tuple(v.shape) != want:
+            _fail(key, f"shape {list(v.shape)}, expected {list(want)} ({'[B, T]' if spec.per_token else '[B]'})")
+
+
+def validate(batch: TensorDict, *, single_version: bool = False, required: tuple[str, ...] = REQUIRED) -> None:
+    """Check ``batch`` against the contract; raise :class:`TrajectoryError` naming the field.
+
+    Checks: non-empty batch; required keys present; shapes ``[B, T]`` / ``[B]``; dtypes;
+    finite rewards, log-probs and other float fields; right padding; action mask only on real
+    tokens and never at position 0; log-probs ``≤ 0`` on actions; with ``single_version`` all
+    sequences from one policy version.
+    """
+    if not isinstance(batch, TensorDict):
+        raise TrajectoryError(f"batch: expected a TensorDict, got {type(batch).__name__}")
+    if batch.batch_dims != 1:
+        _fail("batch", f"batch_size must be [B], got {list(batch.batch_size)}")
+    B = batch.batch_size[0]
+    if B == 0:
+        _fail("batch", "empty batch (B = 0): nothing to train on; filter upstream or skip the step")
+    for key in required:
+        if key not in batch.keys():
+            _fail(key, "missing" + (f"; {_HINTS[key]}" if key in _HINTS else ""))
+    if "tokens" not in batch.keys():
+        _fail("tokens", "missing")
+    if batch["tokens"].dim() != 2:
+        _fail("tokens", f"shape {list(batch['tokens'].shape)}, expected [B, T]")
+    T = batch["tokens"].shape[-1]
+    _check_shapes(batch, B, T)
+    for key in batch.keys():
+        spec = FIELDS.get(key)
+        if spec is None:
+            continue
+        v = batch[key]
+        if v.dtype != spec.dtype:
+            _fail(key, f"dtype {v.dtype}, expected {spec.dtype}")
+        if spec.finite and not bool(torch.isfinite(v).all()):
+            bad = (~torch.isfinite(v)).nonzero()[0].tolist()
+            _fail(key, f"contains NaN/inf (first at index {bad}); fix the producer, values must be finite")
+    attn, act = batch["attention_mask"], batch["action_mask"]
+    lengths = attn.sum(-1)
+    ar = torch.arange(T)
+    if not bool((attn == (ar[None, :] < lengths[:, None])).all()):
+        row = int((attn != (ar[None, :] < lengths[:, None])).any(-1).nonzero()[0])
+        _fail("attention_mask", f"sequence {row} is not right-padded (expected 1…1 0…0); shift its tokens left")
+    if bool((act & ~attn).any()):
+        row = int((act & ~attn).any(-1).nonzero()[0])
+        _fail("action_mask", f"set on padding in sequence {row}; actions must lie where attention_mask is 1")
+    if T > 0 and bool(act[:, 0].any()):
+        _fail("action_mask", "set at position 0; a sequence must start with at least one prompt token")
+    lp = batch["rollout_logprobs"]
+    if bool((lp[act] > 1e-6).any()):
+        _fail("rollout_logprobs", "positive log-prob on an action token; pass log-probs, not probabilities")
+    if single_version:
+        versions = torch.unique(batch["policy_version"]).tolist()
+        if len(versions) > 1:
+            _fail("policy_version", f"mixed versions {versions} where one is required; regenerate or drop stale ones")
+
+
+def sequence_lengths(batch: TensorDict) -> torch.Tensor:
+    """Valid tokens per sequence ``[B]`` (int64)."""
+    return batch["attention_mask"].sum(-1)
+
+
+def response_lengths(batch: TensorDict) -> torch.Tensor:
+    """Policy-generated tokens per sequence ``|o_i| = Σ_t m`` ``[B]`` (int64)."""
+    return batch["action_mask"].sum(-1)
+
+
+def to_packed(batch: TensorDict) -> TensorDict:
+    """Padding-free layout: concatenate the valid tokens of every sequence.
+
+    Returns a TensorDict (batch ``[]``) with ``token`` (per-token fields, batch ``[N]``,
+    ``N = Σ_b L_b``), ``seq`` (per-sequence fields, batch ``[B]``), ``cu_seqlens`` ``[B + 1]``
+    and ``max_len`` (the padded ``T``, so :func:`from_packed` restores the width).
+    """
+    attn = batch["attention_mask"]
+    B, T = attn.shape
+    lengths = attn.sum(-1)
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    token = {k: v[attn] for k, v in batch.items() if v.dim() >= 2 and tuple(v.shape[:2]) == (B, T)}
+    seq = {k: v for k, v in batch.items() if k not in token}
+    return TensorDict(
+        {
+            "token": TensorDict(token, batch_size=[int(cu[-1])]),
+            "seq": TensorDict(seq, batch_size=[B]),
+            "cu_seqlens": cu,
+            "max_len": torch.tensor(T),
+        },
+        batch_size=[],
+    )
+
+
+def from_packed(packed: TensorDict, pad_to: int | None = None) -> TensorDict:
+    """Inverse of :func:`to_packed`: right-pad every sequence to ``pad_to`` (default ``max_len``)."""
+    cu = packed["cu_seqlens"]
+    B = cu.numel() - 1
+    lengths = cu[1:] - cu[:-1]
+    T = int(packed["max_len"]) if pad_to is None else pad_to
+    if B and int(lengths.max()) > T:
+        raise TrajectoryError(f"pad_to: {T} is shorter than the longest sequence ({int(lengths.max())})")
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    out = {}
+    for k, v in packed["token"].items():
+        full = torch.zeros((B, T, *v.shape[1:]), dtype=v.dtype)
+        full[mask] = v
+        out[k] = full
+    out.update(dict(packed["seq"].items()))
+    return TensorDict(out, batch_size=[B])

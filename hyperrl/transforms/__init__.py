@@ -1,0 +1,103 @@
+"""hyperrl.transforms — pure RL-for-LLM transforms over PyTorch tensors and TensorDict batches.
+
+Each concept lives in its own module (``advantages``, ``objectives``, ``aggregation``, ``kl``,
+``logprobs``, ``correction``, ``shaping``, ``filters``, ``preference``, ``batching``, ``stats``,
+``loss``, ``chain``); this facade re-exports the public names. Kernels take tensors and the
+scalars they use; adapters take a trajectory TensorDict and return a new one (or a LossOutput).
+"""
+
+from .advantages import (
+    ADVANTAGES,
+    batch_std_advantages,
+    compute_advantages,
+    discounted_returns,
+    dr_grpo_advantages,
+    gae,
+    gpg_advantages,
+    grpo_advantages,
+    grpo_passk_advantages,
+    masked_whiten,
+    normalize_then_sum_advantages,
+    opo_advantages,
+    register_advantage,
+    reinforce_pp_baseline_advantages,
+    reinforce_pp_returns,
+    remax_advantages,
+    rloo_advantages,
+    scores_to_token_rewards,
+)
+from .aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregation
+from .batching import balanced_partition, micro_batches_by_token_budget, partition_spread
+from .chain import bind, chain
+from .correction import (
+    Correction,
+    importance_weights,
+    masked_is,
+    mismatch_log_ratio,
+    mismatch_metrics,
+    rejection_mask,
+    truncated_is,
+)
+from .filters import dynamic_sampling_filter, informative_groups
+from .groups import GroupStats, dense_group_index, group_stats
+from .kl import (
+    KL_ESTIMATORS,
+    KLState,
+    adaptive_kl_init,
+    adaptive_kl_update,
+    fixed_kl_init,
+    fixed_kl_update,
+    is_corrected_kl,
+    kl_penalty,
+    register_kl,
+)
+from .logprobs import entropy, naive_token_logprobs, sequence_logprobs, token_logprobs
+from .loss import LossOutput, critic_loss, policy_loss
+from .objectives import (
+    OBJECTIVES,
+    Objective,
+    cispo,
+    clip_cov,
+    gmpo,
+    gspo,
+    kl_cov,
+    ppo_clip,
+    register_objective,
+    reinforce,
+    sapo,
+    value_loss,
+)
+from .preference import DPOLoss, dpo_loss
+from .shaping import clip_rewards, kl_in_reward, mask_truncated, overlong_penalty
+from .stats import RunningStats, running_stats_init, running_stats_normalize, running_stats_update
+
+__all__ = [
+    # registries
+    "ADVANTAGES", "OBJECTIVES", "AGGREGATIONS", "KL_ESTIMATORS",
+    "register_advantage", "register_objective", "register_aggregation", "register_kl",
+    # adapters and composition
+    "compute_advantages", "policy_loss", "critic_loss", "LossOutput", "chain", "bind",
+    # advantages
+    "grpo_advantages", "dr_grpo_advantages", "batch_std_advantages", "rloo_advantages", "opo_advantages",
+    "gpg_advantages", "grpo_passk_advantages", "normalize_then_sum_advantages", "gae", "reinforce_pp_returns",
+    "reinforce_pp_baseline_advantages", "remax_advantages", "discounted_returns", "masked_whiten",
+    "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
+    # objectives
+    "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "clip_cov", "kl_cov", "value_loss",
+    # aggregation
+    "Normalizer", "aggregate",
+    # kl
+    "kl_penalty", "is_corrected_kl", "KLState", "fixed_kl_init", "fixed_kl_update", "adaptive_kl_init",
+    "adaptive_kl_update",
+    # logprobs
+    "token_logprobs", "entropy", "sequence_logprobs", "naive_token_logprobs",
+    # correction
+    "Correction", "mismatch_log_ratio", "importance_weights", "truncated_is", "masked_is", "rejection_mask",
+    "mismatch_metrics",
+    # shaping, filters, preference, batching, stats
+    "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated",
+    "informative_groups", "dynamic_sampling_filter",
+    "dpo_loss", "DPOLoss",
+    "micro_batches_by_token_budget", "balanced_partition", "partition_spread",
+    "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",
+]

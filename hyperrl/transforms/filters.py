@@ -1,0 +1,21 @@
+"""Batch filters returning index/keep masks (pure; the caller refills)."""
+
+from __future__ import annotations
+
+import torch
+
+from .groups import group_stats
+
+__all__ = ["informative_groups", "dynamic_sampling_filter"]
+
+
+def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Keep-mask ``[B]``: samples whose group's rewards are not all exactly equal (std > 0)."""
+    return ~group_stats(scores, group_ids).constant
+
+
+def dynamic_sampling_filter(batch, *, key: str = "reward"):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal. Returns a *new* batch and
+    the number of dropped sequences (the caller samples more prompts to refill)."""
+    keep = informative_groups(batch[key], batch["group_id"])
+    return batch[keep], int((~keep).sum())

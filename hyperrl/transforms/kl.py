@@ -1,0 +1,110 @@
+"""KL estimators and KL-coefficient controllers.
+
+Estimators take ``d = lp − ref`` (per token) and return a per-token KL estimate
+(Schulman 2020, "Approximating KL divergence"):
+``k1 = d``, ``abs = |d|``, ``k2 = ½d²``, ``k3 = exp(−d) + d − 1`` (≥ 0).
+A trailing ``+`` (``"k1+"``, ``"k3+"``) is the straight-through form: the value of kX with the
+gradient of k2, ``k2 − sg(k2) + sg(kX)``. Clamps are explicit arguments:
+verl ``low_var_kl`` = k3 with ``clamp_input=20, clamp_output=10``; OpenRLHF clamps k3 to ±10.
+
+Controllers are optax-style ``(init, update)`` pairs over a frozen :class:`KLState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..registry import Registry
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "register_kl",
+    "kl_penalty",
+    "is_corrected_kl",
+    "KLState",
+    "fixed_kl_init",
+    "fixed_kl_update",
+    "adaptive_kl_init",
+    "adaptive_kl_update",
+]
+
+KL_ESTIMATORS: Registry = Registry("KL estimator")
+register_kl = KL_ESTIMATORS.register
+
+
+@register_kl("k1")
+def k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+@register_kl("abs")
+def kl_abs(d: torch.Tensor) -> torch.Tensor:
+    return d.abs()
+
+
+@register_kl("k2")
+def k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d * d
+
+
+@register_kl("k3")
+def k3(d: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-d) + d - 1.0
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str = "k3",
+    *,
+    clamp_input: float | None = None,
+    clamp_output: float | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate ``[B, T]`` of the policy from the reference (see module doc)."""
+    straight = isinstance(estimator, str) and estimator.endswith("+")
+    fn = KL_ESTIMATORS.get(estimator[:-1] if straight else estimator)
+    d = logprobs - ref_logprobs
+    if clamp_input is not None:
+        d = torch.clamp(d, -clamp_input, clamp_input)
+    kl = fn(d)
+    if clamp_output is not None:
+        kl = torch.clamp(kl, -clamp_output, clamp_output)
+    if straight:
+        q = k2(d)
+        kl = q - q.detach() + kl.detach()
+    return kl
+
+
+def is_corrected_kl(logprobs, old_logprobs, ref_logprobs, *, clamp: float = 20.0) -> torch.Tensor:
+    """Unbiased off-policy KL (DeepSeek-V3.2): ``sg(π/π_old)·k3(lp − ref)`` per token."""
+    w = torch.exp(torch.clamp(logprobs - old_logprobs, -clamp, clamp)).detach()
+    return w * k3(logprobs - ref_logprobs)
+
+
+@dataclass(frozen=True)
+class KLState:
+    beta: float  # current KL coefficient β
+
+
+def fixed_kl_init(beta: float) -> KLState:
+    return KLState(float(beta))
+
+
+def fixed_kl_update(state: KLState, kl: float, n_steps: int) -> KLState:
+    """Fixed controller: β never changes."""
+    return state
+
+
+def adaptive_kl_init(beta: float) -> KLState:
+    return KLState(float(beta))
+
+
+def adaptive_kl_update(state: KLState, kl: float, n_steps: int, *, target: float, horizon: float) -> KLState:
+    """Adaptive controller (Ziegler et al. 2019): ``err = clip(KL/target − 1, ±0.2)``,
+    ``β ← β·(1 + err·n_steps/horizon)``. Returns a new state."""
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"target={target}, horizon={horizon}: both must be > 0")
+    err = min(max(float(kl) / target - 1.0, -0.2), 0.2)
+    return KLState(state.beta * (1.0 + err * n_steps / horizon))

@@ -1,0 +1,66 @@
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyperrl.transforms import balanced_partition, micro_batches_by_token_budget, partition_spread
+
+lengths_st = st.lists(st.integers(0, 300), min_size=0, max_size=60)
+
+
+@given(lengths_st, st.integers(300, 2000))
+def test_micro_batches_cover_once_and_respect_budget(lengths, budget):
+    mbs = micro_batches_by_token_budget(lengths, budget)
+    flat = sorted(i for mb in mbs for i in mb)
+    assert flat == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in mb) <= budget for mb in mbs)
+    # first-fit decreasing never uses more than 11/9 OPT + 1 bins; OPT >= ceil(total / budget)
+    lower = -(-sum(lengths) // budget)
+    assert len(mbs) <= 11 * lower / 9 + 1 + 1e-9 or len(mbs) <= 1
+
+
+def test_micro_batch_errors():
+    with pytest.raises(ValueError, match="sequence 1 has 50 tokens > max_tokens=40"):
+        micro_batches_by_token_budget([10, 50], 40)
+    with pytest.raises(ValueError, match="max_tokens"):
+        micro_batches_by_token_budget([1], 0)
+
+
+@given(lengths_st, st.integers(1, 8))
+def test_partition_covers_once(lengths, k):
+    parts = balanced_partition(lengths, k)
+    assert len(parts) == k
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+
+
+@given(st.lists(st.integers(1, 100), min_size=4, max_size=10), st.integers(2, 3))
+def test_partition_close_to_optimal_small(lengths, k):
+    parts = balanced_partition(lengths, k)
+    best = min(
+        partition_spread(lengths, [[i for i, a in enumerate(assign) if a == r] for r in range(k)])
+        for assign in itertools.product(range(k), repeat=len(lengths))
+    )
+    # KK is a heuristic: its spread is at most the largest item above the optimum
+    assert partition_spread(lengths, parts) <= best + max(lengths)
+
+
+def test_partition_golden_and_equal_size():
+    # classic KK example: {8,7,6,5,4} into 2 -> sums 15/15 would be optimal; KK gives spread 2
+    parts = balanced_partition([8, 7, 6, 5, 4], 2)
+    assert partition_spread([8, 7, 6, 5, 4], parts) == 2
+    lens = [100, 1, 1, 1, 50, 50, 2, 3]
+    eq = balanced_partition(lens, 4, equal_size=True)
+    assert all(len(p) == 2 for p in eq)
+    with pytest.raises(ValueError, match="equal_size"):
+        balanced_partition([1, 2, 3], 2, equal_size=True)
+
+
+def test_partition_beats_round_robin_on_skewed_lengths():
+    import random
+
+    rnd = random.Random(0)
+    lens = [rnd.choice([10, 2000]) + rnd.randint(0, 50) for _ in range(256)]
+    kk = partition_spread(lens, balanced_partition(lens, 8))
+    rr = partition_spread(lens, [list(range(r, 256, 8)) for r in range(8)])
+    assert kk < rr / 10
