@@ -28,6 +28,11 @@ def test_k2_k3_nonnegative_and_zero_at_ref(a, b):
         assert (kl_penalty(lp, lp, est) == 0).all()
 
 
+def test_k3_nonnegative_near_zero():
+    d = torch.tensor([1e-6, -1e-6, 3e-8, -7e-7, 1e-4])
+    assert (kl_penalty(d, torch.zeros(5), "k3") >= 0).all()
+
+
 def test_golden():
     # d = lp - ref = log 2: k1 = 0.6931, k2 = 0.2402, k3 = 1/2 + log 2 - 1 = 0.1931
     lp, ref = torch.log(torch.tensor([2.0])), torch.zeros(1)

@@ -84,5 +84,5 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask) -> dict:
     return {
         "mismatch_max_abs": d.abs().max(),
         "mismatch_mean_abs": d.abs().mean(),
-        "mismatch_k3": (torch.exp(-d) + d - 1).mean(),
+        "mismatch_k3": (torch.expm1(-d) + d).mean(),
     }

@@ -14,10 +14,17 @@ __all__ = ["dense_group_index", "GroupStats", "group_stats", "segment_sum"]
 
 
 def dense_group_index(group_ids: torch.Tensor) -> torch.Tensor:
-    """Map arbitrary integer ids ``[B]`` to dense indices ``0..G-1`` ``[B]`` (order of first sort).
+    """Map arbitrary integer ids ``[B]`` to indices in ``[0, B)`` ``[B]``; equal ids ↔ equal indices.
 
-    Equal ids get equal indices; static shapes (sort + cumsum + scatter), no ``unique``.
+    Eager fast path: ids spanning fewer than ``B`` values are offset by their minimum (one
+    pass, no sort). Otherwise (and always under ``torch.compile``, which cannot branch on data)
+    a sort + cumsum + scatter with static shapes — never ``unique``. Indices need not be
+    contiguous; every consumer sizes its segment buffers by ``B``.
     """
+    if group_ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(group_ids)
+        if int(hi) - int(lo) < group_ids.numel():
+            return group_ids - lo
     sorted_ids, perm = torch.sort(group_ids, stable=True)
     starts = torch.ones_like(sorted_ids, dtype=torch.int64)
     starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
@@ -27,7 +34,7 @@ def dense_group_index(group_ids: torch.Tensor) -> torch.Tensor:
 
 def segment_sum(x: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
     """``out[g] = Σ_{i: index[i] = g} x[i]`` for ``g < size``; ``x`` ``[B]``, returns ``[size]``."""
-    return torch.zeros(size, dtype=x.dtype, device=x.device).index_add(0, index, x)
+    return torch.zeros(size, dtype=x.dtype, device=x.device).scatter_add(0, index, x)
 
 
 class GroupStats(NamedTuple):
@@ -40,23 +47,45 @@ class GroupStats(NamedTuple):
     constant: torch.Tensor  # bool: every score of the group is exactly equal (incl. singletons)
 
 
+def _contiguous_group_size(idx: torch.Tensor) -> int:
+    """``n`` if ``idx == arange(B) // n`` (groups contiguous and of equal size), else 0 (eager only)."""
+    B = idx.numel()
+    G = int(idx[-1]) + 1
+    if B % G or int(idx[0]) != 0:
+        return 0
+    n = B // G
+    return n if torch.equal(idx, torch.arange(B, device=idx.device) // n) else 0
+
+
 def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
     """Mean, unbiased std and exact constancy per group, broadcast back to samples.
 
     Two-pass: ``μ_g = Σ s / n_g`` then ``σ²_g = Σ (s − μ_g)² / (n_g − 1)``, both in fp32
     (one-pass ``E[s²] − μ²`` leaves cancellation residue, NeMo-RL #4161). Constancy is exact
     (``min_g == max_g``), so zero-variance groups are detected without a tolerance.
-    ``scores`` ``[B]`` (any float dtype), ``group_ids`` ``[B]`` integer.
+    ``scores`` ``[B]`` (any float dtype), ``group_ids`` ``[B]`` integer. Contiguous equal-size
+    groups (the usual rollout layout) take a reshape fast path in eager mode.
     """
     s = scores.to(torch.float32)
     B = s.shape[0]
     idx = dense_group_index(group_ids)
-    count = segment_sum(torch.ones_like(s), idx, B)
+    n_contig = 0 if torch.compiler.is_compiling() or B == 0 else _contiguous_group_size(idx)
+    if n_contig:
+        x = s.view(-1, n_contig)
+        mean = x.mean(1, keepdim=True)
+        var = ((x - mean) ** 2).sum(1, keepdim=True) / max(n_contig - 1, 1)
+        lo, hi = torch.aminmax(x, dim=1, keepdim=True)
+        std = var.sqrt() if n_contig > 1 else torch.zeros_like(var)
+        expand = lambda t: t.expand(-1, n_contig).reshape(B)
+        count = torch.full((B,), n_contig, dtype=torch.int64, device=s.device)
+        return GroupStats(idx, count, expand(mean), expand(std), expand(lo == hi))
+    count = torch.bincount(idx, minlength=B).to(s.dtype)
     mean = segment_sum(s, idx, B) / count.clamp_min(1)
-    dev = s - mean[idx]
+    mean_i = mean.index_select(0, idx)
+    dev = s - mean_i
     var = segment_sum(dev * dev, idx, B) / (count - 1).clamp_min(1)
     lo = torch.full((B,), float("inf"), dtype=s.dtype).scatter_reduce(0, idx, s, "amin")
     hi = torch.full((B,), float("-inf"), dtype=s.dtype).scatter_reduce(0, idx, s, "amax")
-    n = count[idx]
-    std = torch.where(n > 1, var[idx].sqrt(), torch.zeros_like(s))
-    return GroupStats(idx, n.long(), mean[idx], std, (lo == hi)[idx])
+    n, v, const = torch.stack([count, var, (lo == hi).to(s.dtype)]).index_select(1, idx)
+    std = torch.where(n > 1, v.sqrt(), torch.zeros_like(s))
+    return GroupStats(idx, n.long(), mean_i, std, const.bool())

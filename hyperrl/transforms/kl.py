@@ -51,7 +51,8 @@ def k2(d: torch.Tensor) -> torch.Tensor:
 
 @register_kl("k3")
 def k3(d: torch.Tensor) -> torch.Tensor:
-    return torch.exp(-d) + d - 1.0
+    # expm1(−d) + d: ≥ 0 in floating point too (exp(−d) + d − 1 rounds negative near d = 0)
+    return torch.expm1(-d) + d
 
 
 def kl_penalty(

@@ -86,7 +86,7 @@ def policy_loss(
     d = (logprobs - old).detach()
     metrics = {f"{k}_frac" if k in ("clipped", "dual_clipped") else f"{k}_mean": _masked_mean(v, mask)
                for k, v in obj.metrics.items()}
-    metrics["approx_kl"] = _masked_mean(torch.exp(d) - 1 - d, mask)
+    metrics["approx_kl"] = _masked_mean(torch.expm1(d) - d, mask)
     if kl_coef > 0:
         ref = _require(batch, "ref_logprobs", "kl_coef > 0 needs reference log-probs [B, T]")
         kl = kl_penalty(logprobs, ref, kl_estimator, clamp_input=kl_clamp_input, clamp_output=kl_clamp_output)
