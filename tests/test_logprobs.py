@@ -52,6 +52,17 @@ def test_sequence_logprobs_alignment():
     torch.testing.assert_close(out[:, 3], want)
 
 
+def test_inputs_not_mutated():
+    from hyperrl.transforms import logprobs_and_entropy
+
+    logits = torch.randn(2, 3, 7)
+    before = logits.clone()
+    x = logits.requires_grad_(True)
+    lp, h = logprobs_and_entropy(x, torch.zeros(2, 3, dtype=torch.long), 0.5)
+    (lp.sum() + h.sum()).backward()
+    assert torch.equal(logits.detach(), before)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), 0.0)
@@ -73,3 +84,31 @@ def test_backward_saves_no_fp32_vocab_copy():
         token_logprobs(logits, tokens).sum()
         entropy(logits).sum()
     assert all(not (dt == torch.float32 and n >= logits.numel()) for dt, n in saved), saved
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fused_logprobs_and_entropy_value_and_grad(temperature):
+    from hyperrl.transforms import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 40, generator=g) * 2
+    tokens = torch.randint(0, 40, (2, 6), generator=g)
+    w1, w2 = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
+    x = logits.clone().requires_grad_(True)
+    lp, h = logprobs_and_entropy(x, tokens, temperature, chunk_size=5)
+    (gx,) = torch.autograd.grad((lp * w1).sum() + (h * w2).sum(), x)
+    y = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(y / temperature, -1)
+    ref_lp = logp.gather(-1, tokens[..., None])[..., 0]
+    ref_h = -(logp.exp() * logp).sum(-1)
+    (gy,) = torch.autograd.grad((ref_lp * w1).sum() + (ref_h * w2).sum(), y)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, ref_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, gy, atol=1e-5, rtol=1e-5)
+    # only one output used: the other's gradient is None
+    x2 = logits.clone().requires_grad_(True)
+    (g_only,) = torch.autograd.grad(logprobs_and_entropy(x2, tokens, temperature)[1].sum(), x2)
+    y2 = logits.clone().requires_grad_(True)
+    logp2 = torch.log_softmax(y2 / temperature, -1)
+    (g_ref,) = torch.autograd.grad(-(logp2.exp() * logp2).sum(), y2)
+    torch.testing.assert_close(g_only, g_ref, atol=1e-5, rtol=1e-5)

@@ -51,7 +51,7 @@ from .kl import (
     kl_penalty,
     register_kl,
 )
-from .logprobs import entropy, naive_token_logprobs, sequence_logprobs, token_logprobs
+from .logprobs import entropy, logprobs_and_entropy, naive_token_logprobs, sequence_logprobs, token_logprobs
 from .loss import LossOutput, critic_loss, policy_loss
 from .objectives import (
     OBJECTIVES,
@@ -90,7 +90,7 @@ __all__ = [
     "kl_penalty", "is_corrected_kl", "KLState", "fixed_kl_init", "fixed_kl_update", "adaptive_kl_init",
     "adaptive_kl_update",
     # logprobs
-    "token_logprobs", "entropy", "sequence_logprobs", "naive_token_logprobs",
+    "token_logprobs", "entropy", "logprobs_and_entropy", "sequence_logprobs", "naive_token_logprobs",
     # correction
     "Correction", "mismatch_log_ratio", "importance_weights", "truncated_is", "masked_is", "rejection_mask",
     "mismatch_metrics",
