@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
-from itertools import product
 
-from .mesh import Mesh, MeshError
+from .mesh import Mesh
 
 __all__ = ["Spec", "Box", "chunk_bounds", "dim_intervals", "boxes", "owners", "SpecError"]
 
@@ -152,9 +151,7 @@ def owners(spec: Spec, mesh: Mesh, shape: tuple[int, ...], index: tuple[int, ...
     for L, d, i in zip(shape, spec.dims, index):
         iv = dim_intervals(L, tuple(mesh.axis_size(a) for a in d))
         starts = [lo for lo, _ in iv]
-        k = bisect_right(starts, i) - 1
-        while iv[k][1] <= i:  # skip empty chunks that share a start
-            k += 1
+        k = bisect_right(starts, i) - 1  # the last chunk starting at or before i holds it
         digits = []
         for a in reversed(d):
             k, r = divmod(k, mesh.axis_size(a))
@@ -163,5 +160,3 @@ def owners(spec: Spec, mesh: Mesh, shape: tuple[int, ...], index: tuple[int, ...
     fixed = dict(want)
     return sorted(mesh.ranks[p] for p, c in mesh.coords() if all(c[a] == v for a, v in fixed.items()))
 
-
-_ = (product, MeshError)

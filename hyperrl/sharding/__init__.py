@@ -1,0 +1,34 @@
+"""hyperrl.sharding — a pure, hardware-free sharding-spec algebra and direct-reshard planner.
+
+Meshes and specs are plain frozen data (:mod:`.mesh`, :mod:`.spec`); model layouts say where
+each tensor lives (:mod:`.layout`, :mod:`.models`); :func:`reshard_plan` computes exactly the
+intersections each source rank sends each destination rank; :func:`verify` proves a plan
+covers every destination element once; executors (:mod:`.execute`) run plans on
+``torch.distributed``.
+"""
+
+from .layout import (
+    Block,
+    ChunkRule,
+    Demand,
+    DstLayout,
+    DstParam,
+    HeadReplicaRule,
+    Layout,
+    LayoutError,
+    Part,
+    Placement,
+    check_compatible,
+    plain_destination,
+)
+from .mesh import Mesh, MeshError
+from .plan import Plan, PlanStats, Transfer, reshard_plan
+from .spec import Box, Spec, SpecError, boxes, chunk_bounds, dim_intervals, owners
+from .verify import PlanError, verify
+
+__all__ = [
+    "Mesh", "MeshError", "Spec", "SpecError", "Box", "boxes", "owners", "chunk_bounds", "dim_intervals",
+    "Placement", "Layout", "DstLayout", "DstParam", "Part", "Block", "ChunkRule", "HeadReplicaRule", "Demand",
+    "LayoutError", "check_compatible", "plain_destination",
+    "reshard_plan", "Plan", "PlanStats", "Transfer", "verify", "PlanError",
+]

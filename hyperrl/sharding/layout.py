@@ -1,0 +1,338 @@
+"""Model layouts: where every tensor of a state dict lives, on the source and destination side.
+
+Source side (the trainer): :class:`Layout`, ``name → Placement(shape, dtype, spec, mesh)``;
+each tensor may use its own mesh (e.g. an expert lives on one EP group's sub-mesh).
+
+Destination side (the inference engine): :class:`DstLayout`, ``name → DstParam``. A destination
+parameter is the *local concatenation* (along ``cat_dim``) of :class:`Part` s — vLLM's fused
+``qkv_proj`` is parts q, k, v; ``gate_up_proj`` is gate, up. Each part is a *virtual* global
+tensor tiled by source :class:`Block` s (one block for a plain tensor; ``E`` stacked blocks for
+``[E, …]`` experts, in placement order) and split over the destination mesh by a rule
+(:class:`ChunkRule` for ``torch.chunk`` splits, :class:`HeadReplicaRule` for kv heads replicated
+when ``tp ≥ n_kv``). Virtual extents beyond the blocks (vocab padded to a multiple of 64) are
+padding: allocated on the destination, never sent.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .mesh import Mesh
+from .spec import Box, Spec, dim_intervals
+
+__all__ = [
+    "Placement",
+    "Layout",
+    "Block",
+    "ChunkRule",
+    "HeadReplicaRule",
+    "Part",
+    "DstParam",
+    "DstLayout",
+    "Piece",
+    "Demand",
+    "LayoutError",
+    "check_compatible",
+    "plain_destination",
+]
+
+
+class LayoutError(ValueError):
+    """Mismatched or incomplete layouts; the message lists the offending names."""
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Placement:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    spec: Spec
+    mesh: Mesh
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        self.spec.check(self.mesh, self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class Layout(Mapping):
+    """Immutable ``name → Placement`` for a whole source state dict."""
+
+    def __init__(self, placements: Mapping[str, Placement]):
+        self._p = dict(placements)
+
+    def __getitem__(self, k: str) -> Placement:
+        return self._p[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._p)
+
+    def __len__(self) -> int:
+        return len(self._p)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self._p.values())
+
+    def ranks(self) -> set[int]:
+        return {r for p in self._p.values() for r in p.mesh.ranks}
+
+
+# ----------------------------------------------------------------------------- destination rules
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """Split the virtual tensor by ``spec`` (ordered mesh axes per dim, ``torch.chunk`` rounding)."""
+
+    spec: Spec
+
+    def box(self, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> Box:
+        offs, sizes = [], []
+        for L, axes in zip(shape, self.spec.dims):
+            iv = dim_intervals(L, tuple(mesh.axis_size(a) for a in axes))
+            k = 0
+            for a in axes:
+                k = k * mesh.axis_size(a) + coords[a]
+            offs.append(iv[k][0])
+            sizes.append(iv[k][1] - iv[k][0])
+        return Box(tuple(offs), tuple(sizes))
+
+
+@dataclass(frozen=True)
+class HeadReplicaRule:
+    """vLLM ``QKVParallelLinear`` k/v: ``n_heads`` heads of ``head_dim`` rows along ``dim`` over
+    mesh axis ``axis`` (size tp). ``tp ≥ n`` → replicas = tp / n, rank r holds head r // replicas;
+    ``tp < n`` → n / tp heads per rank. Other dims whole."""
+
+    axis: str
+    n_heads: int
+    head_dim: int
+    dim: int = 0
+
+    def box(self, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> Box:
+        tp, r = mesh.axis_size(self.axis), coords[self.axis]
+        if tp >= self.n_heads:
+            if tp % self.n_heads:
+                raise LayoutError(f"kv heads: tp={tp} is not a multiple of n_kv={self.n_heads}")
+            lo, n = (r // (tp // self.n_heads)) * self.head_dim, self.head_dim
+        else:
+            if self.n_heads % tp:
+                raise LayoutError(f"kv heads: n_kv={self.n_heads} is not divisible by tp={tp}")
+            per = self.n_heads // tp
+            lo, n = r * per * self.head_dim, per * self.head_dim
+        offs = [0] * len(shape)
+        sizes = list(shape)
+        offs[self.dim], sizes[self.dim] = lo, n
+        return Box(tuple(offs), tuple(sizes))
+
+
+@dataclass(frozen=True)
+class Block:
+    """Source tensor ``src`` placed in a part's virtual tensor at ``offset``. With ``stacked``,
+    the virtual tensor has one extra leading dim and the block sits at index ``offset[0]``."""
+
+    src: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]  # the source tensor's shape
+    stacked: bool = False
+
+    def virtual_box(self) -> Box:
+        sizes = ((1,) if self.stacked else ()) + tuple(self.shape)
+        return Box(tuple(self.offset), sizes)
+
+
+@dataclass(frozen=True)
+class Part:
+    shape: tuple[int, ...]  # virtual global shape (may exceed the blocks: padding)
+    blocks: tuple[Block, ...]
+    rule: ChunkRule | HeadReplicaRule
+
+    @staticmethod
+    def plain(src: str, shape, rule, pad_shape=None) -> Part:
+        shape = tuple(shape)
+        return Part(tuple(pad_shape or shape), (Block(src, (0,) * len(shape), shape),), rule)
+
+    @staticmethod
+    def stacked(srcs: list[str], block_shape, rule, order: list[int] | None = None) -> Part:
+        """``E`` same-shaped sources stacked on a new dim 0; ``order[e]`` is expert e's slot."""
+        block_shape = tuple(block_shape)
+        slots = order if order is not None else list(range(len(srcs)))
+        blocks = tuple(Block(s, (slot,) + (0,) * len(block_shape), block_shape, True) for s, slot in zip(srcs, slots))
+        return Part((len(srcs),) + block_shape, blocks, rule)
+
+
+@dataclass(frozen=True)
+class DstParam:
+    dtype: torch.dtype
+    mesh: Mesh
+    parts: tuple[Part, ...]
+    cat_dim: int = 0
+
+    @cached_property
+    def local_boxes(self) -> list[list[Box]]:
+        """``[position][part]`` box of each part's virtual tensor held at that mesh position."""
+        return [[p.rule.box(p.shape, self.mesh, c) for p in self.parts] for _, c in self.mesh.coords()]
+
+    def local_shape(self, pos: int) -> tuple[int, ...]:
+        bs = self.local_boxes[pos]
+        shape = list(bs[0].sizes)
+        if len(self.parts) > 1:
+            shape[self.cat_dim] = sum(b.sizes[self.cat_dim] for b in bs)
+        return tuple(shape)
+
+    def cat_offset(self, pos: int, part: int) -> int:
+        return sum(b.sizes[self.cat_dim] for b in self.local_boxes[pos][:part])
+
+
+class Piece(tuple):
+    """``(dst_pos, src_box, dst_offset)``: the destination mesh position needs ``src_box`` (global
+    coordinates of the source tensor) at ``dst_offset`` (+ the demand's shift) in its local param."""
+
+    __slots__ = ()
+
+    def __new__(cls, dst_pos: int, src_box: Box, dst_offset: tuple[int, ...]):
+        return tuple.__new__(cls, (dst_pos, src_box, dst_offset))
+
+    dst_pos = property(lambda s: s[0])
+    src_box = property(lambda s: s[1])
+    dst_offset = property(lambda s: s[2])
+
+
+@dataclass(frozen=True, eq=False)
+class Demand:
+    """What one destination parameter needs from one source tensor: a shared ``pattern`` of pieces
+    plus a ``shift`` added to every piece's destination offset (an expert's slot)."""
+
+    param: str
+    pattern: tuple[Piece, ...]
+    shift: tuple[int, ...]
+
+
+@dataclass
+class DstLayout:
+    """``name → DstParam`` for the inference engine's parameters."""
+
+    params: dict[str, DstParam] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def ranks(self) -> set[int]:
+        return {r for p in self.params.values() for r in p.mesh.ranks}
+
+    def sources(self) -> dict[str, tuple[int, ...]]:
+        """Every source tensor the destination reads, with the shape it expects."""
+        return {b.src: b.shape for p in self.params.values() for part in p.parts for b in part.blocks}
+
+    def demands(self) -> dict[str, list[Demand]]:
+        """``src name → [Demand]``. Patterns are built once per (part, elementary slot range) and
+        shared by every block in it, so ``E`` stacked experts cost ``O(#positions)``, not ``O(E·#positions)``."""
+        out: dict[str, list[Demand]] = {}
+        interned: dict[tuple, tuple] = {}  # equal patterns (e.g. of every layer) become one object
+        seen: dict[int, tuple] = {}  # id → (pattern kept alive so its id is not reused, canonical)
+        for name, param in self.params.items():
+            for j, part in enumerate(param.parts):
+                for block, pattern, shift in _part_patterns(param, j, part):
+                    hit = seen.get(id(pattern))
+                    if hit is None:
+                        hit = seen[id(pattern)] = (pattern, interned.setdefault(pattern, pattern))
+                    out.setdefault(block.src, []).append(Demand(name, hit[1], shift))
+        return out
+
+
+def _part_patterns(param: DstParam, j: int, part: Part):
+    """Yield ``(block, pattern, shift)`` for each block of part ``j`` of ``param``."""
+    mesh = param.mesh
+    boxes = [param.local_boxes[pos][j] for pos in range(mesh.size)]
+    cat = param.cat_dim
+    if not part.blocks:
+        return
+    stacked = part.blocks[0].stacked
+    if not stacked:
+        for block in part.blocks:
+            vb = block.virtual_box()
+            pieces = []
+            for pos, rb in enumerate(boxes):
+                inter = rb.intersect(vb)
+                if inter is None:
+                    continue
+                local = list(inter.relative_to(rb).offsets)
+                if len(param.parts) > 1:
+                    local[cat] += param.cat_offset(pos, j)
+                pieces.append(Piece(pos, inter.relative_to(vb), tuple(local)))
+            yield block, tuple(pieces), (0,) * len(vb.offsets)
+        return
+    # stacked: sweep the slot dim; slots with the same covering positions share one pattern
+    cuts = sorted({0, part.shape[0], *(b.offsets[0] for b in boxes), *(b.offsets[0] + b.sizes[0] for b in boxes)})
+    cache: dict[int, tuple] = {}
+    for block in sorted(part.blocks, key=lambda b: b.offset[0]):
+        slot = block.offset[0]
+        seg = bisect_right(cuts, slot) - 1
+        if seg not in cache:
+            pieces = []
+            for pos, rb in enumerate(boxes):
+                if not rb.offsets[0] <= slot < rb.offsets[0] + rb.sizes[0]:
+                    continue
+                inner = Box(rb.offsets[1:], rb.sizes[1:]).intersect(Box((0,) * len(block.shape), block.shape))
+                if inner is None:
+                    continue
+                local = [-rb.offsets[0]] + [o - r for o, r in zip(inner.offsets, rb.offsets[1:])]
+                if len(param.parts) > 1:
+                    local[cat] += param.cat_offset(pos, j)
+                pieces.append(Piece(pos, inner, tuple(local)))
+            cache[seg] = tuple(pieces)
+        yield block, cache[seg], (slot,) + (0,) * len(block.shape)
+
+
+def check_compatible(src: Layout, dst: DstLayout) -> None:
+    """Names, shapes and dtypes agree; raises :class:`LayoutError` listing every mismatch."""
+    need = dst.sources()
+    missing = sorted(set(need) - set(src))
+    extra = sorted(set(src) - set(need))
+    problems = []
+    if missing:
+        problems.append(f"destination reads tensors the source lacks: {missing[:5]}{' …' if len(missing) > 5 else ''}"
+                        f" ({len(missing)} in all)")
+    if extra:
+        problems.append(f"source tensors no destination parameter reads: {extra[:5]}"
+                        f"{' …' if len(extra) > 5 else ''} ({len(extra)} in all)")
+    bad_shape = [f"{n}: source {list(src[n].shape)} vs destination {list(s)}"
+                 for n, s in need.items() if n in src and tuple(src[n].shape) != tuple(s)]
+    if bad_shape:
+        problems.append("shape mismatch: " + "; ".join(bad_shape[:5]))
+    dtypes = {}
+    for pname, p in dst.params.items():
+        for part in p.parts:
+            for b in part.blocks:
+                if b.src in src and src[b.src].dtype != p.dtype:
+                    dtypes[b.src] = f"{b.src}: source {src[b.src].dtype} vs destination {pname} {p.dtype}"
+    if dtypes:
+        problems.append("dtype mismatch: " + "; ".join(list(dtypes.values())[:5]))
+    if problems:
+        raise LayoutError("layouts do not match — " + " | ".join(problems))
+
+
+
+def plain_destination(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype, Spec]], mesh: Mesh) -> DstLayout:
+    """A destination where each source tensor is its own parameter, split by a chunk spec."""
+    return DstLayout({n: DstParam(dt, mesh, (Part.plain(n, shape, ChunkRule(spec)),)) for n, (shape, dt, spec) in
+                      tensors.items()})

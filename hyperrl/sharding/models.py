@@ -1,0 +1,229 @@
+"""Model layouts from config numbers (no weights): Qwen3 dense, Qwen3-MoE, DeepSeek-V3 (MLA).
+
+``trainer_layout(cfg, fsdp=, tp=, ep=)`` is the HF state dict as FSDP2 (+ TP, + EP) would
+shard it with DTensor: dense tensors are sharded on dim 0 over ``fsdp × ep`` (after TP on dim 0
+for column-parallel weights — the ``_StridedShard`` order), row-parallel weights on dim 1 by TP;
+routed experts are separate HF tensors living on their EP group's sub-mesh (``fsdp × tp``),
+placed linearly (expert e on group ``e // (E/ep)``).
+
+``rollout_layout(cfg, tp=, dp=, ep=)`` is vLLM's parameters: fused ``qkv_proj`` (kv heads
+replicated when ``tp ≥ n_kv``), fused ``gate_up_proj``, vocab padded to a multiple of 64 then
+split, row-parallel ``o_proj``/``down_proj`` on dim 1, MLA's fused ``fused_qkv_a_proj``, and
+``FusedMoE`` stacked ``w13_weight [E, 2I, H]`` / ``w2_weight [E, H, I]`` — experts TP-sharded on
+every DP replica, or with ``ep = dp·tp`` spread over all ranks (``linear`` or ``round_robin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import ChunkRule, DstLayout, DstParam, HeadReplicaRule, Layout, Part, Placement
+from .mesh import Mesh
+from .spec import Spec
+
+__all__ = ["ModelConfig", "MODELS", "trainer_layout", "rollout_layout", "hf_tensor_shapes", "parse_parallel"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP
+    vocab: int
+    tied: bool
+    experts: int = 0
+    expert_intermediate: int = 0
+    first_dense: int = 0  # leading dense layers in an MoE model
+    shared_experts: int = 0
+    mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, nope, rope, v
+
+    def is_moe(self, layer: int) -> bool:
+        return self.experts > 0 and layer >= self.first_dense
+
+
+MODELS = {
+    "qwen3-4b": ModelConfig("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, True),
+    "qwen3-0.6b": ModelConfig("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-30b-a3b": ModelConfig("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, False, 128, 768),
+    "deepseek-v3": ModelConfig("deepseek-v3", 7168, 61, 128, 128, 128, 18432, 129280, False, 256, 2048, 3, 1,
+                               (1536, 512, 128, 64, 128)),
+    # tiny shapes with the same structure, for execution tests
+    "qwen3-tiny": ModelConfig("qwen3-tiny", 64, 2, 4, 2, 16, 96, 250, True),
+    "qwen3-moe-tiny": ModelConfig("qwen3-moe-tiny", 32, 2, 4, 2, 8, 48, 130, False, 8, 24),
+    "deepseek-tiny": ModelConfig("deepseek-tiny", 32, 3, 4, 4, 8, 48, 100, False, 8, 16, 1, 1, (24, 16, 8, 4, 8)),
+}
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF checkpoint's tensor names and shapes, in state-dict order."""
+    H, out = cfg.hidden, {"model.embed_tokens.weight": (cfg.vocab, cfg.hidden)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        if cfg.mla:
+            ql, kvl, nope, rope, v = cfg.mla
+            out |= {p + "self_attn.q_a_proj.weight": (ql, H), p + "self_attn.q_a_layernorm.weight": (ql,),
+                    p + "self_attn.q_b_proj.weight": (cfg.heads * (nope + rope), ql),
+                    p + "self_attn.kv_a_proj_with_mqa.weight": (kvl + rope, H),
+                    p + "self_attn.kv_a_layernorm.weight": (kvl,),
+                    p + "self_attn.kv_b_proj.weight": (cfg.heads * (nope + v), kvl),
+                    p + "self_attn.o_proj.weight": (H, cfg.heads * v)}
+        else:
+            hd = cfg.head_dim
+            out |= {p + "self_attn.q_proj.weight": (cfg.heads * hd, H),
+                    p + "self_attn.k_proj.weight": (cfg.kv_heads * hd, H),
+                    p + "self_attn.v_proj.weight": (cfg.kv_heads * hd, H),
+                    p + "self_attn.o_proj.weight": (H, cfg.heads * hd),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if cfg.is_moe(i):
+            E, I = cfg.experts, cfg.expert_intermediate
+            out[p + "mlp.gate.weight"] = (E, H)
+            if cfg.mla:
+                out[p + "mlp.gate.e_score_correction_bias"] = (E,)
+            if cfg.shared_experts:
+                SI = I * cfg.shared_experts
+                out |= {p + "mlp.shared_experts.gate_proj.weight": (SI, H),
+                        p + "mlp.shared_experts.up_proj.weight": (SI, H),
+                        p + "mlp.shared_experts.down_proj.weight": (H, SI)}
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                out |= {q + "gate_proj.weight": (I, H), q + "up_proj.weight": (I, H), q + "down_proj.weight": (H, I)}
+        else:
+            out |= {p + "mlp.gate_proj.weight": (cfg.intermediate, H), p + "mlp.up_proj.weight": (cfg.intermediate, H),
+                    p + "mlp.down_proj.weight": (H, cfg.intermediate)}
+        out |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+    out["model.norm.weight"] = (H,)
+    if not cfg.tied:
+        out["lm_head.weight"] = (cfg.vocab, H)
+    return out
+
+
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+_REPLICATED_2D = ("mlp.gate.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight")
+
+
+def _dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+
+
+def trainer_layout(cfg: ModelConfig, *, fsdp: int, tp: int = 1, ep: int = 1, dtype=torch.bfloat16,
+                   offset: int = 0) -> Layout:
+    """FSDP2 × TP × EP placements of every HF tensor (see module doc)."""
+    if cfg.experts and cfg.experts % ep:
+        raise ValueError(f"ep={ep} does not divide {cfg.experts} experts")
+    if not cfg.experts and ep != 1:
+        raise ValueError(f"ep={ep}: {cfg.name} has no experts")
+    mesh = Mesh.of(fsdp=fsdp, ep=ep, tp=tp, offset=offset)
+    groups = [mesh.submesh(ep=k) for k in range(ep)]
+    per_group = cfg.experts // ep if cfg.experts else 0
+    out = {}
+    for name, shape in hf_tensor_shapes(cfg).items():
+        if ".experts." in name and ".shared_experts." not in name:
+            e = int(name.split(".experts.")[1].split(".")[0])
+            m = groups[e // per_group]
+            spec = Spec.shard(2, d0="fsdp", d1="tp") if name.endswith(_ROW_PARALLEL) else \
+                Spec.shard(2, d0=("tp", "fsdp"))
+            out[name] = Placement(shape, dtype, spec, m)
+            continue
+        if len(shape) == 1 or name.endswith(_REPLICATED_2D):
+            spec = Spec.shard(len(shape), d0=("fsdp", "ep"))
+        elif name.endswith(_ROW_PARALLEL):
+            spec = Spec.shard(2, d0=("fsdp", "ep"), d1="tp")
+        else:
+            spec = Spec.shard(2, d0=("tp", "fsdp", "ep"))
+        out[name] = Placement(shape, _dtype(name, dtype), spec, mesh)
+    return Layout(out)
+
+
+def _pad64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
+                   dtype=torch.bfloat16, offset: int = 0) -> DstLayout:
+    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}."""
+    if ep not in (1, dp * tp):
+        raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1)")
+    if expert_placement not in ("linear", "round_robin"):
+        raise ValueError(f"expert_placement={expert_placement!r}; choose 'linear' or 'round_robin'")
+    if cfg.experts and ep > 1 and cfg.experts % ep:
+        raise ValueError(f"ep={ep} does not divide {cfg.experts} experts")
+    mesh = Mesh.of(dp=dp, tp=tp, offset=offset)
+    shapes = hf_tensor_shapes(cfg)
+    col, row = ChunkRule(Spec.shard(2, d0="tp")), ChunkRule(Spec.shard(2, d1="tp"))
+    params: dict[str, DstParam] = {}
+
+    def add(name, parts, cat_dim=0, dt=dtype):
+        params[name] = DstParam(dt, mesh, tuple(parts), cat_dim)
+
+    def plain(src, rule=None, pad=None):
+        shape = shapes[src]
+        return Part.plain(src, shape, rule or ChunkRule(Spec.replicate(len(shape))), pad)
+
+    add("model.embed_tokens.weight", [plain("model.embed_tokens.weight", col, (_pad64(cfg.vocab), cfg.hidden))])
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if cfg.mla:
+            add(a + "fused_qkv_a_proj.weight", [plain(a + "q_a_proj.weight"), plain(a + "kv_a_proj_with_mqa.weight")])
+            add(a + "q_b_proj.weight", [plain(a + "q_b_proj.weight", col)])
+            add(a + "kv_b_proj.weight", [plain(a + "kv_b_proj.weight", col)])
+            for n in ("q_a_layernorm.weight", "kv_a_layernorm.weight"):
+                add(a + n, [plain(a + n)])
+        else:
+            kv = HeadReplicaRule("tp", cfg.kv_heads, cfg.head_dim)
+            add(a + "qkv_proj.weight", [plain(a + "q_proj.weight", col), plain(a + "k_proj.weight", kv),
+                                        plain(a + "v_proj.weight", kv)])
+            for n in ("q_norm.weight", "k_norm.weight"):
+                add(a + n, [plain(a + n)])
+        add(a + "o_proj.weight", [plain(a + "o_proj.weight", row)])
+        m = p + "mlp."
+        if cfg.is_moe(i):
+            add(m + "gate.weight", [plain(m + "gate.weight")])
+            if cfg.mla:
+                add(m + "gate.e_score_correction_bias", [plain(m + "gate.e_score_correction_bias")], dt=torch.float32)
+            if cfg.shared_experts:
+                s = m + "shared_experts."
+                add(s + "gate_up_proj.weight", [plain(s + "gate_proj.weight", col), plain(s + "up_proj.weight", col)])
+                add(s + "down_proj.weight", [plain(s + "down_proj.weight", row)])
+            E, I, H = cfg.experts, cfg.expert_intermediate, cfg.hidden
+            if ep > 1:
+                order = list(range(E)) if expert_placement == "linear" else \
+                    [(e % ep) * (E // ep) + e // ep for e in range(E)]
+                up_rule = down_rule = ChunkRule(Spec.shard(3, d0=("dp", "tp")))
+            else:
+                order = None
+                up_rule, down_rule = ChunkRule(Spec.shard(3, d1="tp")), ChunkRule(Spec.shard(3, d2="tp"))
+            names = [f"{m}experts.{e}." for e in range(E)]
+            add(m + "experts.w13_weight", [Part.stacked([n + "gate_proj.weight" for n in names], (I, H), up_rule, order),
+                                           Part.stacked([n + "up_proj.weight" for n in names], (I, H), up_rule, order)],
+                cat_dim=1)
+            add(m + "experts.w2_weight", [Part.stacked([n + "down_proj.weight" for n in names], (H, I), down_rule,
+                                                       order)])
+        else:
+            add(m + "gate_up_proj.weight", [plain(m + "gate_proj.weight", col), plain(m + "up_proj.weight", col)])
+            add(m + "down_proj.weight", [plain(m + "down_proj.weight", row)])
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            add(p + n, [plain(p + n)])
+    add("model.norm.weight", [plain("model.norm.weight")])
+    if not cfg.tied:
+        add("lm_head.weight", [plain("lm_head.weight", col, (_pad64(cfg.vocab), cfg.hidden))])
+    return DstLayout(params)
+
+
+def parse_parallel(text: str) -> dict[str, int]:
+    """``"fsdp=64,ep=16"`` → ``{"fsdp": 64, "ep": 16}`` (clear errors for malformed input)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if "=" not in item:
+            raise ValueError(f"{text!r}: expected comma-separated axis=size, got {item!r}")
+        k, v = item.split("=", 1)
+        if not v.isdigit() or int(v) < 1:
+            raise ValueError(f"{text!r}: size of {k!r} must be a positive integer, got {v!r}")
+        out[k.strip()] = int(v)
+    return out
