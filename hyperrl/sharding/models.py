@@ -200,9 +200,9 @@ def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, exper
                 order = None
                 up_rule, down_rule = ChunkRule(Spec.shard(3, d1="tp")), ChunkRule(Spec.shard(3, d2="tp"))
             names = [f"{m}experts.{e}." for e in range(E)]
-            add(m + "experts.w13_weight", [Part.stacked([n + "gate_proj.weight" for n in names], (I, H), up_rule, order),
-                                           Part.stacked([n + "up_proj.weight" for n in names], (I, H), up_rule, order)],
-                cat_dim=1)
+            gate = Part.stacked([n + "gate_proj.weight" for n in names], (I, H), up_rule, order)
+            up = Part.stacked([n + "up_proj.weight" for n in names], (I, H), up_rule, order)
+            add(m + "experts.w13_weight", [gate, up], cat_dim=1)
             add(m + "experts.w2_weight", [Part.stacked([n + "down_proj.weight" for n in names], (H, I), down_rule,
                                                        order)])
         else:

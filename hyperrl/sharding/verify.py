@@ -89,7 +89,7 @@ def verify(plan: Plan) -> None:
         have = [b for b in received[(t.src_rank, t.param)] if b.intersect(t.src_slice) == t.src_slice]
         if not have:
             raise PlanError(f"{t.param}: rank {t.src_rank} forwards {t.src_slice} it never received ({t})")
-    for key, (shape, vol, srcs) in needs.items():
+    for key, (_shape, vol, srcs) in needs.items():
         rank, param = key
         missing = sorted(srcs - got_from.get(key, set()))
         if missing:
