@@ -18,7 +18,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -145,6 +145,12 @@ class HeadReplicaRule:
         return Box(tuple(offs), tuple(sizes))
 
 
+@lru_cache(maxsize=4096)
+def _rule_boxes(rule, shape: tuple[int, ...], mesh: Mesh) -> tuple[Box, ...]:
+    """The rule's box at every mesh position (cached: every layer shares it)."""
+    return tuple(rule.box(shape, mesh, c) for _, c in mesh.coords())
+
+
 @dataclass(frozen=True)
 class Block:
     """Source tensor ``src`` placed in a part's virtual tensor at ``offset``. With ``stacked``,
@@ -190,7 +196,8 @@ class DstParam:
     @cached_property
     def local_boxes(self) -> list[list[Box]]:
         """``[position][part]`` box of each part's virtual tensor held at that mesh position."""
-        return [[p.rule.box(p.shape, self.mesh, c) for p in self.parts] for _, c in self.mesh.coords()]
+        per_part = [_rule_boxes(p.rule, p.shape, self.mesh) for p in self.parts]
+        return [list(bs) for bs in zip(*per_part)]
 
     def local_shape(self, pos: int) -> tuple[int, ...]:
         bs = self.local_boxes[pos]
@@ -249,9 +256,18 @@ class DstLayout:
         out: dict[str, list[Demand]] = {}
         interned: dict[tuple, tuple] = {}  # equal patterns (e.g. of every layer) become one object
         seen: dict[int, tuple] = {}  # id → (pattern kept alive so its id is not reused, canonical)
+        by_signature: dict[tuple, list] = {}  # params equal but for source names (every layer) share patterns
         for name, param in self.params.items():
-            for j, part in enumerate(param.parts):
-                for block, pattern, shift in _part_patterns(param, j, part):
+            sig = (param.mesh, param.cat_dim, tuple(
+                (p.shape, p.rule, tuple((b.offset, b.shape, b.stacked) for b in p.blocks)) for p in param.parts))
+            cached = by_signature.get(sig)
+            if cached is None:
+                cached = by_signature[sig] = [[(pat, sh) for _, pat, sh in _part_patterns(param, j, part)]
+                                              for j, part in enumerate(param.parts)]
+            for part, results in zip(param.parts, cached):
+                blocks = sorted(part.blocks, key=lambda b: b.offset[0]) if part.blocks and part.blocks[0].stacked \
+                    else part.blocks
+                for block, (pattern, shift) in zip(blocks, results):
                     hit = seen.get(id(pattern))
                     if hit is None:
                         hit = seen[id(pattern)] = (pattern, interned.setdefault(pattern, pattern))

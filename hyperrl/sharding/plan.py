@@ -2,21 +2,21 @@
 
 ``reshard_plan(src, dst)`` returns a :class:`Plan` — plain data in a deterministic order. For
 every source tensor and every destination piece that reads it, the planner intersects the piece
-with the source shards by a per-dimension interval sweep (bisect over each dim's sorted chunk
-intervals, never all-pairs box tests) and memoises the result by the signature (shape, dtype,
-spec, mesh shape, demand pattern), so identically placed tensors — the 44,544 routed experts of
-DeepSeek-V3 — are planned once and shared. A plan is a list of *groups*: one geometry, one
-source rank map, one destination rank map and the tensors that share them; transfers are
-materialised lazily (``iter(plan)``), statistics are computed per group.
+with the source shards by a per-dimension interval sweep (``searchsorted`` over each dim's
+sorted chunk intervals, vectorised over the pieces — never all-pairs box tests) and memoises the
+result by the signature (shape, spec, mesh shape, demand pattern), so identically placed
+tensors — the 44,544 routed experts of DeepSeek-V3 — are planned once and shared. A plan is a
+list of *groups*: one geometry, one source rank map, one destination rank map and the tensors
+that share them; transfers are materialised lazily (``iter(plan)``), statistics per group.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
-from itertools import product
 from typing import NamedTuple
+
+import numpy as np
 
 from .layout import Demand, DstLayout, Layout, Placement, check_compatible
 from .spec import Box, dim_intervals
@@ -41,74 +41,91 @@ class Transfer(NamedTuple):
                 f"{self.param}{self.dst_slice} ({self.nbytes} B)")
 
 
-class _Entry(NamedTuple):
-    piece: int  # index into the demand pattern
-    src_box: Box  # the holders' shard box (global coords)
-    inter: Box  # intersection (global coords of the source tensor)
-    holders: tuple[int, ...]  # source mesh positions holding it (replicas)
-    sender: int  # balanced choice among holders
-    key: int  # identifies the (source shard, intersection) region: replicas of a region share it
-
-
 @dataclass(frozen=True)
 class _SrcGrid:
-    """Per-dim sorted chunk intervals of one source placement, and the replica sets."""
+    """Per-dim sorted chunk intervals of one source placement, and the replica table."""
 
-    intervals: tuple[tuple[tuple[int, int], ...], ...]
-    starts: tuple[tuple[int, ...], ...]
-    holders: dict
+    lo: tuple  # per dim: np.ndarray of interval starts, indexed by the dim-coordinate k
+    hi: tuple
+    holders: np.ndarray  # [Π n_k, R] source mesh positions holding each k-tuple (row-major)
 
 
 def _src_grid(pl: Placement) -> _SrcGrid:
     mesh, spec = pl.mesh, pl.spec
-    ivs = tuple(tuple(dim_intervals(L, tuple(mesh.axis_size(a) for a in axes))) for L, axes in zip(pl.shape, spec.dims))
-    holders = defaultdict(list)
+    ivs = [dim_intervals(L, tuple(mesh.axis_size(a) for a in axes)) for L, axes in zip(pl.shape, spec.dims)]
+    counts = [len(iv) for iv in ivs]
+    table: dict[int, list[int]] = defaultdict(list)
     for pos, c in mesh.coords():
-        key = []
-        for axes in spec.dims:
+        flat = 0
+        for axes, n in zip(spec.dims, counts):
             k = 0
             for a in axes:
                 k = k * mesh.axis_size(a) + c[a]
-            key.append(k)
-        holders[tuple(key)].append(pos)
-    return _SrcGrid(ivs, tuple(tuple(lo for lo, _ in iv) for iv in ivs), {k: tuple(v) for k, v in holders.items()})
+            flat = flat * n + k
+        table[flat].append(pos)
+    holders = np.array([table[i] for i in range(len(table))], dtype=np.int64)
+    return _SrcGrid(tuple(np.array([a for a, _ in iv], dtype=np.int64) for iv in ivs),
+                    tuple(np.array([b for _, b in iv], dtype=np.int64) for iv in ivs), holders)
 
 
-def _overlapping(iv, starts, lo: int, hi: int) -> list[int]:
-    """Indices of non-empty intervals overlapping ``[lo, hi)`` (sorted, contiguous chunks)."""
-    k0 = max(bisect_right(starts, lo) - 1, 0)
-    k1 = bisect_left(starts, hi)
-    return [k for k in range(k0, k1) if iv[k][1] > iv[k][0] and iv[k][1] > lo]
+@dataclass(frozen=True)
+class _Geometry:
+    """Every (piece × overlapping source shard) intersection of one pattern, as arrays."""
+
+    piece: np.ndarray  # [E] index into the pattern
+    src_lo: np.ndarray  # [E, nd] the holders' shard box start
+    inter_lo: np.ndarray  # [E, nd] intersection (global coords of the source tensor)
+    size: np.ndarray  # [E, nd]
+    holders: np.ndarray  # [E, R] source mesh positions
+    sender: np.ndarray  # [E] holder chosen to send (replicas rotate with the piece index)
+    key: np.ndarray  # [E] region id: equal for replicas requesting the same region
+    numel: np.ndarray  # [E]
 
 
-def _geometry(grid: _SrcGrid, pattern, itemsize: int, fan_out: bool) -> tuple[_Entry, ...]:
-    load: dict[int, int] = defaultdict(int)
-    keys: dict[tuple, int] = {}
-    out = []
-    for i, piece in enumerate(pattern):
-        box = piece.src_box
-        if box.numel == 0:
-            continue
-        per_dim = [_overlapping(grid.intervals[d], grid.starts[d], o, o + s)
-                   for d, (o, s) in enumerate(zip(box.offsets, box.sizes))]
-        for ks in product(*per_dim):
-            iv = [grid.intervals[d][k] for d, k in enumerate(ks)]
-            src_box = Box(tuple(lo for lo, _ in iv), tuple(hi - lo for lo, hi in iv))
-            inter = src_box.intersect(box)
-            holders = grid.holders[ks]
-            nb = inter.numel * itemsize
-            n_keys = len(keys)
-            key = keys.setdefault((ks, inter), n_keys)
-            sender = min(holders, key=lambda h: (load[h], h))
-            if key == n_keys or not fan_out:
-                load[sender] += nb
-            out.append(_Entry(i, src_box, inter, holders, sender, key))
-    return tuple(out)
+def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
+    nd = len(grid.lo)
+    P = len(pattern)
+    plo = np.array([p.src_box.offsets for p in pattern], dtype=np.int64).reshape(P, nd)
+    phi = plo + np.array([p.src_box.sizes for p in pattern], dtype=np.int64).reshape(P, nd)
+    # per dim, the k range overlapping [plo, phi): from the first interval ending after plo to the
+    # first interval starting at or after phi (intervals are sorted and contiguous)
+    k0 = np.zeros((P, nd), np.int64)
+    k1 = np.zeros((P, nd), np.int64)
+    for d in range(nd):
+        k0[:, d] = np.searchsorted(grid.hi[d], plo[:, d], side="right")
+        k1[:, d] = np.searchsorted(grid.lo[d], phi[:, d], side="left")
+    cnt = np.maximum(k1 - k0, 0)
+    n_per = np.where((phi > plo).all(1), cnt.prod(1), 0)
+    piece = np.repeat(np.arange(P), n_per)
+    j = np.arange(piece.size) - np.repeat(np.cumsum(n_per) - n_per, n_per)
+    ks = np.zeros((piece.size, nd), np.int64)
+    for d in range(nd - 1, -1, -1):
+        c = cnt[piece, d]
+        ks[:, d] = k0[piece, d] + j % c
+        j = j // c
+    src_lo = np.zeros((piece.size, nd), np.int64)
+    src_hi = np.zeros((piece.size, nd), np.int64)
+    for d in range(nd):
+        src_lo[:, d], src_hi[:, d] = grid.lo[d][ks[:, d]], grid.hi[d][ks[:, d]]
+    lo = np.maximum(src_lo, plo[piece])
+    size = np.minimum(src_hi, phi[piece]) - lo
+    keep = (size > 0).all(1)
+    piece, ks, src_lo, lo, size = piece[keep], ks[keep], src_lo[keep], lo[keep], size[keep]
+    flat_k = np.ravel_multi_index(tuple(ks.T), [len(a) for a in grid.lo]) if nd else np.zeros(piece.size, np.int64)
+    holders = grid.holders[flat_k]
+    sender = holders[np.arange(piece.size), piece % holders.shape[1]]
+    # region id: the intersection is fixed by (source shard, requested box), so replicas that
+    # request an identical box from the same shard share it
+    box_ids: dict = {}
+    box_of_piece = np.array([box_ids.setdefault(p.src_box, len(box_ids)) for p in pattern], np.int64)
+    raw = flat_k * max(len(box_ids), 1) + box_of_piece[piece]
+    _, key = np.unique(raw, return_inverse=True) if piece.size else (None, np.zeros(0, np.int64))
+    return _Geometry(piece, src_lo, lo, size, holders, sender, key.reshape(-1), size.prod(1))
 
 
 @dataclass
 class _Group:
-    entries: tuple[_Entry, ...]
+    geo: _Geometry
     pattern: tuple
     tensor_nbytes: int
     itemsize: int
@@ -118,19 +135,28 @@ class _Group:
     members: list = field(default_factory=list)  # [(tensor name, Demand)]
 
     def __post_init__(self):
-        # per entry: the piece that receives its region from the source. Without fan-out every
-        # piece does; with it, the first requester that already holds the region locally (a
-        # colocated replica), else the first requester, and the others get it forwarded.
-        self.is_local = tuple(self.dst_ranks[self.pattern[e.piece].dst_pos] in {self.src_ranks[h] for h in e.holders}
-                              for e in self.entries)
-        first: dict[int, int] = {}
-        local_first: dict[int, int] = {}
-        if self.fan_out:
-            for e, loc in zip(self.entries, self.is_local):
-                first.setdefault(e.key, e.piece)
-                if loc:
-                    local_first.setdefault(e.key, e.piece)
-        self.leader = tuple(local_first.get(e.key, first.get(e.key, e.piece)) for e in self.entries)
+        g = self.geo
+        src_r = np.asarray(self.src_ranks, np.int64)
+        dst_r = np.asarray(self.dst_ranks, np.int64)
+        dst_pos = np.array([p.dst_pos for p in self.pattern], np.int64)
+        self.dst_rank = dst_r[dst_pos[g.piece]]
+        self.is_local = (src_r[g.holders] == self.dst_rank[:, None]).any(1)
+        # which piece receives each region from the source: every piece without fan-out; with it,
+        # the first requester already holding the region (colocated), else the first requester
+        if self.fan_out and g.piece.size:
+            order = np.lexsort((np.arange(g.piece.size), ~self.is_local, g.key))
+            first = np.ones(order.size, bool)
+            first[1:] = g.key[order][1:] != g.key[order][:-1]
+            lead_entry = np.empty(int(g.key.max()) + 1, np.int64)
+            lead_entry[g.key[order][first]] = order[first]
+            self.leader = g.piece[lead_entry[g.key]]
+        else:
+            self.leader = g.piece
+        self.is_leader = self.leader == g.piece
+        self.sender_rank = np.where(self.is_leader, src_r[g.sender], dst_r[dst_pos[self.leader]])
+
+    def __len__(self) -> int:
+        return int(self.geo.piece.size)
 
 
 class PlanStats(NamedTuple):
@@ -181,43 +207,42 @@ class Plan:
     def __iter__(self):
         for g in self.groups:
             for tensor, demand in g.members:
-                yield from _materialise(g, tensor, demand, self.src[tensor])
+                yield from _materialise(g, tensor, demand)
 
     def transfers(self) -> list[Transfer]:
         return list(self)
 
     def __len__(self) -> int:
-        return sum(len(g.entries) * len(g.members) for g in self.groups)
+        return sum(len(g) * len(g.members) for g in self.groups)
 
     def stats(self) -> PlanStats:
+        """Byte accounting per group (vectorised), multiplied by the group's member count."""
         inb: dict[int, int] = defaultdict(int)
         outb: dict[int, int] = defaultdict(int)
         wire = local = fwd = egress = src_min = msgs = transfers = full = needed = 0
         for g in self.groups:
-            m = len(g.members)
+            m, geo = len(g.members), g.geo
+            nb = geo.numel * g.itemsize
             needed += sum(p.src_box.numel for p in g.pattern) * g.itemsize * m
-            remote: dict[int, int] = {}
-            held_locally = set()
-            for e, is_local, leader in zip(g.entries, g.is_local, g.leader):
-                piece = g.pattern[e.piece]
-                dst = g.dst_ranks[piece.dst_pos]
-                nb = e.inter.numel * g.itemsize * m
-                transfers += m
-                if is_local:
-                    local += nb
-                    held_locally.add(e.key)
-                    continue
-                remote[e.key] = e.inter.numel
-                sender = g.src_ranks[e.sender] if leader == e.piece else g.dst_ranks[g.pattern[leader].dst_pos]
-                msgs += m
-                wire += nb
-                inb[dst] += nb
-                outb[sender] += nb
-                if leader == e.piece:
-                    egress += nb
-                else:
-                    fwd += nb
-            src_min += sum(n for k, n in remote.items() if k not in held_locally) * g.itemsize * m
+            transfers += len(g) * m
+            local += int(nb[g.is_local].sum()) * m
+            remote = ~g.is_local
+            msgs += int(remote.sum()) * m
+            wire += int(nb[remote].sum()) * m
+            egress += int(nb[remote & g.is_leader].sum()) * m
+            fwd += int(nb[remote & ~g.is_leader].sum()) * m
+            for r, b in zip(*_sum_by(g.dst_rank[remote], nb[remote])):
+                inb[r] += b * m
+            for r, b in zip(*_sum_by(g.sender_rank[remote], nb[remote])):
+                outb[r] += b * m
+            # unique regions that some requester lacks and no requester holds locally
+            held = np.zeros(int(geo.key.max()) + 1 if geo.key.size else 0, bool)
+            held[geo.key[g.is_local]] = True
+            need = np.zeros_like(held)
+            need[geo.key[remote]] = True
+            region_bytes = np.zeros(held.size, np.int64)
+            region_bytes[geo.key] = nb
+            src_min += int(region_bytes[need & ~held].sum()) * m
             full += len({p.dst_pos for p in g.pattern}) * g.tensor_nbytes * m
         ranks_in = self.dst.ranks()
         ranks_out = self.src.ranks() | (ranks_in if self.fan_out else set())
@@ -244,47 +269,51 @@ class Plan:
         return bucketize(self.transfers(), max_bytes)
 
 
-def _materialise(g: _Group, tensor: str, demand: Demand, pl: Placement):
+def _sum_by(keys: np.ndarray, values: np.ndarray):
+    if keys.size == 0:
+        return [], []
+    u, inv = np.unique(keys, return_inverse=True)
+    return u.tolist(), np.bincount(inv.reshape(-1), weights=values).astype(np.int64).tolist()
+
+
+def _materialise(g: _Group, tensor: str, demand: Demand):
     pattern, shift = g.pattern, demand.shift
-    for e, is_local, leader in zip(g.entries, g.is_local, g.leader):
-        piece = pattern[e.piece]
-        dst = g.dst_ranks[piece.dst_pos]
-        off = tuple(o + s + (i - b) for o, s, i, b in zip(piece.dst_offset, shift, _pad(e.inter, shift),
-                                                              _pad(piece.src_box, shift)))
-        dst_slice = Box(off, _pad_sizes(e.inter, shift))
-        nb = e.inter.numel * g.itemsize
-        if is_local:
-            yield Transfer(dst, dst, tensor, e.inter.relative_to(e.src_box), demand.param, dst_slice, nb, 0, True)
-        elif leader == e.piece:
-            yield Transfer(g.src_ranks[e.sender], dst, tensor, e.inter.relative_to(e.src_box), demand.param,
-                           dst_slice, nb, 0, False)
+    geo = g.geo
+    extra = len(shift) - geo.inter_lo.shape[1]
+    rows = zip(geo.piece.tolist(), geo.src_lo.tolist(), geo.inter_lo.tolist(), geo.size.tolist(),
+               g.is_local.tolist(), g.leader.tolist(), g.sender_rank.tolist(), g.dst_rank.tolist(), geo.numel.tolist())
+    for piece_i, src_lo, lo, size, local, leader, sender, dst, numel in rows:
+        piece = pattern[piece_i]
+        sizes = (1,) * extra + tuple(size)
+        dst_off = _dst_offset(piece, shift, lo, extra)
+        dst_slice = Box(dst_off, sizes)
+        nb = numel * g.itemsize
+        src_slice = Box(tuple(a - b for a, b in zip(lo, src_lo)), tuple(size))
+        if local:
+            yield Transfer(dst, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, True)
+        elif leader == piece_i:
+            yield Transfer(sender, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, False)
         else:
-            lead = pattern[leader]
-            lead_off = tuple(o + s + (i - b) for o, s, i, b in zip(lead.dst_offset, shift, _pad(e.inter, shift),
-                                                                    _pad(lead.src_box, shift)))
-            src_rank = g.dst_ranks[lead.dst_pos]
-            yield Transfer(src_rank, dst, tensor, Box(lead_off, dst_slice.sizes), demand.param, dst_slice, nb, 1, False)
+            lead_off = _dst_offset(pattern[leader], shift, lo, extra)
+            yield Transfer(sender, dst, tensor, Box(lead_off, sizes), demand.param, dst_slice, nb, 1, False)
 
 
-def _pad(box: Box, shift) -> tuple[int, ...]:
-    """Source-box offsets aligned with the destination dims (stacked params have one more)."""
-    extra = len(shift) - len(box.offsets)
-    return (0,) * extra + box.offsets
-
-
-def _pad_sizes(box: Box, shift) -> tuple[int, ...]:
-    extra = len(shift) - len(box.sizes)
-    return (1,) * extra + box.sizes
+def _dst_offset(piece, shift, lo, extra) -> tuple[int, ...]:
+    """Where source element ``lo`` lands in the destination local param (stacked params have
+    ``extra`` leading dims that the source does not)."""
+    rel = (0,) * extra + tuple(a - b for a, b in zip(lo, piece.src_box.offsets))
+    return tuple(o + s + r for o, s, r in zip(piece.dst_offset, shift, rel))
 
 
 def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool = False) -> Plan:
     """Plan moving every tensor of ``src`` into the destination parameters of ``dst``.
 
     Each destination element is received exactly once; elements the receiving physical rank
-    already holds are local copies. Senders are chosen among source replicas to balance bytes.
-    ``fan_out``: a piece needed by several destination replicas leaves the source once (to the
-    lowest-position replica) and is forwarded among them, so source egress falls to the unique
-    bytes ``B_src_min``. Raises :class:`LayoutError` listing mismatched names, shapes, dtypes.
+    already holds are local copies. Among source replicas the sender rotates with the piece, which
+    spreads bytes evenly over replicas. ``fan_out``: a region needed by several destination
+    replicas leaves the source once (to the first requester, or to one that holds it locally)
+    and is forwarded among them, so source egress falls to the unique bytes ``B_src_min``.
+    Raises :class:`LayoutError` listing mismatched names, shapes and dtypes.
     """
     check_compatible(src, dst)
     demands = dst.demands()
@@ -299,15 +328,14 @@ def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool = False) -> Plan:
             grid = grids[gkey] = _src_grid(pl)
         for demand in demands[tensor]:
             param = dst.params[demand.param]
-            key = (gkey, pl.itemsize, id(demand.pattern))
-            entries = geoms.get(key)
-            if entries is None:
-                entries = geoms[key] = _geometry(grid, demand.pattern, pl.itemsize, fan_out)
-            k = (key, pl.mesh.ranks, param.mesh.ranks)
+            key = (gkey, id(demand.pattern))
+            geo = geoms.get(key)
+            if geo is None:
+                geo = geoms[key] = _geometry(grid, demand.pattern)
+            k = (key, pl.itemsize, pl.mesh.ranks, param.mesh.ranks)
             grp = groups.get(k)
             if grp is None:
-                grp = groups[k] = _Group(entries, demand.pattern, pl.nbytes, pl.itemsize, pl.mesh.ranks,
+                grp = groups[k] = _Group(geo, demand.pattern, pl.nbytes, pl.itemsize, pl.mesh.ranks,
                                          param.mesh.ranks, fan_out)
             grp.members.append((tensor, demand))
     return Plan(src, dst, list(groups.values()), fan_out)
-

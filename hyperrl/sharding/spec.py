@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .mesh import Mesh
 
@@ -110,7 +111,8 @@ def chunk_bounds(length: int, n: int, i: int) -> tuple[int, int]:
     return min(i * cs, length), min((i + 1) * cs, length)
 
 
-def dim_intervals(length: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+@lru_cache(maxsize=65536)
+def dim_intervals(length: int, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Nested chunking of ``[0, length)`` by axes of ``sizes`` (outer → inner): the interval for
     each mixed-radix dim-coordinate ``k`` (outer axis most significant), in increasing order."""
     out = [(0, length)]
@@ -121,7 +123,7 @@ def dim_intervals(length: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
                 a, b = chunk_bounds(hi - lo, n, i)
                 nxt.append((lo + a, lo + b))
         out = nxt
-    return out
+    return tuple(out)
 
 
 def _dim_coordinate(spec_axes: tuple[str, ...], coords: dict, mesh: Mesh) -> int:
