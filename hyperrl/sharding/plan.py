@@ -53,17 +53,15 @@ class _SrcGrid:
 def _src_grid(pl: Placement) -> _SrcGrid:
     mesh, spec = pl.mesh, pl.spec
     ivs = [dim_intervals(L, tuple(mesh.axis_size(a) for a in axes)) for L, axes in zip(pl.shape, spec.dims)]
-    counts = [len(iv) for iv in ivs]
-    table: dict[int, list[int]] = defaultdict(list)
-    for pos, c in mesh.coords():
-        flat = 0
-        for axes, n in zip(spec.dims, counts):
-            k = 0
-            for a in axes:
-                k = k * mesh.axis_size(a) + c[a]
-            flat = flat * n + k
-        table[flat].append(pos)
-    holders = np.array([table[i] for i in range(len(table))], dtype=np.int64)
+    coords = dict(zip(mesh.names, np.unravel_index(np.arange(mesh.size), mesh.shape)))
+    flat = np.zeros(mesh.size, np.int64)
+    for axes, iv in zip(spec.dims, ivs):
+        k = np.zeros(mesh.size, np.int64)
+        for a in axes:
+            k = k * mesh.axis_size(a) + coords[a]
+        flat = flat * len(iv) + k
+    order = np.argsort(flat, kind="stable")  # every k-tuple has the same number of replicas
+    holders = order.reshape(len(np.unique(flat)), -1)
     return _SrcGrid(tuple(np.array([a for a, _ in iv], dtype=np.int64) for iv in ivs),
                     tuple(np.array([b for _, b in iv], dtype=np.int64) for iv in ivs), holders)
 
