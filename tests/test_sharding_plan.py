@@ -206,3 +206,26 @@ def test_buckets_respect_cap_and_cover(cap):
     verify(Fixed(plan.src, plan.dst, [], True))
     with pytest.raises(ValueError, match="smaller than one element"):
         plan.buckets(2)
+
+
+def test_traffic_matrix_sums_to_wire_bytes():
+    src, dst = _plan_for("qwen3-moe-tiny", dict(fsdp=2, ep=2), dict(tp=2, dp=2, offset=2))
+    for fan_out in (False, True):
+        plan = reshard_plan(src, dst, fan_out=fan_out)
+        senders, receivers, m = plan.traffic()
+        assert int(m.sum()) == plan.stats().wire_bytes
+        brute = {}
+        for t in plan:
+            if not t.local:
+                brute[(t.src_rank, t.dst_rank)] = brute.get((t.src_rank, t.dst_rank), 0) + t.nbytes
+        assert brute == {(a, b): int(m[i, j]) for i, a in enumerate(senders) for j, b in enumerate(receivers)
+                         if m[i, j]}
+
+
+def test_sender_choice_balances_source_replicas():
+    # a norm replicated on all 4 trainer ranks, read in 8 row-shards: each replica sends 1/4 of the bytes
+    src = Layout({"n": Placement((64,), torch.float32, Spec.replicate(1), Mesh.of(tp=4))})
+    dst = plain_destination({"n": ((64,), torch.float32, Spec.shard(1, d0="tp"))}, Mesh.of(tp=8, offset=4))
+    senders, _, m = reshard_plan(src, dst).traffic()
+    per = m.sum(1)
+    assert len(senders) == 4 and per.max() == per.min() == 64 * 4 // 4

@@ -250,6 +250,23 @@ class Plan:
             max(outb.values(), default=0), sum(outb.values()) / max(len(ranks_out), 1), full,
         )
 
+    def traffic(self) -> tuple[list[int], list[int], np.ndarray]:
+        """Bytes on the wire per (sender, receiver): ``(senders, receivers, matrix [S, R])``,
+        local copies excluded; senders include destination replicas that forward."""
+        pairs: dict[tuple[int, int], int] = defaultdict(int)
+        for g in self.groups:
+            remote = ~g.is_local
+            nb = g.geo.numel[remote] * g.itemsize * len(g.members)
+            for (a, b), v in zip(zip(g.sender_rank[remote].tolist(), g.dst_rank[remote].tolist()), nb.tolist()):
+                pairs[(a, b)] += v
+        senders = sorted({a for a, _ in pairs})
+        receivers = sorted({b for _, b in pairs})
+        si, ri = {r: i for i, r in enumerate(senders)}, {r: i for i, r in enumerate(receivers)}
+        m = np.zeros((len(senders), len(receivers)), np.int64)
+        for (a, b), v in pairs.items():
+            m[si[a], ri[b]] = v
+        return senders, receivers, m
+
     def __str__(self) -> str:
         head = (f"Plan: {len(self.src)} source tensors -> {len(self.dst)} destination params, "
                 f"{len(self.groups)} geometry groups, {len(self):,} transfers, fan_out={self.fan_out}")
