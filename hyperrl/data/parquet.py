@@ -1,0 +1,148 @@
+"""Parquet prompt datasets (verl's column conventions) and a resumable, deterministic loader.
+
+Columns (names configurable): ``prompt`` — a string or a chat message list
+(``[{"role": ..., "content": ...}]``); the answer comes from ``reward_model.ground_truth`` when
+present, else ``extra_info`` (a scalar, or a mapping with ``ground_truth`` / ``answer`` /
+``solution``), else an ``answer`` column. Bad rows (missing column, wrong type, empty prompt) raise
+a :class:`DataError` naming the file, row and column — or, with ``bad_rows="skip"``, are skipped
+and counted (``dataset.skipped``); nothing is dropped silently.
+
+:class:`PromptLoader` shuffles deterministically per epoch (``seed + epoch``) and keeps a cursor
+(:class:`CursorState`: epoch, index, samples and tokens consumed) that goes into checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+__all__ = ["Sample", "PromptDataset", "PromptLoader", "CursorState", "DataError", "render_chat"]
+
+
+class DataError(ValueError):
+    """A bad file or row; the message names file, row and column."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt: str | list  # text or chat messages
+    answer: Any
+    source: str  # "file:row"
+    extra: dict
+
+
+def render_chat(messages: list) -> str:
+    """Plain template for chat prompts: ``role: content`` lines (tokenizers without a chat template)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+
+def _answer(row: dict, gt_key: str, extra_key: str, answer_key: str):
+    rm = row.get(gt_key.split(".")[0])
+    if isinstance(rm, dict) and rm.get(gt_key.split(".", 1)[1]) is not None:
+        return rm[gt_key.split(".", 1)[1]]
+    ex = row.get(extra_key)
+    if isinstance(ex, dict):
+        for k in ("ground_truth", "answer", "solution"):
+            if ex.get(k) is not None:
+                return ex[k]
+    elif ex is not None:
+        return ex
+    return row.get(answer_key)
+
+
+class PromptDataset:
+    def __init__(self, samples: list[Sample], skipped: int = 0):
+        self.samples, self.skipped = samples, skipped
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+    @staticmethod
+    def from_parquet(paths, *, prompt_key: str = "prompt", ground_truth_key: str = "reward_model.ground_truth",
+                     extra_key: str = "extra_info", answer_key: str = "answer", bad_rows: str = "error",
+                     require_answer: bool = True) -> PromptDataset:
+        if bad_rows not in ("error", "skip"):
+            raise ValueError(f"bad_rows={bad_rows!r}; choose 'error' or 'skip'")
+        paths = [paths] if isinstance(paths, str | Path) else list(paths)
+        samples, skipped = [], 0
+        for path in paths:
+            path = Path(path)
+            if not path.exists():
+                raise DataError(f"{path}: no such file")
+            table = pq.read_table(path)
+            if prompt_key not in table.column_names:
+                raise DataError(f"{path}: column {prompt_key!r} missing (columns: {table.column_names}); "
+                                f"set prompt_key")
+            for i, row in enumerate(table.to_pylist()):
+                try:
+                    samples.append(_sample(row, f"{path}:{i}", prompt_key, ground_truth_key, extra_key, answer_key,
+                                           require_answer))
+                except DataError:
+                    if bad_rows == "error":
+                        raise
+                    skipped += 1
+        return PromptDataset(samples, skipped)
+
+
+def _sample(row, where, prompt_key, gt_key, extra_key, answer_key, require_answer) -> Sample:
+    p = row.get(prompt_key)
+    if isinstance(p, str):
+        if not p.strip():
+            raise DataError(f"{where}: column {prompt_key!r} is an empty prompt")
+    elif isinstance(p, list):
+        if not p or not all(isinstance(m, dict) and "role" in m and isinstance(m.get("content"), str) for m in p):
+            raise DataError(f"{where}: column {prompt_key!r} must be a non-empty list of {{role, content}} messages")
+    else:
+        raise DataError(f"{where}: column {prompt_key!r} has type {type(p).__name__}; expected str or message list")
+    ans = _answer(row, gt_key, extra_key, answer_key)
+    if require_answer and ans is None:
+        raise DataError(f"{where}: no answer in {gt_key!r}, {extra_key!r} or {answer_key!r}")
+    return Sample(p, ans, where, {k: v for k, v in row.items() if k != prompt_key})
+
+
+@dataclass(frozen=True)
+class CursorState:
+    epoch: int = 0
+    index: int = 0  # position within the epoch's permutation
+    samples: int = 0  # consumed in all
+    tokens: int = 0  # consumed in all (as reported by the caller)
+
+
+class PromptLoader:
+    """Deterministic shuffled batches with a resumable cursor (``state`` / ``PromptLoader(…, state=)``)."""
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 state: CursorState | None = None):
+        if len(dataset) == 0:
+            raise DataError("dataset is empty (every row was skipped or the files have no rows)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: must be ≥ 1")
+        self.dataset, self.batch_size, self.seed, self.shuffle = dataset, batch_size, seed, shuffle
+        self.state = state or CursorState()
+
+    def _order(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        return np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
+
+    def next_batch(self) -> list[Sample]:
+        """The next ``batch_size`` samples, crossing epoch boundaries (each epoch reshuffled)."""
+        out, st = [], self.state
+        while len(out) < self.batch_size:
+            order = self._order(st.epoch)
+            take = min(self.batch_size - len(out), len(order) - st.index)
+            out += [self.dataset[int(i)] for i in order[st.index: st.index + take]]
+            st = replace(st, index=st.index + take, samples=st.samples + take)
+            if st.index == len(order):
+                st = replace(st, epoch=st.epoch + 1, index=0)
+        self.state = st
+        return out
+
+    def add_tokens(self, n: int) -> None:
+        self.state = replace(self.state, tokens=self.state.tokens + int(n))

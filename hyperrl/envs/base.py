@@ -1,0 +1,162 @@
+"""Environments (framework-driven, multi-turn) and agent programs (the user owns the loop).
+
+Token-first: the policy's tokens go into the trajectory exactly as sampled (the environment only
+*reads* their decoded text); observation / tool tokens are encoded once by the tokenizer and
+appended as context with action mask 0 and log-prob 0 — never part of the loss, never
+re-tokenised between turns. Limits: ``max_turns``, ``max_obs_tokens`` (observations are
+truncated), ``max_episode_tokens`` (the episode stops when its budget is spent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+from ..registry import Registry
+from ..rollout.base import SamplingParams
+from ..trajectory import make_trajectory
+
+__all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
+           "Limits", "run_episodes", "stack_episodes"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: str  # text appended as context (mask 0); "" for none
+    reward: float
+    done: bool
+    info: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, sample: Any) -> str:
+        """Start an episode; returns the initial prompt text."""
+
+    def step(self, action: str) -> StepResult:
+        """React to the policy's decoded action text."""
+
+
+ENVIRONMENTS: Registry = Registry("environment")
+register_environment = ENVIRONMENTS.register
+
+
+@runtime_checkable
+class AgentProgram(Protocol):
+    """The user owns the loop: given an engine and a sample, return a one-row trajectory
+    (build it with :class:`EpisodeBuilder`)."""
+
+    def __call__(self, engine, sample: Any) -> TensorDict: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 4
+    max_obs_tokens: int = 64
+    max_episode_tokens: int = 256
+
+
+class EpisodeBuilder:
+    """Accumulate one episode's tokens segment by segment, then emit a trajectory row."""
+
+    def __init__(self, prompt_ids: list[int]):
+        if not prompt_ids:
+            raise ValueError("prompt_ids: an episode starts with at least one prompt token")
+        self.tokens = list(prompt_ids)
+        self.action = [False] * len(prompt_ids)
+        self.logprobs = [0.0] * len(prompt_ids)
+        self.segments: list[tuple[str, int, int]] = [("prompt", 0, len(prompt_ids))]
+
+    def add_action(self, ids: list[int], logprobs: list[float]) -> EpisodeBuilder:
+        if len(ids) != len(logprobs):
+            raise ValueError(f"action: {len(ids)} tokens but {len(logprobs)} log-probs")
+        self._add("action", ids, True, logprobs)
+        return self
+
+    def add_observation(self, ids: list[int]) -> EpisodeBuilder:
+        self._add("observation", ids, False, [0.0] * len(ids))
+        return self
+
+    def _add(self, kind, ids, is_action, lps):
+        start = len(self.tokens)
+        self.tokens += list(ids)
+        self.action += [is_action] * len(ids)
+        self.logprobs += list(lps)
+        self.segments.append((kind, start, len(self.tokens)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def row(self, *, reward: float, group_id: int, version: int) -> dict:
+        return dict(tokens=self.tokens, action=self.action, logprobs=self.logprobs, reward=reward,
+                    group_id=group_id, version=version)
+
+
+def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
+    """Right-pad episode rows into one validated trajectory batch."""
+    B, T = len(rows), max(len(r["tokens"]) for r in rows)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    act = torch.zeros(B, T, dtype=torch.bool)
+    lp = torch.zeros(B, T)
+    for i, r in enumerate(rows):
+        n = len(r["tokens"])
+        tokens[i, :n] = torch.tensor(r["tokens"])
+        attn[i, :n] = True
+        act[i, :n] = torch.tensor(r["action"])
+        lp[i, :n] = torch.tensor(r["logprobs"])
+    return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
+                           policy_version=torch.tensor([r["version"] for r in rows]),
+                           group_id=torch.tensor([r["group_id"] for r in rows]),
+                           reward=torch.tensor([float(r["reward"]) for r in rows]))
+
+
+def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingParams, *, n: int = 1,
+                 limits: Limits = Limits(), group_offset: int = 0) -> tuple[TensorDict, list[EpisodeBuilder]]:
+    """Drive ``n`` multi-turn episodes per sample, batched across active episodes each turn.
+
+    Each turn the engine continues every active episode from its full token context (prompt,
+    earlier actions, observations); the decoded action goes to ``env.step``; its observation is
+    encoded once, truncated to ``max_obs_tokens`` and appended with mask 0. The episode reward is
+    the sum of step rewards. Returns the trajectory batch and the builders (their ``segments``
+    record exactly which tokens came from where).
+    """
+    envs, builders, rewards, groups = [], [], [], []
+    for i, s in enumerate(samples):
+        for _ in range(n):
+            env = make_env()
+            prompt_ids = tokenizer.encode(env.reset(s), bos=True)
+            envs.append(env)
+            builders.append(EpisodeBuilder(prompt_ids))
+            rewards.append(0.0)
+            groups.append(group_offset + i)
+    active = [len(b) < limits.max_episode_tokens for b in builders]
+    version = engine.policy_version
+    for turn in range(limits.max_turns):
+        idx = [i for i, a in enumerate(active) if a]
+        if not idx:
+            break
+        budget = min(limits.max_episode_tokens - len(builders[i]) for i in idx)
+        sp = SamplingParams(max_new_tokens=max(1, min(sampling.max_new_tokens, budget)),
+                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                            eos_id=sampling.eos_id,
+                            seed=None if sampling.seed is None else sampling.seed + turn)
+        out = engine.generate([builders[i].tokens for i in idx], sp, 1)
+        for row, i in enumerate(idx):
+            m = out["action_mask"][row]
+            ids = out["tokens"][row][m].tolist()
+            lps = out["rollout_logprobs"][row][m].tolist()
+            b = builders[i]
+            b.add_action(ids, lps)
+            res = envs[i].step(tokenizer.decode(ids))
+            rewards[i] += float(res.reward)
+            room = limits.max_episode_tokens - len(b)
+            if res.observation and not res.done and room > 0:
+                obs = tokenizer.encode(res.observation)[: min(limits.max_obs_tokens, room)]
+                b.add_observation(obs)
+            active[i] = not res.done and len(b) < limits.max_episode_tokens
+    rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
+    return stack_episodes(rows, getattr(engine, "pad_id", 0)), builders

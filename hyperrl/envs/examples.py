@@ -1,0 +1,65 @@
+"""Example environments: GSM8K with a calculator tool, and Search-R1-style retrieval."""
+
+from __future__ import annotations
+
+import re
+
+from .base import StepResult, register_environment
+from .rewards import gsm8k_exact
+from .tools import BM25Index, ToolRunner, calculator_tool, make_search_tool
+
+__all__ = ["GSM8KCalculatorEnv", "SearchEnv"]
+
+
+@register_environment("gsm8k_calculator")
+class GSM8KCalculatorEnv:
+    """The model may call ``<tool>{"name": "calculator", "arguments": {"expression": ...}}</tool>``;
+    each result comes back as ``<result>…</result>``. The episode ends when the response has no
+    tool call; reward = GSM8K exact match of that final response (``#### n`` or the last number),
+    plus ``invalid_reward`` per failed tool call."""
+
+    def __init__(self, *, invalid_reward: float = 0.0, max_calls_per_turn: int = 2):
+        self.runner = ToolRunner({"calculator": calculator_tool}, max_calls_per_turn=max_calls_per_turn)
+        self.invalid_reward = invalid_reward
+        self.sample = None
+
+    def reset(self, sample) -> str:
+        self.sample = sample
+        q = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
+        return f"{q}\n"
+
+    def step(self, action: str) -> StepResult:
+        results = self.runner.run(action)
+        if not results:
+            return StepResult("", gsm8k_exact(action, self.sample), True)
+        penalty = self.invalid_reward * sum(not r.ok for r in results)
+        obs = "".join(f"<result>{r.text}</result>" for r in results)
+        return StepResult(obs, penalty, False, {"tool_calls": len(results)})
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+@register_environment("search_r1")
+class SearchEnv:
+    """Search-R1 style: ``<tool>{"name": "search", "arguments": {"query": ...}}</tool>`` returns BM25
+    passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward."""
+
+    def __init__(self, index: BM25Index, *, k: int = 2):
+        self.runner = ToolRunner({"search": make_search_tool(index, k=k)}, max_calls_per_turn=1)
+        self.sample = None
+
+    def reset(self, sample) -> str:
+        self.sample = sample
+        q = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
+        return f"{q}\n"
+
+    def step(self, action: str) -> StepResult:
+        m = _ANSWER.search(action)
+        if m:
+            ok = m.group(1).strip().lower() == str(self.sample.answer).strip().lower()
+            return StepResult("", float(ok), True)
+        results = self.runner.run(action)
+        if not results:
+            return StepResult("", 0.0, True)
+        return StepResult("".join(f"<result>{r.text}</result>" for r in results), 0.0, False)

@@ -1,0 +1,214 @@
+"""Tools: a registry with JSON-schema-validated arguments, timeouts and caps.
+
+A model calls a tool by writing ``<tool>{"name": ..., "arguments": {...}}</tool>``. Every failure —
+malformed JSON, unknown tool, schema violation, a raised exception, a timeout, too many calls in a
+turn — becomes a ``ToolResult`` with ``ok=False`` whose text the model sees as an observation
+(plus an optional invalid-action reward); it never crashes the rollout. Calls in one turn run
+concurrently up to ``max_concurrency`` (threads: a tool stuck past its timeout is abandoned, not
+killed — keep tools cooperative).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import jsonschema
+
+from ..registry import Registry
+
+__all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
+           "BM25Index", "make_search_tool", "calculator_tool"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable[..., str]
+    schema: dict  # JSON schema of the arguments object
+    timeout: float = 5.0
+    description: str = ""
+
+
+TOOLS: Registry = Registry("tool")
+
+
+def register_tool(tool: Tool) -> Tool:
+    TOOLS.register(tool.name)(tool)
+    return tool
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    ok: bool
+    text: str
+
+
+_CALL = re.compile(r"<tool>(.*?)</tool>", re.S)
+
+
+def parse_tool_calls(text: str) -> list[str]:
+    """The raw JSON payloads of every ``<tool>…</tool>`` in ``text``."""
+    return _CALL.findall(text)
+
+
+class ToolRunner:
+    def __init__(self, tools: dict[str, Tool] | None = None, *, max_calls_per_turn: int = 4, max_concurrency: int = 4):
+        self.tools = tools if tools is not None else {n: TOOLS.get(n) for n in TOOLS.names()}
+        self.max_calls, self.max_concurrency = max_calls_per_turn, max_concurrency
+
+    def _prepare(self, payload: str):
+        try:
+            call = json.loads(payload)
+        except json.JSONDecodeError as e:
+            return None, ToolResult("?", False, f"error: malformed tool call JSON ({e.msg} at char {e.pos})")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None, ToolResult("?", False, 'error: a tool call needs {"name": str, "arguments": {...}}')
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            return None, ToolResult(call["name"], False, f"error: unknown tool {call['name']!r}; "
+                                                          f"available: {sorted(self.tools)}")
+        args = call.get("arguments", {})
+        try:
+            jsonschema.validate(args, tool.schema)
+        except jsonschema.ValidationError as e:
+            return None, ToolResult(tool.name, False, f"error: invalid arguments for {tool.name}: {e.message}")
+        return (tool, args), None
+
+    def run(self, text: str) -> list[ToolResult]:
+        payloads = parse_tool_calls(text)
+        results: list[ToolResult | None] = [None] * len(payloads)
+        jobs = []
+        for i, payload in enumerate(payloads):
+            if i >= self.max_calls:
+                results[i] = ToolResult("?", False, f"error: more than {self.max_calls} tool calls in one turn")
+                continue
+            prepared, err = self._prepare(payload)
+            if err:
+                results[i] = err
+            else:
+                jobs.append((i, *prepared))
+        if jobs:
+            pool = ThreadPoolExecutor(max_workers=self.max_concurrency)
+            futures = [(i, tool, pool.submit(tool.fn, **args)) for i, tool, args in jobs]
+            for i, tool, fut in futures:
+                try:
+                    results[i] = ToolResult(tool.name, True, str(fut.result(timeout=tool.timeout)))
+                except FutureTimeout:
+                    results[i] = ToolResult(tool.name, False, f"error: {tool.name} timed out after {tool.timeout}s")
+                except Exception as e:  # noqa: BLE001 - a tool error is an observation, not a crash
+                    results[i] = ToolResult(tool.name, False, f"error: {tool.name} failed: {type(e).__name__}: {e}")
+            pool.shutdown(wait=False, cancel_futures=True)
+        return results
+
+
+# ----------------------------------------------------------------------------- calculator
+
+_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UN = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def calculate(expression: str, *, max_len: int = 200, max_exponent: int = 64) -> str:
+    """Evaluate arithmetic safely (an ``ast`` whitelist: numbers, + − × ÷ // % **, parentheses;
+    no names, calls or attributes — never ``eval``). Returns the result as text."""
+    if len(expression) > max_len:
+        raise ValueError(f"expression longer than {max_len} characters")
+    tree = ast.parse(expression, mode="eval")
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(b) > max_exponent:
+                raise ValueError(f"exponent {b} exceeds {max_exponent}")
+            return _BIN[type(node.op)](a, b)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UN:
+            return _UN[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported syntax: {type(node).__name__}")
+
+    value = ev(tree)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result is not finite")
+        if value.is_integer():
+            value = int(value)
+    return str(value)
+
+
+calculator_tool = register_tool(Tool(
+    "calculator", lambda expression: calculate(expression),
+    {"type": "object", "properties": {"expression": {"type": "string", "minLength": 1}},
+     "required": ["expression"], "additionalProperties": False},
+    timeout=2.0, description="evaluate an arithmetic expression"))
+
+
+# ----------------------------------------------------------------------------- BM25 search
+
+_WORD = re.compile(r"\w+")
+
+
+class BM25Index:
+    """Okapi BM25 over a small local corpus (our own ~30 lines: no extra dependency, exact and
+    deterministic; rank_bm25/bm25s would add a package for the same formula).
+    ``score(q, d) = Σ_t idf(t)·f(t,d)(k1+1) / (f(t,d) + k1(1 − b + b·|d|/avgdl))``,
+    ``idf = ln(1 + (N − n_t + 0.5)/(n_t + 0.5))``."""
+
+    def __init__(self, docs: list[dict], *, k1: float = 1.5, b: float = 0.75, text_key: str = "text"):
+        if not docs:
+            raise ValueError("corpus: no documents")
+        self.docs, self.k1, self.b = docs, k1, b
+        self.tf = [Counter(_WORD.findall(str(d[text_key]).lower())) for d in docs]
+        self.len = [sum(c.values()) for c in self.tf]
+        self.avgdl = sum(self.len) / len(self.len)
+        df = Counter(t for c in self.tf for t in c)
+        n = len(docs)
+        self.idf = {t: math.log(1 + (n - k + 0.5) / (k + 0.5)) for t, k in df.items()}
+        self.text_key = text_key
+
+    @staticmethod
+    def from_jsonl(path: str | Path, **kw) -> BM25Index:
+        docs = []
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            if line.strip():
+                try:
+                    docs.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
+        return BM25Index(docs, **kw)
+
+    def search(self, query: str, k: int = 3) -> list[tuple[float, dict]]:
+        q = _WORD.findall(query.lower())
+        scores = []
+        for i, (tf, dl) in enumerate(zip(self.tf, self.len)):
+            s = 0.0
+            for t in q:
+                f = tf.get(t, 0)
+                if f:
+                    s += self.idf[t] * f * (self.k1 + 1) / (f + self.k1 * (1 - self.b + self.b * dl / self.avgdl))
+            scores.append((s, -i))
+        top = sorted(scores, reverse=True)[:k]
+        return [(s, self.docs[-i]) for s, i in top if s > 0]
+
+
+def make_search_tool(index: BM25Index, *, k: int = 3, name: str = "search") -> Tool:
+    def search(query: str) -> str:
+        hits = index.search(query, k)
+        return "\n".join(f"[{j + 1}] {d[index.text_key]}" for j, (_, d) in enumerate(hits)) or "no results"
+
+    return Tool(name, search, {"type": "object", "properties": {"query": {"type": "string", "minLength": 1}},
+                               "required": ["query"], "additionalProperties": False}, timeout=5.0,
+                description="BM25 search over the local corpus")

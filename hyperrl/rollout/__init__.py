@@ -1,0 +1,7 @@
+"""Rollout engines producing token-first trajectory batches (one protocol; see :mod:`.base`)."""
+
+from .base import RolloutEngine, SamplingParams, WeightPublishError, stage_weights
+from .hf import TransformersEngine, filter_logits, tiny_qwen3
+
+__all__ = ["RolloutEngine", "SamplingParams", "WeightPublishError", "stage_weights", "TransformersEngine",
+           "filter_logits", "tiny_qwen3"]

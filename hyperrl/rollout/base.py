@@ -1,0 +1,91 @@
+"""The rollout-engine protocol shared by every engine (transformers on CPU, vLLM).
+
+``generate(prompts, sampling, n)`` takes prompts as **token-id lists** (token-first: the ids the
+engine samples from are the ids the trainer trains on) and returns a validated trajectory batch:
+prompt + response ids right-padded, fp32 log-probs of the sampled tokens, the action mask (the
+generated tokens, including the EOS the policy sampled), the serving ``policy_version`` and group
+ids (the ``n`` samples of prompt ``i`` share ``group_offset + i``).
+
+``load_weights(weights, version)`` is one versioned transaction: every tensor is received and
+checked (names, shapes, dtypes, finite values, complete set) before any is applied, so a failure
+mid-publication leaves version ``V`` serving, never a mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["SamplingParams", "RolloutEngine", "WeightPublishError", "stage_weights"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature`` > 0; ``top_k`` 0 = off; ``top_p`` 1 = off; generation stops at ``eos_id``
+    or after ``max_new_tokens``. ``seed`` makes sampling reproducible."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_id: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature}: must be > 0 (RL needs the sampled distribution)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be ≥ 0 (0 disables it)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be ≥ 1")
+
+
+class WeightPublishError(RuntimeError):
+    """A publication was refused or failed; the engine still serves the previous version."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    @property
+    def policy_version(self) -> int: ...
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
+                 group_offset: int = 0) -> TensorDict: ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     version: int) -> None: ...
+
+
+def stage_weights(weights, expected: Mapping[str, torch.Tensor], version: int, current: int, *,
+                  partial: bool = False) -> dict[str, torch.Tensor]:
+    """Receive and check a whole publication before anything is applied (see module doc)."""
+    if version <= current:
+        raise WeightPublishError(f"version {version}: must be greater than the serving version {current}")
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    staged: dict[str, torch.Tensor] = {}
+    try:
+        for name, t in items:
+            staged[name] = t
+    except Exception as e:  # noqa: BLE001 - the publisher failed mid-way: nothing is applied
+        raise WeightPublishError(f"publication of version {version} failed after {len(staged)} tensors: {e!r}; "
+                                 f"still serving version {current}") from e
+    unknown = sorted(set(staged) - set(expected))
+    if unknown:
+        raise WeightPublishError(f"unknown parameters {unknown[:5]} (still serving version {current})")
+    missing = sorted(set(expected) - set(staged))
+    if missing and not partial:
+        raise WeightPublishError(f"incomplete publication: missing {missing[:5]}{' …' if len(missing) > 5 else ''} "
+                                 f"({len(missing)} in all); still serving version {current}")
+    for name, t in staged.items():
+        want = expected[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise WeightPublishError(f"{name}: shape {list(t.shape)}, engine has {list(want.shape)}")
+        if not torch.isfinite(t).all():
+            raise WeightPublishError(f"{name}: contains NaN/inf; refusing version {version}")
+    return staged

@@ -1,0 +1,143 @@
+"""The transformers rollout engine (the CPU default): batched sampling with a KV cache.
+
+Log-prob choice (documented, tested): the returned ``rollout_logprobs`` are the log-probs of the
+distribution the token was *actually sampled from* — logits / temperature, then top-k and top-p
+truncation, renormalised. Peers got this wrong (vLLM log-probs before temperature, TRL #4159;
+top-p renormalisation, TRL #6789). With ``top_k=0, top_p=1`` they equal the trainer's
+``token_logprobs(logits, tokens, temperature)``; with truncation the trainer's (untruncated)
+log-probs differ by the truncated mass, which the mismatch correction sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from tensordict import TensorDict
+
+from ..trajectory import make_trajectory
+from .base import SamplingParams, stage_weights
+
+__all__ = ["TransformersEngine", "filter_logits", "tiny_qwen3"]
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """fp32 ``logits / temperature`` with tokens outside top-k / the top-p nucleus set to −inf. ``[B, V]``."""
+    z = logits.float() / temperature
+    if top_k and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, idx = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, -1)
+        # drop a token when the mass strictly before it already reaches top_p (the top token stays)
+        drop = (torch.cumsum(probs, -1) - probs) >= top_p
+        z = z.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
+    return z
+
+
+def tiny_qwen3(vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
+               head_dim: int = 32, intermediate: int = 128, seed: int = 0, dtype=torch.float32):
+    """A randomly initialised Qwen3-architecture causal LM from a config (no hub access)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      intermediate_size=intermediate, max_position_embeddings=512, tie_word_embeddings=True,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).to(dtype)
+    model.eval()
+    return model
+
+
+class TransformersEngine:
+    """Serve a ``transformers`` causal LM; ``generate`` returns trajectory batches."""
+
+    def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0):
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.pad_id = pad_id
+        self._version = version
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+                     *, partial: bool = False) -> None:
+        """Apply a complete, checked publication atomically, then serve ``version``."""
+        current = self.model.state_dict()
+        staged = stage_weights(weights, current, version, self._version, partial=partial)
+        with torch.no_grad():
+            for name, t in staged.items():
+                current[name].copy_(t.to(current[name].dtype))
+        self._version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
+                 group_offset: int = 0) -> TensorDict:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one prompt, each with at least one token")
+        if n < 1:
+            raise ValueError(f"n={n}: must be ≥ 1")
+        rows = [list(p) for p in prompts for _ in range(n)]
+        groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
+        B, P, dev = len(rows), max(len(p) for p in rows), self.device
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(rows):  # left-pad for batched decoding
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        ids, attn = ids.to(dev), attn.to(dev)
+        gen = torch.Generator(device=dev)
+        if sampling.seed is not None:
+            gen.manual_seed(sampling.seed)
+        else:
+            gen.seed()
+        out_tok = torch.full((B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(B, sampling.max_new_tokens, dtype=torch.float32, device=dev)
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        past, step_ids = None, ids
+        for t in range(sampling.max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
+                             use_cache=True)
+            past = out.past_key_values
+            z = filter_logits(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+            logp = torch.log_softmax(z, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            tok = torch.where(alive, tok, self.pad_id)
+            out_tok[:, t] = tok
+            out_lp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0)
+            lengths += alive.long()
+            if sampling.eos_id is not None:
+                alive = alive & (tok != sampling.eos_id)
+            if not alive.any():
+                break
+            step_ids = tok[:, None]
+            attn = torch.cat([attn, alive.long()[:, None] | 1], 1)  # finished rows keep attending (outputs unused)
+            pos = pos[:, -1:] + 1
+        return self._trajectory(rows, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups)
+
+    def _trajectory(self, rows, out_tok, out_lp, lengths, groups) -> TensorDict:
+        B = len(rows)
+        T = max(len(p) + int(n) for p, n in zip(rows, lengths))
+        tokens = torch.full((B, T), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(B, T, dtype=torch.bool)
+        act = torch.zeros(B, T, dtype=torch.bool)
+        lp = torch.zeros(B, T, dtype=torch.float32)
+        for i, (p, n) in enumerate(zip(rows, lengths.tolist())):
+            L = len(p)
+            tokens[i, :L] = torch.tensor(p)
+            tokens[i, L:L + n] = out_tok[i, :n]
+            attn[i, :L + n] = True
+            act[i, L:L + n] = True
+            lp[i, L:L + n] = out_lp[i, :n]
+        return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
+                               policy_version=torch.full((B,), self._version, dtype=torch.long), group_id=groups,
+                               reward=torch.zeros(B))

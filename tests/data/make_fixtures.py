@@ -1,0 +1,38 @@
+"""Regenerate the tiny fixtures shipped with the tests (no downloads):
+gsm8k_tiny.parquet (verl's column layout) and corpus.jsonl (for BM25 search)."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+HERE = Path(__file__).parent
+
+ROWS = [
+    ("Tom has 3 apples and buys 4 more. How many apples does he have?", "3 + 4 = 7\n#### 7"),
+    ("A box holds 12 pens. How many pens are in 5 boxes?", "12 * 5 = 60\n#### 60"),
+    ("Sara had $1,250 and spent $250. How much is left?", "1250 - 250 = 1000\n#### 1,000"),
+    ("There are 9 birds; 4 fly away. How many remain?", "9 - 4 = 5\n#### 5"),
+]
+
+
+def main():
+    table = pa.table({
+        "data_source": ["gsm8k"] * len(ROWS),
+        "prompt": [[{"role": "user", "content": q}] for q, _ in ROWS],
+        "reward_model": [{"style": "rule", "ground_truth": a.split("####")[1].strip()} for _, a in ROWS],
+        "extra_info": [{"index": i, "answer": a} for i, (_, a) in enumerate(ROWS)],
+    })
+    pq.write_table(table, HERE / "gsm8k_tiny.parquet")
+    docs = [
+        {"id": 0, "text": "Paris is the capital and largest city of France."},
+        {"id": 1, "text": "Berlin is the capital of Germany."},
+        {"id": 2, "text": "The Nile is a major north-flowing river in Africa."},
+        {"id": 3, "text": "Mount Everest is Earth's highest mountain above sea level."},
+    ]
+    (HERE / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+
+
+if __name__ == "__main__":
+    main()

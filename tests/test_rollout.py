@@ -1,0 +1,110 @@
+import pytest
+import torch
+
+from hyperrl.rollout import SamplingParams, TransformersEngine, WeightPublishError, filter_logits, tiny_qwen3
+from hyperrl.tokenizer import CharTokenizer
+from hyperrl.trajectory import validate
+from hyperrl.transforms import sequence_logprobs
+
+TOK = CharTokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=0))
+
+
+def _fresh_logprobs(model, batch, temperature):
+    with torch.no_grad():
+        logits = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).logits
+    return sequence_logprobs(logits, batch["tokens"], temperature)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_logprobs_match_fresh_forward(engine, temperature):
+    prompts = [TOK.encode("1+2=", bos=True), TOK.encode("13+24=", bos=True), TOK.encode("7", bos=True)]
+    sp = SamplingParams(max_new_tokens=12, temperature=temperature, eos_id=TOK.eos_id, seed=3)
+    b = engine.generate(prompts, sp, n=4, group_offset=10)
+    validate(b, single_version=True)
+    assert b["group_id"].tolist() == [g for g in (10, 11, 12) for _ in range(4)]
+    # prompts are reproduced verbatim at the start of each row (token-first, right-padded)
+    for i, p in enumerate(prompts):
+        for j in range(4):
+            assert b["tokens"][4 * i + j, : len(p)].tolist() == p
+    d = (_fresh_logprobs(engine.model, b, temperature) - b["rollout_logprobs"])[b["action_mask"]].abs().max()
+    assert float(d) < 1e-5
+
+
+def test_eos_is_an_action_and_stops(engine):
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0, eos_id=TOK.eos_id, seed=0)
+    b = engine.generate([TOK.encode("5", bos=True)] * 16, sp)
+    for row in range(16):
+        acts = b["tokens"][row][b["action_mask"][row]].tolist()
+        if TOK.eos_id in acts:
+            assert acts.index(TOK.eos_id) == len(acts) - 1  # EOS included once, nothing after
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    sp = SamplingParams(max_new_tokens=6, seed=5, eos_id=TOK.eos_id)
+    a = engine.generate([TOK.encode("9", bos=True)], sp, n=3)
+    b = engine.generate([TOK.encode("9", bos=True)], sp, n=3)
+    assert torch.equal(a["tokens"], b["tokens"])
+
+
+def test_top_k_top_p_logprobs_are_of_the_sampled_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    z = filter_logits(logits, 1.0, top_k=2, top_p=1.0)
+    p = torch.softmax(z, -1)
+    assert p[0, 2] == 0 and p[0, 3] == 0 and abs(float(p.sum()) - 1) < 1e-6
+    # top-p 0.7: probs ≈ [.61, .22, .14, .03] -> keep the first two (mass before #2 is .61 < .7)
+    z = filter_logits(logits, 1.0, top_k=0, top_p=0.7)
+    assert torch.isinf(z[0, 2:]).all() and torch.isfinite(z[0, :2]).all()
+    eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=1))
+    b = eng.generate([TOK.encode("1", bos=True)] * 8, SamplingParams(max_new_tokens=8, top_k=5, top_p=0.9, seed=0))
+    # returned log-probs are renormalised over the kept set, so ≥ the untruncated ones
+    fresh = _fresh_logprobs(eng.model, b, 1.0)
+    m = b["action_mask"]
+    assert (b["rollout_logprobs"][m] >= fresh[m] - 1e-6).all()
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_load_weights_transaction_and_fault_mid_publication():
+    eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=2))
+    v0 = eng.state_dict()
+    new = {k: v + 0.01 for k, v in v0.items()}
+
+    def failing():
+        for i, (k, v) in enumerate(new.items()):
+            if i == 3:
+                raise ConnectionError("trainer died")
+            yield k, v
+
+    with pytest.raises(WeightPublishError, match="failed after 3 tensors.*still serving version 0"):
+        eng.load_weights(failing(), version=1)
+    assert eng.policy_version == 0
+    assert all(torch.equal(eng.model.state_dict()[k], v) for k, v in v0.items())  # no mixed weights
+    with pytest.raises(WeightPublishError, match="incomplete publication"):
+        eng.load_weights(dict(list(new.items())[:2]), version=1)
+    bad = dict(new)
+    first = next(iter(bad))
+    bad[first] = bad[first].clone().fill_(float("nan"))
+    with pytest.raises(WeightPublishError, match="NaN"):
+        eng.load_weights(bad, version=1)
+    with pytest.raises(WeightPublishError, match="unknown parameters"):
+        eng.load_weights({**new, "extra.weight": torch.zeros(1)}, version=1)
+    eng.load_weights(new, version=1)
+    assert eng.policy_version == 1
+    assert all(torch.equal(eng.model.state_dict()[k], v) for k, v in new.items())
+    with pytest.raises(WeightPublishError, match="greater than the serving version 1"):
+        eng.load_weights(new, version=1)
+    # after publishing V+1, sampled-token log-probs match a forward pass of V+1's weights
+    b = eng.generate([TOK.encode("2+2=", bos=True)], SamplingParams(max_new_tokens=8, seed=1), n=4)
+    assert b["policy_version"].tolist() == [1] * 4
+    d = (_fresh_logprobs(eng.model, b, 1.0) - b["rollout_logprobs"])[b["action_mask"]].abs().max()
+    assert float(d) < 1e-5
