@@ -37,7 +37,9 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def append_results(title: str, body: str) -> None:
-    cmd = "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    exe = os.path.relpath(sys.executable)
+    exe = exe if exe.startswith(".venv") else "python"
+    cmd = exe + " " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     env = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
            f"threads {torch.get_num_threads()}, {datetime.date.today()}")
     text = f"\n## {title}\n\n`{cmd}` — {env}\n\n{body}\n"

