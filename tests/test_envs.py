@@ -139,3 +139,35 @@ def test_example_envs_reward_paths():
     r = s.step('<tool>{"name": "search", "arguments": {"query": "capital France"}}</tool>')
     assert "Paris" in r.observation and not r.done
     assert s.step("<answer>Paris</answer>").reward == 1.0
+
+
+def test_agent_program_user_owned_loop():
+    from hyperrl.envs import AgentProgram
+
+    eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=6))
+
+    def program(engine, sample):  # the user owns the loop: two turns with a fixed observation
+        b = EpisodeBuilder(TOK.encode(sample.prompt, bos=True))
+        for _ in range(2):
+            out = engine.generate([b.tokens], SamplingParams(max_new_tokens=4, seed=0))
+            m = out["action_mask"][0]
+            b.add_action(out["tokens"][0][m].tolist(), out["rollout_logprobs"][0][m].tolist())
+            b.add_observation(TOK.encode("ok"))
+        return b.row(reward=0.5, group_id=0, version=engine.policy_version)
+
+    assert isinstance(program, AgentProgram)
+    batch = stack_episodes([program(eng, Sample("3+3=", "6", "x:0", {}))])
+    assert int(batch["action_mask"].sum()) == 8 and batch["reward"].tolist() == [0.5]
+
+
+def test_device_choice():
+    from hyperrl.device import collective_backend, pick_device
+
+    assert pick_device("cpu").type == "cpu"
+    assert pick_device("auto").type in ("cpu", "cuda", "npu")
+    assert collective_backend(pick_device("cpu")) == "gloo"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda.*use 'cpu' or 'auto'"):
+            pick_device("cuda")
+    with pytest.raises(RuntimeError, match="npu"):
+        pick_device("npu")
