@@ -1,4 +1,4 @@
-"""``hyperrl`` command line: ``hyperrl demo`` and ``hyperrl plan`` (``train`` arrives with the trainer)."""
+"""``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl plan``, ``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,18 @@ def main(argv: list[str] | None = None) -> int:
     from .sharding import cli as plan_cli
 
     plan_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    tr = sub.add_parser("train", help="train with RL (no arguments: the embedded CPU default that learns)")
+    tr.add_argument("--config", help="YAML config; dotted overrides follow, e.g. --algo.objective=gspo")
+    tr.add_argument("--no-resume", action="store_true", help="start fresh even if out_dir has checkpoints")
+    args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return plan_cli.run(args)
+    if args.command == "train":
+        return _train(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "demo"):
         from .demo import main as demo
 
@@ -23,6 +32,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _train(args, overrides: list[str]) -> int:
+    from .config import ConfigError, load_config
+    from .train import train
+
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    summary = train(cfg, resume=not args.no_resume)
+    print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out reward "
+          f"{summary['final_eval_reward']}, outputs in {summary['out_dir']}/ (metrics.jsonl, reward_curve.png, "
+          f"checkpoints/)")
+    return 0
 
 
 if __name__ == "__main__":

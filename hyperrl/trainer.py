@@ -1,0 +1,287 @@
+"""The thin SyncTrainer: rollout → reward → transforms → update → publish → eval → checkpoint.
+
+It holds the only mutable state (policy, optimizer, step, version); the math comes from
+``hyperrl.transforms`` (by registry name, or a user-supplied chained transform); weights reach the
+engine through a ``hyperrl.sharding`` plan (an identity layout in one process). Users observe
+through hooks ``hook(event, trainer, metrics)``; events: ``"step"``, ``"eval"``, ``"checkpoint"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from . import transforms as T
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .rollout.base import SamplingParams
+from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
+
+__all__ = ["SyncTrainer", "GateError", "default_transform", "shifted_logprobs_and_entropy"]
+
+
+class GateError(RuntimeError):
+    """The bit-exact gate refused an update: trainer and rollout log-probs disagree."""
+
+
+def shifted_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
+    """Token-aligned log-probs and entropies ``[B, T]`` of ``batch["tokens"]`` under ``model``."""
+    logits = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).logits
+    lp, ent = T.logprobs_and_entropy(logits[:, :-1], batch["tokens"][:, 1:], temperature)
+    pad = torch.nn.functional.pad
+    return pad(lp, (1, 0)), pad(ent, (1, 0))
+
+
+def default_transform(algo) -> callable:
+    """The configured advantage pipeline as one chained transform (batch → batch)."""
+    if algo.estimator == "gae":
+        raise ValueError("algo.estimator=gae needs a critic, which SyncTrainer does not train yet; use an "
+                         "outcome estimator (grpo, rloo, dr_grpo, ...) or pass your own transform")
+    kw = {"eps": algo.eps} if algo.estimator in ("grpo", "batch_std", "grpo_passk") else {}
+    return T.chain(T.bind(T.compute_advantages, estimator=algo.estimator, **kw))
+
+
+class _Timer:
+    def __init__(self):
+        self.t: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name):
+        t0 = time.perf_counter()
+        yield
+        self.t[f"time_{name}_s"] = self.t.get(f"time_{name}_s", 0.0) + time.perf_counter() - t0
+
+
+class SyncTrainer:
+    def __init__(self, cfg: TrainConfig, *, policy, engine, tokenizer, task, transform=None, hooks=(),
+                 reference=None):
+        self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
+        T.ADVANTAGES.get(cfg.algo.estimator)
+        T.OBJECTIVES.get(cfg.algo.objective)
+        T.AGGREGATIONS.get(cfg.algo.agg)
+        if cfg.algo.kl_coef > 0 and reference is None:
+            raise ValueError("algo.kl_coef > 0 needs a reference model (pass reference=...)")
+        self.reference = reference
+        self.transform = transform or default_transform(cfg.algo)
+        self.hooks = list(hooks)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.step_idx, self.version = 0, engine.policy_version
+        self.samples_seen = self.tokens_seen = 0
+        self.out = Path(cfg.run.out_dir)
+        self._plan = self._identity_plan()
+
+    # ------------------------------------------------------------------ the step, top to bottom
+    def step(self) -> dict:
+        cfg, timer = self.cfg, _Timer()
+        samples = self.task.sample(cfg.rollout.prompts_per_step, self.step_idx)
+        with timer("generate"):
+            batch = self._generate(samples)
+        with timer("reward"):
+            batch = self._rewards(batch, samples)
+        batch = self.transform(batch)
+        with timer("logprob"):
+            batch, gate = self._old_logprobs(batch)
+        with timer("update"):
+            losses = self._update(batch)
+        with timer("publish"):
+            self.publish()
+        self.step_idx += 1
+        self.samples_seen += batch.batch_size[0]
+        self.tokens_seen += int(batch["attention_mask"].sum())
+        metrics = {"step": self.step_idx, "policy_version": self.version, **self._batch_metrics(batch), **gate,
+                   **losses, **timer.t}
+        metrics["tokens_per_s"] = int(batch["attention_mask"].sum()) / max(sum(timer.t.values()), 1e-9)
+        self._emit("step", metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ pieces
+    def _sampling(self, step: int, seed_offset: int = 0) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                              top_k=r.top_k, eos_id=self.tok.eos_id, seed=self.cfg.run.seed * 7919 + step + seed_offset)
+
+    def _generate(self, samples) -> TensorDict:
+        cfg = self.cfg
+        if cfg.task.environment:  # multi-turn: the environment scores the episode
+            from .envs import ENVIRONMENTS, Limits, run_episodes
+
+            make_env = ENVIRONMENTS.get(cfg.task.environment)
+            batch, _ = run_episodes(self.engine, make_env, samples, self.tok, self._sampling(self.step_idx),
+                                    n=cfg.rollout.n, limits=Limits(max_turns=cfg.task.max_turns))
+            return batch
+        return self.engine.generate([self.task.encode(s) for s in samples], self._sampling(self.step_idx),
+                                    cfg.rollout.n)
+
+    def _rewards(self, batch: TensorDict, samples) -> TensorDict:
+        n = self.cfg.rollout.n
+        if self.cfg.task.environment:
+            r = batch["reward"]
+        else:
+            rewards = []
+            for row in range(batch.batch_size[0]):
+                ids = batch["tokens"][row][batch["action_mask"][row]].tolist()
+                rewards.append(self.task.reward(self.tok.decode(ids), samples[row // n]))
+            r = torch.tensor(rewards, dtype=torch.float32)
+        if self.cfg.algo.overlong_buffer:
+            r = r + T.overlong_penalty(batch["action_mask"].sum(-1), max_len=self.cfg.rollout.max_new_tokens,
+                                       buffer=self.cfg.algo.overlong_buffer)
+        out = batch.copy().set("reward", r)
+        if self.cfg.algo.dynamic_sampling:
+            out, _ = T.dynamic_sampling_filter(out)
+        return out
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: TensorDict):
+        if batch.batch_size[0] == 0:
+            return batch, {}
+        lp, _ = shifted_logprobs_and_entropy(self.policy, batch, self.cfg.rollout.temperature)
+        mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
+        thr = self.cfg.algo.gate_threshold
+        if thr is not None and float(mm["mismatch_max_abs"]) > thr:
+            raise GateError(f"step {self.step_idx}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
+                            f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
+                            f"refused, still serving version {self.version}")
+        out = batch.copy().set("old_logprobs", lp)
+        if self.reference is not None:
+            out.set("ref_logprobs", shifted_logprobs_and_entropy(self.reference, batch,
+                                                                 self.cfg.rollout.temperature)[0])
+        return out, {k: float(v) for k, v in mm.items()}
+
+    def _update(self, batch: TensorDict) -> dict:
+        a, o = self.cfg.algo, self.optim_cfg
+        B = batch.batch_size[0]
+        if B == 0:
+            return {}
+        totals: dict[str, float] = {}
+        order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.run.seed + self.step_idx))
+        for _ in range(a.ppo_epochs):
+            for mb in order.chunk(o.mini_batches):
+                mini = batch[mb]
+                norm = T.Normalizer.from_mask(mini["action_mask"], length_const=self.cfg.rollout.max_new_tokens)
+                lengths = mini["attention_mask"].sum(-1)
+                budget = o.micro_batch_tokens or int(lengths.sum())
+                for micro in T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max()))):
+                    part = mini[torch.tensor(micro)]
+                    lp, ent = shifted_logprobs_and_entropy(self.policy, part, self.cfg.rollout.temperature)
+                    out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
+                                        entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                        **self._objective_kwargs())
+                    out.loss.backward()
+                    w = len(micro) / B / a.ppo_epochs
+                    for k, v in out.scalars().items():
+                        totals[k] = totals.get(k, 0.0) + v * w
+                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip)
+                totals["grad_norm"] = max(totals.get("grad_norm", 0.0), float(gn))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        return totals
+
+    @property
+    def optim_cfg(self):
+        return self.cfg.optim
+
+    def _objective_kwargs(self) -> dict:
+        a = self.cfg.algo
+        if a.objective in ("ppo_clip", "gspo", "clip_cov"):
+            return {"clip_low": a.clip_low, "clip_high": a.clip_high}
+        if a.objective == "cispo":
+            return {"clip_low": a.clip_low, "clip_high": a.clip_high}
+        return {}
+
+    def _identity_plan(self):
+        mesh = Mesh.of(fsdp=1)
+        sd = self.policy.state_dict()
+        src = Layout({k: Placement(tuple(v.shape), v.dtype, Spec.replicate(v.dim()), mesh) for k, v in sd.items()})
+        dst = plain_destination({k: (tuple(v.shape), v.dtype, Spec.replicate(v.dim())) for k, v in sd.items()},
+                                Mesh.of(tp=1))
+        return reshard_plan(src, dst)
+
+    def _through_plan(self) -> dict[str, torch.Tensor]:
+        sd = self.policy.state_dict()
+        out = {k: torch.empty_like(v) for k, v in sd.items()}
+        for t in self._plan:
+            out[t.param][t.dst_slice.slices()].copy_(sd[t.tensor][t.src_slice.slices()])
+        return out
+
+    def publish(self) -> None:
+        """Publish the policy as version V+1 through the (identity) reshard plan; all-or-nothing.
+        A refused publication raises :class:`WeightPublishError`: the engine still serves V and the
+        run fails closed."""
+        self.engine.load_weights(self._through_plan(), version=self.version + 1)
+        self.version += 1
+
+    def _batch_metrics(self, batch: TensorDict) -> dict:
+        if batch.batch_size[0] == 0:
+            return {"reward_mean": float("nan")}
+        r, m = batch["reward"], batch["action_mask"]
+        g = T.group_stats(r, batch["group_id"])
+        adv = batch["advantages"][m] if "advantages" in batch.keys() else torch.zeros(1)
+        return {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+                "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
+                "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
+                "response_len_mean": float(m.sum(-1).float().mean())}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        samples = self.task.held_out(self.cfg.run.eval_prompts)
+        batch = self.engine.generate([self.task.encode(s) for s in samples], self._sampling(0, seed_offset=10**6), 1)
+        rewards = [self.task.reward(self.tok.decode(batch["tokens"][i][batch["action_mask"][i]].tolist()), s)
+                   for i, s in enumerate(samples)]
+        metrics = {"step": self.step_idx, "eval_reward_mean": sum(rewards) / len(rewards)}
+        self._emit("eval", metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint / resume
+    def save(self, *, _crash_after: str | None = None) -> Path:
+        state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
+                 "tokens_seen": self.tokens_seen, "world_size": 1, "task": self.task.state(),
+                 "config": self.cfg.to_dict()}
+        path = save_checkpoint(self.out / "checkpoints", self.step_idx, model=self.policy.state_dict(),
+                               optim=self.optimizer.state_dict(), state=state,
+                               rng={"torch": torch.get_rng_state()}, _crash_after=_crash_after)
+        self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
+        return path
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Load the given (or latest complete) checkpoint and refit the engine before generating."""
+        path = Path(path) if path else latest_checkpoint(self.out / "checkpoints")
+        if path is None:
+            return False
+        ck = load_checkpoint(path, world_size=1)
+        self.policy.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optim"])
+        torch.set_rng_state(ck["rng"]["torch"])
+        st = ck["state"]
+        self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
+        self.task.load_state(st.get("task", {}))
+        target = st["version"]
+        if self.engine.policy_version >= target:  # versions only grow: republish as the next one
+            target = self.engine.policy_version + 1
+        self.engine.load_weights(self._through_plan(), version=target)  # refit before the first generation
+        self.version = target
+        return True
+
+    def _emit(self, event: str, metrics: dict) -> None:
+        for h in self.hooks:
+            h(event, self, metrics)
+
+
+def write_jsonl(path: Path):
+    """A hook appending every step/eval record to ``path`` as JSON lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def hook(event, trainer, metrics):
+        if event in ("step", "eval"):
+            with path.open("a") as f:
+                f.write(json.dumps({"event": event, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                                       for k, v in metrics.items()}}) + "\n")
+
+    return hook
+

@@ -1,0 +1,172 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyperrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from hyperrl.config import ConfigError, load_config
+from hyperrl.rollout import WeightPublishError
+from hyperrl.train import build_trainer, train
+from hyperrl.trainer import GateError
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--rollout.prompts_per_step=16",
+                              "--rollout.n=4", "--rollout.max_new_tokens=1", "--model.hidden=64",
+                              "--model.intermediate=128", "--run.eval_prompts=64", *extra])
+
+
+def test_default_task_learns_short_ci_config(tmp_path):
+    # 4 contexts (operands 0..1): a clear rise from ≈ random (~0.01) within 80 steps, fixed seed
+    cfg = _cfg(tmp_path, "--task.max_operand=1", "--run.steps=80", "--run.eval_every=40",
+               "--rollout.prompts_per_step=32", "--rollout.n=8", "--optim.lr=3e-3")
+    summary = train(cfg, progress=False)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"eval"' in line]
+    assert evals[0]["eval_reward_mean"] < 0.15
+    assert summary["final_eval_reward"] > 0.8, evals
+    assert (tmp_path / "reward_curve.png").stat().st_size > 1000
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if '"event": "step"' in line]
+    for key in ("reward_mean", "reward_std", "zero_variance_group_frac", "adv_mean", "loss_policy", "clipped_frac",
+                "entropy", "approx_kl", "grad_norm", "tokens_per_s", "time_generate_s", "time_update_s",
+                "time_publish_s", "policy_version", "mismatch_max_abs", "mismatch_k3"):
+        assert key in steps[-1], key
+    assert steps[-1]["policy_version"] == 80 and steps[-1]["mismatch_max_abs"] < 1e-5
+
+
+def _run_steps(cfg, n, resume=False):
+    tr = build_trainer(cfg)
+    if resume:
+        assert tr.resume()
+    out = []
+    while tr.step_idx < n:
+        out.append(tr.step())
+        if tr.step_idx % 3 == 0:
+            tr.save()
+    return tr, out
+
+
+def _same_metrics(a, b):
+    skip = ("time_", "tokens_per_s")
+    return [{k: v for k, v in m.items() if not k.startswith(skip)} for m in a] == \
+        [{k: v for k, v in m.items() if not k.startswith(skip)} for m in b]
+
+
+def test_resume_is_bit_identical(tmp_path):
+    full, m_full = _run_steps(_cfg(tmp_path / "a"), 6)
+    _, m_first = _run_steps(_cfg(tmp_path / "b"), 3)
+    resumed, m_rest = _run_steps(_cfg(tmp_path / "b"), 6, resume=True)
+    assert resumed.engine.policy_version == 6
+    assert _same_metrics(m_full[3:], m_rest)
+    for k, v in full.policy.state_dict().items():
+        assert torch.equal(v, resumed.policy.state_dict()[k]), k
+
+
+_CRASH = """
+import sys
+from hyperrl.config import load_config
+from hyperrl.train import build_trainer
+cfg = load_config(None, sys.argv[1:])
+tr = build_trainer(cfg)
+tr.resume()
+while tr.step_idx < 6:
+    tr.step()
+    if tr.step_idx == 3:
+        tr.save()
+tr.save(_crash_after="model")   # killed mid-write: no marker, never renamed
+"""
+
+
+def test_kill_during_checkpoint_write_then_resume(tmp_path):
+    cfg_args = [f"--run.out_dir={tmp_path / 'k'}", "--run.threads=1", "--rollout.prompts_per_step=16", "--rollout.n=4",
+                "--rollout.max_new_tokens=1", "--model.hidden=64", "--model.intermediate=128"]
+    proc = subprocess.run([sys.executable, "-c", _CRASH, *cfg_args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    ck = tmp_path / "k" / "checkpoints"
+    assert (ck / "step_6.tmp").exists() and not (ck / "step_6").exists()
+    assert latest_checkpoint(ck).name == "step_3"
+    with pytest.raises(CheckpointError, match="no COMPLETE marker"):
+        load_checkpoint(ck / "step_6.tmp")
+    resumed, _ = _run_steps(load_config(None, cfg_args), 6, resume=True)
+    full, _ = _run_steps(_cfg(tmp_path / "u"), 6)
+    for k, v in full.policy.state_dict().items():
+        assert torch.equal(v, resumed.policy.state_dict()[k]), k
+
+
+def test_resume_refuses_other_world_size(tmp_path):
+    tr, _ = _run_steps(_cfg(tmp_path), 3)
+    state = tmp_path / "checkpoints" / "step_3" / "state.json"
+    data = json.loads(state.read_text())
+    data["world_size"] = 2
+    state.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="world size 2, resuming with 1"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_3")
+
+
+def test_publication_failure_leaves_v_serving_and_fails_closed(tmp_path):
+    tr = build_trainer(_cfg(tmp_path))
+    tr.step()
+    served = {k: v.clone() for k, v in tr.engine.model.state_dict().items()}
+    with torch.no_grad():
+        next(tr.policy.parameters()).fill_(float("nan"))
+    with pytest.raises(WeightPublishError, match="NaN"):
+        tr.publish()
+    assert tr.engine.policy_version == 1 and tr.version == 1
+    assert all(torch.equal(v, tr.engine.model.state_dict()[k]) for k, v in served.items())
+
+
+def test_bit_exact_gate_refuses_update(tmp_path):
+    # KV-cached decoding vs a full forward differ by float rounding (~5e-7 here), so gate at 1e-5
+    tr = build_trainer(_cfg(tmp_path, "--algo.gate_threshold=1e-5"))
+    tr.step()
+    with torch.no_grad():
+        for p in tr.engine.model.parameters():
+            p.add_(1e-3)
+    before = {k: v.clone() for k, v in tr.policy.state_dict().items()}
+    with pytest.raises(GateError, match="gap .* > gate 1.000e-05.*still serving version 1"):
+        tr.step()
+    assert tr.engine.policy_version == 1
+    assert all(torch.equal(v, tr.policy.state_dict()[k]) for k, v in before.items())  # no update happened
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--algo.objectiv=gspo"], "unknown config key 'algo.objectiv'"),
+    (["--run.steps=many"], "run.steps: 'many' is not a valid int"),
+    (["--bogus.x=1"], "unknown config key 'bogus'"),
+    (["--algo"], "expected --section.key=value"),
+])
+def test_bad_configs_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_unknown_registry_names_rejected(tmp_path):
+    with pytest.raises(KeyError, match="unknown policy objective 'gpso'"):
+        build_trainer(_cfg(tmp_path, "--algo.objective=gpso"))
+    with pytest.raises(ValueError, match="task.name='nope'"):
+        build_trainer(_cfg(tmp_path, "--task.name=nope"))
+
+
+@pytest.mark.parametrize("config", sorted(str(p) for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")))
+def test_example_configs_build_and_step(tmp_path, config):
+    cfg = load_config(config, [f"--run.out_dir={tmp_path}", "--rollout.prompts_per_step=4", "--rollout.n=2",
+                               "--run.steps=1"])
+    tr = build_trainer(cfg)
+    m = tr.step()
+    assert m["policy_version"] == 1
+
+
+def test_cli_train_writes_outputs(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hyperrl.cli", "train", f"--run.out_dir={tmp_path}", "--run.steps=2",
+                          "--rollout.prompts_per_step=4", "--rollout.n=2", "--run.eval_every=1",
+                          "--run.eval_prompts=8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "outputs in" in out.stdout and (tmp_path / "metrics.jsonl").exists()
+    assert (tmp_path / "reward_curve.png").exists() and latest_checkpoint(tmp_path / "checkpoints").name == "step_2"
+    bad = subprocess.run([sys.executable, "-m", "hyperrl.cli", "train", "--algo.nope=1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "unknown config key 'algo.nope'" in bad.stderr
