@@ -35,7 +35,7 @@ class ModelConfig:
 class TaskConfig:
     name: str = "modsum"  # modsum (synthetic, in code) | parquet
     modulus: int = 10
-    max_operand: int = 99
+    max_operand: int = 9
     parquet: str | None = None
     reward: str = "gsm8k_exact"
     environment: str | None = None  # a registered multi-turn environment (e.g. gsm8k_calculator)
@@ -46,7 +46,7 @@ class TaskConfig:
 class RolloutConfig:
     prompts_per_step: int = 64
     n: int = 8
-    max_new_tokens: int = 2
+    max_new_tokens: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -81,9 +81,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 300
+    steps: int = 800
     seed: int = 0
-    eval_every: int = 25
+    eval_every: int = 100
     eval_prompts: int = 256
     ckpt_every: int = 0  # 0 = only at the end
     out_dir: str = "runs/default"
