@@ -49,7 +49,8 @@ def _optim_to_files(optim_state: dict) -> tuple[dict, dict]:
 def _optim_from_files(tensors: dict, meta: dict) -> dict:
     state = {}
     for idx, st in meta["state"].items():
-        state[int(idx)] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in st.items()}
+        key = int(idx) if idx.isdigit() else idx  # torch optimizers key by index; full state dicts by name
+        state[key] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in st.items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

@@ -43,6 +43,10 @@ def _train(args, overrides: list[str]) -> int:
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
     summary = train(cfg, resume=not args.no_resume)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0
     print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out reward "
           f"{summary['final_eval_reward']}, outputs in {summary['out_dir']}/ (metrics.jsonl, reward_curve.png, "
           f"checkpoints/)")

@@ -21,7 +21,7 @@ from .tasks import make_task
 from .tokenizer import CharTokenizer
 from .trainer import SyncTrainer, write_jsonl
 
-__all__ = ["build_trainer", "train", "plot_rewards"]
+__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed"]
 
 
 def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
@@ -41,8 +41,25 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     policy.train()
     engine = TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
     reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        policy = _fully_shard(policy)
     task = make_task(cfg.task, tok, cfg.run.seed)
     return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, hooks=hooks, reference=reference)
+
+
+def _fully_shard(policy):
+    """FSDP2 over all ranks (gloo on CPU, NCCL/HCCL on devices): each decoder layer, then the root.
+    FSDP averages gradients over ranks; the trainer scales each loss by the world size so the
+    result is the *sum* the global token normaliser expects (gloo has no PREMUL_SUM for a divide
+    factor of 1), keeping accumulation exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("fsdp",))
+    for layer in policy.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    return policy
 
 
 def plot_rewards(jsonl: Path, png: Path) -> None:
@@ -100,21 +117,37 @@ def _tensorboard(out: Path):
     return hook
 
 
+def init_distributed(device: str = "cpu") -> int:
+    """Under ``torchrun`` (``WORLD_SIZE > 1``) join the process group — gloo on CPU, NCCL on CUDA,
+    HCCL on NPU — and return this process's rank (0 when single-process)."""
+    import os
+
+    from .device import collective_backend, pick_device
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(collective_backend(pick_device(device)))
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra_hooks=()) -> dict:
+    rank = init_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     jsonl = out / "metrics.jsonl"
-    hooks = [write_jsonl(jsonl), *extra_hooks]
-    tb = _tensorboard(out)
-    if tb:
-        hooks.append(tb)
+    hooks = list(extra_hooks)
+    if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        hooks.append(write_jsonl(jsonl))
+        tb = _tensorboard(out)
+        if tb:
+            hooks.append(tb)
     trainer = build_trainer(cfg, hooks)
     if resume and trainer.resume():
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
-    elif jsonl.exists():
+    elif jsonl.exists() and rank == 0:
         jsonl.unlink()
     bar = None
+    progress = progress and rank == 0
     if progress:
         bar, hook = _progress(cfg.run.steps, trainer.step_idx)
         trainer.hooks.append(hook)
@@ -133,7 +166,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
         last_eval = trainer.evaluate()
     trainer.save()
-    plot_rewards(jsonl, out / "reward_curve.png")
+    if rank == 0:
+        plot_rewards(jsonl, out / "reward_curve.png")
     summary = {"out_dir": str(out), "steps": trainer.step_idx, "seconds": time.perf_counter() - t0,
                "final_eval_reward": last_eval["eval_reward_mean"] if last_eval else None,
                "policy_version": trainer.version}

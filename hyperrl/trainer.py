@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from . import transforms as T
@@ -22,8 +23,14 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .rollout.base import SamplingParams
 from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
+from .sharding.dtensor import from_placements
+from .sharding.execute import execute_direct
 
 __all__ = ["SyncTrainer", "GateError", "default_transform", "shifted_logprobs_and_entropy"]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class GateError(RuntimeError):
@@ -75,12 +82,14 @@ class SyncTrainer:
         self.step_idx, self.version = 0, engine.policy_version
         self.samples_seen = self.tokens_seen = 0
         self.out = Path(cfg.run.out_dir)
-        self._plan = self._identity_plan()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self._plan = self._publish_plan()
 
     # ------------------------------------------------------------------ the step, top to bottom
     def step(self) -> dict:
         cfg, timer = self.cfg, _Timer()
         samples = self.task.sample(cfg.rollout.prompts_per_step, self.step_idx)
+        samples = samples[self.rank::self.world]  # data parallel: each rank rolls out its share
         with timer("generate"):
             batch = self._generate(samples)
         with timer("reward"):
@@ -98,6 +107,7 @@ class SyncTrainer:
         metrics = {"step": self.step_idx, "policy_version": self.version, **self._batch_metrics(batch), **gate,
                    **losses, **timer.t}
         metrics["tokens_per_s"] = int(batch["attention_mask"].sum()) / max(sum(timer.t.values()), 1e-9)
+        metrics = self._mean_over_ranks(metrics)
         self._emit("step", metrics)
         return metrics
 
@@ -164,7 +174,8 @@ class SyncTrainer:
         for _ in range(a.ppo_epochs):
             for mb in order.chunk(o.mini_batches):
                 mini = batch[mb]
-                norm = T.Normalizer.from_mask(mini["action_mask"], length_const=self.cfg.rollout.max_new_tokens)
+                norm = self._global(T.Normalizer.from_mask(mini["action_mask"],
+                                                            length_const=self.cfg.rollout.max_new_tokens))
                 lengths = mini["attention_mask"].sum(-1)
                 budget = o.micro_batch_tokens or int(lengths.sum())
                 for micro in T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max()))):
@@ -173,15 +184,24 @@ class SyncTrainer:
                     out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
                                         entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                                         **self._objective_kwargs())
-                    out.loss.backward()
+                    (out.loss * self.world).backward()  # FSDP averages over ranks; the normaliser is global
                     w = len(micro) / B / a.ppo_epochs
                     for k, v in out.scalars().items():
                         totals[k] = totals.get(k, 0.0) + v * w
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip)
+                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
                 totals["grad_norm"] = max(totals.get("grad_norm", 0.0), float(gn))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         return totals
+
+    def _global(self, norm):
+        """Sum the step's normalisers over data-parallel ranks (exact gradient accumulation)."""
+        if self.world == 1:
+            return norm
+        t = torch.tensor([float(norm.num_tokens), float(norm.num_seqs)])
+        dist.all_reduce(t)
+        return T.Normalizer(t[0], t[1], norm.length_const)
 
     @property
     def optim_cfg(self):
@@ -195,25 +215,35 @@ class SyncTrainer:
             return {"clip_low": a.clip_low, "clip_high": a.clip_high}
         return {}
 
-    def _identity_plan(self):
-        mesh = Mesh.of(fsdp=1)
-        sd = self.policy.state_dict()
-        src = Layout({k: Placement(tuple(v.shape), v.dtype, Spec.replicate(v.dim()), mesh) for k, v in sd.items()})
-        dst = plain_destination({k: (tuple(v.shape), v.dtype, Spec.replicate(v.dim())) for k, v in sd.items()},
-                                Mesh.of(tp=1))
-        return reshard_plan(src, dst)
+    def _publish_plan(self):
+        """Source: the policy's parameters as they are sharded (FSDP2 DTensors → specs; a single
+        process is the identity layout). Destination: every rank's engine holds a full replica."""
+        names = dict(self.policy.named_parameters())
+        src_mesh = Mesh.of(fsdp=self.world)
+        placements = {}
+        for k, p in names.items():
+            spec = from_placements(p.placements, src_mesh, p.dim()) if hasattr(p, "placements") \
+                else Spec.replicate(p.dim())
+            placements[k] = Placement(tuple(p.shape), p.dtype, spec, src_mesh)
+        dst = plain_destination({k: (tuple(p.shape), p.dtype, Spec.replicate(p.dim())) for k, p in names.items()},
+                                Mesh.of(dp=self.world))
+        return reshard_plan(Layout(placements), dst)
 
     def _through_plan(self) -> dict[str, torch.Tensor]:
-        sd = self.policy.state_dict()
-        out = {k: torch.empty_like(v) for k, v in sd.items()}
-        for t in self._plan:
-            out[t.param][t.dst_slice.slices()].copy_(sd[t.tensor][t.src_slice.slices()])
+        local = {k: (p.to_local() if hasattr(p, "to_local") else p).detach()
+                 for k, p in self.policy.named_parameters()}
+        out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in self.policy.named_parameters()}
+        if self.world == 1:
+            for t in self._plan:
+                out[t.param][t.dst_slice.slices()].copy_(local[t.tensor][t.src_slice.slices()])
+        else:
+            execute_direct(self._plan, self.rank, local, out)
         return out
 
     def publish(self) -> None:
-        """Publish the policy as version V+1 through the (identity) reshard plan; all-or-nothing.
-        A refused publication raises :class:`WeightPublishError`: the engine still serves V and the
-        run fails closed."""
+        """Publish the policy as version V+1 through the reshard plan (direct-reshard across
+        processes; the identity layout in one); all-or-nothing. A refused publication raises
+        :class:`WeightPublishError`: the engine still serves V and the run fails closed."""
         self.engine.load_weights(self._through_plan(), version=self.version + 1)
         self.version += 1
 
@@ -239,14 +269,28 @@ class SyncTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoint / resume
-    def save(self, *, _crash_after: str | None = None) -> Path:
+    def _full_state(self) -> tuple[dict, dict]:
+        """Model and optimizer state as full (unsharded) tensors; under FSDP2 gathered on every rank."""
+        if self.world == 1:
+            return self.policy.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(self.policy, self.optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                    cpu_offload=True))
+
+    def save(self, *, _crash_after: str | None = None) -> Path | None:
+        """Atomic checkpoint (rank 0 writes the full state; the world size is recorded)."""
+        model, optim = self._full_state()
         state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
-                 "tokens_seen": self.tokens_seen, "world_size": 1, "task": self.task.state(),
+                 "tokens_seen": self.tokens_seen, "world_size": self.world, "task": self.task.state(),
                  "config": self.cfg.to_dict()}
-        path = save_checkpoint(self.out / "checkpoints", self.step_idx, model=self.policy.state_dict(),
-                               optim=self.optimizer.state_dict(), state=state,
-                               rng={"torch": torch.get_rng_state()}, _crash_after=_crash_after)
-        self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
+        path = None
+        if self.rank == 0:
+            path = save_checkpoint(self.out / "checkpoints", self.step_idx, model=model, optim=optim, state=state,
+                                   rng={"torch": torch.get_rng_state()}, _crash_after=_crash_after)
+            self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
+        if self.world > 1:
+            dist.barrier()
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -254,9 +298,15 @@ class SyncTrainer:
         path = Path(path) if path else latest_checkpoint(self.out / "checkpoints")
         if path is None:
             return False
-        ck = load_checkpoint(path, world_size=1)
-        self.policy.load_state_dict(ck["model"])
-        self.optimizer.load_state_dict(ck["optim"])
+        ck = load_checkpoint(path, world_size=self.world)
+        if self.world == 1:
+            self.policy.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optim"])
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.policy, self.optimizer, model_state_dict=ck["model"], optim_state_dict=ck["optim"],
+                           options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(ck["rng"]["torch"])
         st = ck["state"]
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
@@ -267,6 +317,15 @@ class SyncTrainer:
         self.engine.load_weights(self._through_plan(), version=target)  # refit before the first generation
         self.version = target
         return True
+
+    def _mean_over_ranks(self, metrics: dict) -> dict:
+        if self.world == 1:
+            return metrics
+        keys = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and k not in ("step",
+                                                                                              "policy_version"))
+        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {**metrics, **{k: float(v) / self.world for k, v in zip(keys, t.tolist())}}
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:

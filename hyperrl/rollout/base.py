@@ -63,8 +63,10 @@ class RolloutEngine(Protocol):
 
 
 def stage_weights(weights, expected: Mapping[str, torch.Tensor], version: int, current: int, *,
-                  partial: bool = False) -> dict[str, torch.Tensor]:
-    """Receive and check a whole publication before anything is applied (see module doc)."""
+                  partial: bool = False, aliases: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Receive and check a whole publication before anything is applied (see module doc).
+    ``aliases`` (``alias → canonical``, e.g. a tied ``lm_head.weight``) are filled from their
+    canonical tensor when the publisher sends only one name."""
     if version <= current:
         raise WeightPublishError(f"version {version}: must be greater than the serving version {current}")
     items = weights.items() if isinstance(weights, Mapping) else weights
@@ -75,6 +77,9 @@ def stage_weights(weights, expected: Mapping[str, torch.Tensor], version: int, c
     except Exception as e:  # noqa: BLE001 - the publisher failed mid-way: nothing is applied
         raise WeightPublishError(f"publication of version {version} failed after {len(staged)} tensors: {e!r}; "
                                  f"still serving version {current}") from e
+    for alias, canon in (aliases or {}).items():
+        if alias not in staged and canon in staged:
+            staged[alias] = staged[canon]
     unknown = sorted(set(staged) - set(expected))
     if unknown:
         raise WeightPublishError(f"unknown parameters {unknown[:5]} (still serving version {current})")

@@ -59,6 +59,12 @@ class TransformersEngine:
         self.device = torch.device(device)
         self.pad_id = pad_id
         self._version = version
+        # tied weights appear under several state-dict names; a publisher may send one of them
+        canon: dict[int, str] = {}
+        for name, p in self.model.named_parameters():
+            canon.setdefault(p.data_ptr(), name)
+        self._aliases = {k: canon[v.data_ptr()] for k, v in self.model.state_dict().items()
+                         if v.data_ptr() in canon and canon[v.data_ptr()] != k}
 
     @property
     def policy_version(self) -> int:
@@ -71,7 +77,7 @@ class TransformersEngine:
                      *, partial: bool = False) -> None:
         """Apply a complete, checked publication atomically, then serve ``version``."""
         current = self.model.state_dict()
-        staged = stage_weights(weights, current, version, self._version, partial=partial)
+        staged = stage_weights(weights, current, version, self._version, partial=partial, aliases=self._aliases)
         with torch.no_grad():
             for name, t in staged.items():
                 current[name].copy_(t.to(current[name].dtype))
