@@ -67,6 +67,13 @@ class AlgoConfig:
     overlong_buffer: int = 0  # DAPO soft overlong punishment (0 = off)
     dynamic_sampling: bool = False
     gate_threshold: float | None = None  # bit-exact gate: refuse the update above this logprob gap
+    # PPO with a critic (estimator: gae)
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: float = 0.2
+    value_coef: float = 1.0
+    critic_lr: float = 0.003
+    whiten_advantages: bool = True
 
 
 @dataclass(frozen=True)

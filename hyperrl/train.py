@@ -43,8 +43,18 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         policy = _fully_shard(policy)
+    critic = None
+    if cfg.algo.estimator == "gae":
+        from .trainer import ValueModel
+
+        body = tiny_qwen3(tok.vocab_size, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                          head_dim=m.head_dim, intermediate=m.intermediate, seed=cfg.run.seed + 1).model
+        critic = ValueModel(body, m.hidden)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and critic is not None:
+        raise ValueError("a critic under torchrun is not supported yet; use an outcome estimator (grpo, rloo, ...)")
     task = make_task(cfg.task, tok, cfg.run.seed)
-    return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, hooks=hooks, reference=reference)
+    return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, hooks=hooks, reference=reference,
+                       critic=critic)
 
 
 def _fully_shard(policy):

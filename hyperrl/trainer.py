@@ -26,7 +26,7 @@ from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_
 from .sharding.dtensor import from_placements
 from .sharding.execute import execute_direct
 
-__all__ = ["SyncTrainer", "GateError", "default_transform", "shifted_logprobs_and_entropy"]
+__all__ = ["SyncTrainer", "GateError", "ValueModel", "default_transform", "shifted_logprobs_and_entropy"]
 
 
 def _distributed() -> bool:
@@ -45,11 +45,29 @@ def shifted_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
     return pad(lp, (1, 0)), pad(ent, (1, 0))
 
 
+class ValueModel(torch.nn.Module):
+    """A critic: a causal-LM backbone plus a linear value head. ``forward(batch)`` returns
+    token-aligned values ``[B, T]``: ``values[:, t]`` is the value of the state before token ``t``
+    (read from the hidden state at ``t − 1``, like the log-probs); ``values[:, 0] = 0``."""
+
+    def __init__(self, backbone, hidden: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: TensorDict) -> torch.Tensor:
+        h = self.backbone(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).last_hidden_state
+        v = self.head(h[:, :-1]).squeeze(-1)
+        return torch.nn.functional.pad(v, (1, 0))
+
+
 def default_transform(algo) -> callable:
     """The configured advantage pipeline as one chained transform (batch → batch)."""
     if algo.estimator == "gae":
-        raise ValueError("algo.estimator=gae needs a critic, which SyncTrainer does not train yet; use an "
-                         "outcome estimator (grpo, rloo, dr_grpo, ...) or pass your own transform")
+        return T.chain(T.bind(T.compute_advantages, estimator="gae", gamma=algo.gamma, lam=algo.lam,
+                              whiten=algo.whiten_advantages))
     kw = {"eps": algo.eps} if algo.estimator in ("grpo", "batch_std", "grpo_passk") else {}
     return T.chain(T.bind(T.compute_advantages, estimator=algo.estimator, **kw))
 
@@ -67,7 +85,7 @@ class _Timer:
 
 class SyncTrainer:
     def __init__(self, cfg: TrainConfig, *, policy, engine, tokenizer, task, transform=None, hooks=(),
-                 reference=None):
+                 reference=None, critic=None):
         self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
         T.ADVANTAGES.get(cfg.algo.estimator)
         T.OBJECTIVES.get(cfg.algo.objective)
@@ -75,6 +93,11 @@ class SyncTrainer:
         if cfg.algo.kl_coef > 0 and reference is None:
             raise ValueError("algo.kl_coef > 0 needs a reference model (pass reference=...)")
         self.reference = reference
+        if cfg.algo.estimator == "gae" and critic is None:
+            raise ValueError("algo.estimator=gae needs a critic (pass critic=ValueModel(...); "
+                             "hyperrl train builds one)")
+        self.critic = critic
+        self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic else None
         self.transform = transform or default_transform(cfg.algo)
         self.hooks = list(hooks)
         o = cfg.optim
@@ -94,6 +117,9 @@ class SyncTrainer:
             batch = self._generate(samples)
         with timer("reward"):
             batch = self._rewards(batch, samples)
+        if self.critic is not None:
+            with timer("values"), torch.no_grad():
+                batch = batch.copy().set("values", self.critic(batch))
         batch = self.transform(batch)
         with timer("logprob"):
             batch, gate = self._old_logprobs(batch)
@@ -184,6 +210,10 @@ class SyncTrainer:
                     out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
                                         entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                                         **self._objective_kwargs())
+                    if self.critic is not None:
+                        v = T.critic_loss(part, self.critic(part), clip=a.value_clip, agg=a.agg, normalizer=norm,
+                                          coef=a.value_coef)
+                        out = T.LossOutput({**out.terms, **v.terms}, {**out.metrics, **v.metrics})
                     (out.loss * self.world).backward()  # FSDP averages over ranks; the normaliser is global
                     w = len(micro) / B / a.ppo_epochs
                     for k, v in out.scalars().items():
@@ -193,6 +223,10 @@ class SyncTrainer:
                 totals["grad_norm"] = max(totals.get("grad_norm", 0.0), float(gn))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.critic_opt is not None:
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), o.grad_clip)
+                    self.critic_opt.step()
+                    self.critic_opt.zero_grad(set_to_none=True)
         return totals
 
     def _global(self, norm):
