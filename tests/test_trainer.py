@@ -194,3 +194,13 @@ def test_reference_kl_term(tmp_path):
     assert tr.reference is not None
     m = [tr.step() for _ in range(3)]
     assert "loss_kl" in m[-1] and m[-1]["kl"] >= 0 and m[0]["kl"] < 1e-6  # starts at the reference
+
+
+def test_local_hf_checkpoint_directory(tmp_path):
+    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.tokenizer import CharTokenizer
+
+    ckpt = tmp_path / "hf"
+    tiny_qwen3(CharTokenizer().vocab_size, hidden=64, intermediate=128, seed=5).save_pretrained(ckpt)
+    tr = build_trainer(_cfg(tmp_path / "run", f"--model.checkpoint={ckpt}"))
+    assert tr.step()["policy_version"] == 1
