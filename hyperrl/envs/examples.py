@@ -11,6 +11,12 @@ from .tools import BM25Index, ToolRunner, calculator_tool, make_search_tool
 __all__ = ["GSM8KCalculatorEnv", "SearchEnv"]
 
 
+def _question(sample) -> str:
+    """The question text: the prompt string, or the last chat message's content."""
+    q = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
+    return f"{q}\n"
+
+
 @register_environment("gsm8k_calculator")
 class GSM8KCalculatorEnv:
     """The model may call ``<tool>{"name": "calculator", "arguments": {"expression": ...}}</tool>``;
@@ -25,8 +31,7 @@ class GSM8KCalculatorEnv:
 
     def reset(self, sample) -> str:
         self.sample = sample
-        q = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
-        return f"{q}\n"
+        return _question(sample)
 
     def step(self, action: str) -> StepResult:
         results = self.runner.run(action)
@@ -51,8 +56,7 @@ class SearchEnv:
 
     def reset(self, sample) -> str:
         self.sample = sample
-        q = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
-        return f"{q}\n"
+        return _question(sample)
 
     def step(self, action: str) -> StepResult:
         m = _ANSWER.search(action)
