@@ -173,10 +173,20 @@ class SyncTrainer:
             out, _ = T.dynamic_sampling_filter(out)
         return out
 
+    def _single_pass(self) -> bool:
+        """One on-policy pass with no gate and no reference: the rollout's own log-probs serve as the
+        behaviour policy (the trainer's forward would recompute the same values up to float
+        rounding), and the mismatch metrics come from the update's forward — one forward saved."""
+        a = self.cfg.algo
+        return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
+            self.reference is None
+
     @torch.no_grad()
     def _old_logprobs(self, batch: TensorDict):
         if batch.batch_size[0] == 0:
             return batch, {}
+        if self._single_pass():
+            return batch.copy().set("old_logprobs", batch["rollout_logprobs"]), {}
         lp, _ = shifted_logprobs_and_entropy(self.policy, batch, self.cfg.rollout.temperature)
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
         thr = self.cfg.algo.gate_threshold
@@ -215,6 +225,15 @@ class SyncTrainer:
                                           coef=a.value_coef)
                         out = T.LossOutput({**out.terms, **v.terms}, {**out.metrics, **v.metrics})
                     (out.loss * self.world).backward()  # FSDP averages over ranks; the normaliser is global
+                    if self._single_pass():
+                        d = (lp.detach() - part["rollout_logprobs"])[part["action_mask"]]
+                        if d.numel():
+                            totals["mismatch_max_abs"] = max(totals.get("mismatch_max_abs", 0.0),
+                                                             float(d.abs().max()))
+                            totals["mismatch_mean_abs"] = totals.get("mismatch_mean_abs", 0.0) + \
+                                float(d.abs().mean()) * len(micro) / B
+                            totals["mismatch_k3"] = totals.get("mismatch_k3", 0.0) + \
+                                float((torch.expm1(-d) + d).mean()) * len(micro) / B
                     w = len(micro) / B / a.ppo_epochs
                     for k, v in out.scalars().items():
                         totals[k] = totals.get(k, 0.0) + v * w

@@ -128,22 +128,22 @@ class TransformersEngine:
             step_ids = tok[:, None]
             attn = torch.cat([attn, alive.long()[:, None] | 1], 1)  # finished rows keep attending (outputs unused)
             pos = pos[:, -1:] + 1
-        return self._trajectory(rows, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups)
+        plen = torch.tensor([len(p) for p in rows])
+        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups)
 
-    def _trajectory(self, rows, out_tok, out_lp, lengths, groups) -> TensorDict:
-        B = len(rows)
-        T = max(len(p) + int(n) for p, n in zip(rows, lengths))
-        tokens = torch.full((B, T), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(B, T, dtype=torch.bool)
-        act = torch.zeros(B, T, dtype=torch.bool)
-        lp = torch.zeros(B, T, dtype=torch.float32)
-        for i, (p, n) in enumerate(zip(rows, lengths.tolist())):
-            L = len(p)
-            tokens[i, :L] = torch.tensor(p)
-            tokens[i, L:L + n] = out_tok[i, :n]
-            attn[i, :L + n] = True
-            act[i, L:L + n] = True
-            lp[i, L:L + n] = out_lp[i, :n]
-        return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
-                               policy_version=torch.full((B,), self._version, dtype=torch.long), group_id=groups,
-                               reward=torch.zeros(B))
+    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups) -> TensorDict:
+        """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised)."""
+        B, P = left_ids.shape
+        total = plen + lengths
+        T = int(total.max())
+        j = torch.arange(T)[None, :]
+        in_prompt = j < plen[:, None]
+        in_gen = (j >= plen[:, None]) & (j < total[:, None])
+        p_idx = (P - plen[:, None] + j).clamp(0, P - 1)
+        g_idx = (j - plen[:, None]).clamp(0, out_tok.shape[1] - 1)
+        tokens = torch.where(in_prompt, left_ids.gather(1, p_idx),
+                             torch.where(in_gen, out_tok.gather(1, g_idx), self.pad_id))
+        lp = torch.where(in_gen, out_lp.gather(1, g_idx), 0.0)
+        return make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
+                               rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
+                               group_id=groups, reward=torch.zeros(B))
