@@ -1,8 +1,9 @@
 """End-to-end: hyperrl's SyncTrainer vs TRL's GRPOTrainer on the default task, side by side.
 
 Same tiny Qwen3 (random init, same seed), same character tokenizer (wrapped as an HF fast
-tokenizer for TRL), same (a+b) mod 10 prompts, 64 prompts × 8 completions per step, one-token
-completions, lr 1e-3, β = 0, temperature 1. Reports seconds per step, tokens/s and the reward
+tokenizer for TRL), same (a+b) mod 10 prompts, the same prompts × completions per step as
+hyperrl's default config, one-token completions, lr 1e-3, β = 0, temperature 1; TRL otherwise
+with its defaults (hyperrl with its: entropy bonus 0.03). Reports seconds per step, tokens/s and the reward
 reached; appends to benchmarks/RESULTS.md.
 
     python benchmarks/e2e.py --steps 200      # needs the bench extra (trl)
@@ -41,6 +42,10 @@ def hf_char_tokenizer(tok: CharTokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
+DEFAULTS = load_config()  # the same batch for both: prompts × group size from hyperrl's default config
+P, N = DEFAULTS.rollout.prompts_per_step, DEFAULTS.rollout.n
+
+
 def run_hyperrl(steps: int, seed: int):
     cfg = load_config(None, [f"--run.steps={steps}", f"--run.seed={seed}", "--run.out_dir=/tmp/e2e_hyperrl",
                              "--run.eval_every=0"])
@@ -50,7 +55,7 @@ def run_hyperrl(steps: int, seed: int):
     for _ in range(steps):
         m = tr.step()
         rewards.append(m["reward_mean"])
-        tokens += 64 * 8 * 6  # 5 prompt tokens + 1 completion token per rollout
+        tokens += P * N * 6  # 5 prompt tokens + 1 completion token per rollout
     return time.perf_counter() - t0, tokens, rewards
 
 
@@ -61,14 +66,14 @@ def run_trl(steps: int, seed: int):
     tok = CharTokenizer()
     hf_tok = hf_char_tokenizer(tok)
     task = ModSumTask(tok, seed=seed)
-    samples = [s for step in range(steps) for s in task.sample(64, step)]
+    samples = [s for step in range(steps) for s in task.sample(P, step)]
     ds = Dataset.from_dict({"prompt": ["<bos>" + s.prompt for s in samples], "answer": [s.answer for s in samples]})
 
     def reward(completions, answer, **kw):
         return [float(c[:1] == a) for c, a in zip(completions, answer)]
 
     model = tiny_qwen3(tok.vocab_size, seed=seed)
-    args = GRPOConfig(output_dir="/tmp/e2e_trl", per_device_train_batch_size=512, num_generations=8,
+    args = GRPOConfig(output_dir="/tmp/e2e_trl", per_device_train_batch_size=P * N, num_generations=N,
                       max_completion_length=1, learning_rate=1e-3, beta=0.0, temperature=1.0, max_steps=steps,
                       logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=seed,
                       shuffle_dataset=False, bf16=False, dataloader_num_workers=0)
@@ -85,7 +90,7 @@ def run_trl(steps: int, seed: int):
                           callbacks=[Log()])
     t0 = time.perf_counter()
     trainer.train()
-    return time.perf_counter() - t0, steps * 64 * 8 * 6, rewards
+    return time.perf_counter() - t0, steps * P * N * 6, rewards
 
 
 def main():
@@ -104,7 +109,7 @@ def main():
     rows = [["hyperrl SyncTrainer", args.steps, round(t_h / args.steps, 3), round(tok_h / t_h), tail(r_h)],
             ["TRL 1.16 GRPOTrainer", args.steps, round(t_t / args.steps, 3), round(tok_t / t_t), tail(r_t)],
             ["TRL s/step / hyperrl s/step", "", round(t_t / t_h, 2), round((tok_h / t_h) / (tok_t / t_t), 2), ""]]
-    append_results("e2e", "Default task, tiny Qwen3, 64 prompts x 8 completions/step, lr 1e-3, beta 0 "
+    append_results("e2e", f"Default task, tiny Qwen3, {P} prompts x {N} completions/step, lr 1e-3, beta 0 "
                    "(tokens = prompt + completion tokens processed; reward = mean over the last 10% of steps):\n\n"
                    + table(["trainer", "steps", "s/step", "tokens/s", "train reward (last 10%)"], rows))
 

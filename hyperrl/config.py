@@ -44,8 +44,8 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    prompts_per_step: int = 64
-    n: int = 8
+    prompts_per_step: int = 32
+    n: int = 16
     max_new_tokens: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -62,7 +62,7 @@ class AlgoConfig:
     eps: float = 1e-6
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.03
     ppo_epochs: int = 1
     overlong_buffer: int = 0  # DAPO soft overlong punishment (0 = off)
     dynamic_sampling: bool = False
@@ -88,7 +88,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 800
+    steps: int = 1000
     seed: int = 0
     eval_every: int = 100
     eval_prompts: int = 256
