@@ -8,9 +8,11 @@ through hooks ``hook(event, trainer, metrics)``; events: ``"step"``, ``"eval"``,
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -63,7 +65,7 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v, (1, 0))
 
 
-def default_transform(algo) -> callable:
+def default_transform(algo) -> Callable[[TensorDict], TensorDict]:
     """The configured advantage pipeline as one chained transform (batch → batch)."""
     if algo.estimator == "gae":
         return T.chain(T.bind(T.compute_advantages, estimator="gae", gamma=algo.gamma, lam=algo.lam,
@@ -261,12 +263,9 @@ class SyncTrainer:
         return self.cfg.optim
 
     def _objective_kwargs(self) -> dict:
-        a = self.cfg.algo
-        if a.objective in ("ppo_clip", "gspo", "clip_cov"):
-            return {"clip_low": a.clip_low, "clip_high": a.clip_high}
-        if a.objective == "cispo":
-            return {"clip_low": a.clip_low, "clip_high": a.clip_high}
-        return {}
+        """The config scalars the registered objective accepts (by keyword name), nothing else."""
+        accepted = inspect.signature(T.OBJECTIVES.get(self.cfg.algo.objective)).parameters
+        return {k: getattr(self.cfg.algo, k) for k in ("clip_low", "clip_high") if k in accepted}
 
     def _publish_plan(self):
         """Source: the policy's parameters as they are sharded (FSDP2 DTensors → specs; a single
