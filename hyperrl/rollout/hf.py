@@ -111,8 +111,10 @@ class TransformersEngine:
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         past, step_ids = None, ids
         for t in range(sampling.max_new_tokens):
+            # only the last position's logits are needed: no [B, P, V] prefill logits (a large saving at
+            # real vocabularies)
             out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
-                             use_cache=True)
+                             use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             z = filter_logits(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(z, -1)
