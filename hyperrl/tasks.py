@@ -26,16 +26,16 @@ class ModSumTask:
     max_operand: int = 9
     seed: int = 0
 
-    def sample(self, k: int, step: int) -> list[Sample]:
-        """``k`` prompts for ``step`` — a pure function of (seed, step), so resumed runs see the same data."""
-        rng = np.random.default_rng([self.seed, step])
-        ab = rng.integers(0, self.max_operand + 1, size=(k, 2))
+    def _draw(self, k: int, stream: int) -> list[Sample]:
+        ab = np.random.default_rng([self.seed, stream]).integers(0, self.max_operand + 1, size=(k, 2))
         return [Sample(f"{a}+{b}=", str((a + b) % self.modulus), f"modsum:{a}+{b}", {}) for a, b in ab.tolist()]
 
+    def sample(self, k: int, step: int) -> list[Sample]:
+        """``k`` prompts for ``step`` — a pure function of (seed, step), so resumed runs see the same data."""
+        return self._draw(k, step)
+
     def held_out(self, k: int) -> list[Sample]:
-        rng = np.random.default_rng([self.seed, 10**9])
-        ab = rng.integers(0, self.max_operand + 1, size=(k, 2))
-        return [Sample(f"{a}+{b}=", str((a + b) % self.modulus), f"modsum:{a}+{b}", {}) for a, b in ab.tolist()]
+        return self._draw(k, 10**9)
 
     def encode(self, sample: Sample) -> list[int]:
         return self.tokenizer.encode(sample.prompt, bos=True)

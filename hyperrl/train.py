@@ -24,6 +24,12 @@ from .trainer import SyncTrainer, write_jsonl
 __all__ = ["build_trainer", "train", "plot_rewards", "init_distributed"]
 
 
+def _tiny(cfg: TrainConfig, tok: CharTokenizer, seed: int):
+    m = cfg.model
+    return tiny_qwen3(tok.vocab_size, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                      head_dim=m.head_dim, intermediate=m.intermediate, seed=seed)
+
+
 def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -36,8 +42,7 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
         if policy.config.vocab_size < tok.vocab_size:
             raise ValueError(f"model.checkpoint: vocab {policy.config.vocab_size} < tokenizer {tok.vocab_size}")
     else:
-        policy = tiny_qwen3(tok.vocab_size, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                            head_dim=m.head_dim, intermediate=m.intermediate, seed=cfg.run.seed)
+        policy = _tiny(cfg, tok, cfg.run.seed)
     policy.train()
     engine = TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
     reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
@@ -47,8 +52,7 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     if cfg.algo.estimator == "gae":
         from .trainer import ValueModel
 
-        body = tiny_qwen3(tok.vocab_size, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                          head_dim=m.head_dim, intermediate=m.intermediate, seed=cfg.run.seed + 1).model
+        body = _tiny(cfg, tok, cfg.run.seed + 1).model
         critic = ValueModel(body, m.hidden)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and critic is not None:
         raise ValueError("a critic under torchrun is not supported yet; use an outcome estimator (grpo, rloo, ...)")

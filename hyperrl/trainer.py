@@ -203,7 +203,7 @@ class SyncTrainer:
         return out, {k: float(v) for k, v in mm.items()}
 
     def _update(self, batch: TensorDict) -> dict:
-        a, o = self.cfg.algo, self.optim_cfg
+        a, o = self.cfg.algo, self.cfg.optim
         B = batch.batch_size[0]
         if B == 0:
             return {}
@@ -257,10 +257,6 @@ class SyncTrainer:
         t = torch.tensor([float(norm.num_tokens), float(norm.num_seqs)])
         dist.all_reduce(t)
         return T.Normalizer(t[0], t[1], norm.length_const)
-
-    @property
-    def optim_cfg(self):
-        return self.cfg.optim
 
     def _objective_kwargs(self) -> dict:
         """The config scalars the registered objective accepts (by keyword name), nothing else."""

@@ -128,7 +128,7 @@ class TransformersEngine:
             if not alive.any():
                 break
             step_ids = tok[:, None]
-            attn = torch.cat([attn, alive.long()[:, None] | 1], 1)  # finished rows keep attending (outputs unused)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # finished rows' outputs are unused
             pos = pos[:, -1:] + 1
         plen = torch.tensor([len(p) for p in rows])
         return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups)
