@@ -46,9 +46,9 @@ DEFAULTS = load_config()  # the same batch for both: prompts × group size from 
 P, N = DEFAULTS.rollout.prompts_per_step, DEFAULTS.rollout.n
 
 
-def run_hyperrl(steps: int, seed: int):
+def run_hyperrl(steps: int, seed: int, *overrides: str):
     cfg = load_config(None, [f"--run.steps={steps}", f"--run.seed={seed}", "--run.out_dir=/tmp/e2e_hyperrl",
-                             "--run.eval_every=0"])
+                             "--run.eval_every=0", *overrides])
     tr = build_trainer(cfg)
     rewards, tokens = [], 0
     t0 = time.perf_counter()
@@ -100,6 +100,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     t_h, tok_h, r_h = run_hyperrl(args.steps, args.seed)
+    t_p, tok_p, r_p = run_hyperrl(args.steps, args.seed, "--optim.shared_prefix=false")
     t_t, tok_t, r_t = run_trl(args.steps, args.seed)
 
     def tail(r):
@@ -107,8 +108,12 @@ def main():
         return round(sum(r[-k:]) / k, 3)
 
     rows = [["hyperrl SyncTrainer", args.steps, round(t_h / args.steps, 3), round(tok_h / t_h), tail(r_h)],
+            ["hyperrl, plain forward (optim.shared_prefix=false)", args.steps, round(t_p / args.steps, 3),
+             round(tok_p / t_p), tail(r_p)],
             ["TRL 1.16 GRPOTrainer", args.steps, round(t_t / args.steps, 3), round(tok_t / t_t), tail(r_t)],
-            ["TRL s/step / hyperrl s/step", "", round(t_t / t_h, 2), round((tok_h / t_h) / (tok_t / t_t), 2), ""]]
+            ["TRL s/step / hyperrl s/step", "", round(t_t / t_h, 2), round((tok_h / t_h) / (tok_t / t_t), 2), ""],
+            ["TRL s/step / hyperrl plain s/step", "", round(t_t / t_p, 2), round((tok_p / t_p) / (tok_t / t_t), 2),
+             ""]]
     append_results("e2e", f"Default task, tiny Qwen3, {P} prompts x {N} completions/step, lr 1e-3, beta 0 "
                    "(tokens = prompt + completion tokens processed; reward = mean over the last 10% of steps):\n\n"
                    + table(["trainer", "steps", "s/step", "tokens/s", "train reward (last 10%)"], rows))

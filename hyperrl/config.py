@@ -84,6 +84,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_tokens: int = 0  # gradient-accumulation budget per micro-batch (0 = whole mini-batch)
+    shared_prefix: bool = True  # run each distinct prompt once per forward (hyperrl.forward), when cheaper
 
 
 @dataclass(frozen=True)

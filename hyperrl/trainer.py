@@ -23,12 +23,13 @@ from tensordict import TensorDict
 from . import transforms as T
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .forward import logprobs_and_entropy
 from .rollout.base import SamplingParams
 from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
 from .sharding.dtensor import from_placements
 from .sharding.execute import execute_direct
 
-__all__ = ["SyncTrainer", "GateError", "ValueModel", "default_transform", "shifted_logprobs_and_entropy"]
+__all__ = ["SyncTrainer", "GateError", "ValueModel", "default_transform"]
 
 
 def _distributed() -> bool:
@@ -37,14 +38,6 @@ def _distributed() -> bool:
 
 class GateError(RuntimeError):
     """The bit-exact gate refused an update: trainer and rollout log-probs disagree."""
-
-
-def shifted_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
-    """Token-aligned log-probs and entropies ``[B, T]`` of ``batch["tokens"]`` under ``model``."""
-    logits = model(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).logits
-    lp, ent = T.logprobs_and_entropy(logits[:, :-1], batch["tokens"][:, 1:], temperature)
-    pad = torch.nn.functional.pad
-    return pad(lp, (1, 0)), pad(ent, (1, 0))
 
 
 class ValueModel(torch.nn.Module):
@@ -162,11 +155,9 @@ class SyncTrainer:
         if self.cfg.task.environment:
             r = batch["reward"]
         else:
-            rewards = []
-            for row in range(batch.batch_size[0]):
-                ids = batch["tokens"][row][batch["action_mask"][row]].tolist()
-                rewards.append(self.task.reward(self.tok.decode(ids), samples[row // n]))
-            r = torch.tensor(rewards, dtype=torch.float32)
+            rows = zip(batch["tokens"].tolist(), batch["action_mask"].tolist())
+            r = torch.tensor([self.task.reward(self.tok.decode([t for t, a in zip(toks, act) if a]), samples[i // n])
+                              for i, (toks, act) in enumerate(rows)], dtype=torch.float32)
         if self.cfg.algo.overlong_buffer:
             r = r + T.overlong_penalty(batch["action_mask"].sum(-1), max_len=self.cfg.rollout.max_new_tokens,
                                        buffer=self.cfg.algo.overlong_buffer)
@@ -189,7 +180,7 @@ class SyncTrainer:
             return batch, {}
         if self._single_pass():
             return batch.copy().set("old_logprobs", batch["rollout_logprobs"]), {}
-        lp, _ = shifted_logprobs_and_entropy(self.policy, batch, self.cfg.rollout.temperature)
+        lp, _ = self._logprobs(self.policy, batch)
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
         thr = self.cfg.algo.gate_threshold
         if thr is not None and float(mm["mismatch_max_abs"]) > thr:
@@ -198,9 +189,12 @@ class SyncTrainer:
                             f"refused, still serving version {self.version}")
         out = batch.copy().set("old_logprobs", lp)
         if self.reference is not None:
-            out.set("ref_logprobs", shifted_logprobs_and_entropy(self.reference, batch,
-                                                                 self.cfg.rollout.temperature)[0])
+            out.set("ref_logprobs", self._logprobs(self.reference, batch)[0])
         return out, {k: float(v) for k, v in mm.items()}
+
+    def _logprobs(self, model, batch: TensorDict):
+        return logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                    shared_prefix=self.cfg.optim.shared_prefix)
 
     def _update(self, batch: TensorDict) -> dict:
         a, o = self.cfg.algo, self.cfg.optim
@@ -218,7 +212,7 @@ class SyncTrainer:
                 budget = o.micro_batch_tokens or int(lengths.sum())
                 for micro in T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max()))):
                     part = mini[torch.tensor(micro)]
-                    lp, ent = shifted_logprobs_and_entropy(self.policy, part, self.cfg.rollout.temperature)
+                    lp, ent = self._logprobs(self.policy, part)
                     out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
                                         entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                                         **self._objective_kwargs())

@@ -109,14 +109,21 @@ class TransformersEngine:
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
-        past, step_ids = None, ids
+        past = step_ids = None
         for t in range(sampling.max_new_tokens):
             # only the last position's logits are needed: no [B, P, V] prefill logits (a large saving at
             # real vocabularies)
-            out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
-                             use_cache=True, logits_to_keep=1)
-            past = out.past_key_values
-            z = filter_logits(out.logits[:, -1], sampling.temperature, sampling.top_k, sampling.top_p)
+            if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
+                out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[::n],
+                                 use_cache=True, logits_to_keep=1)
+                past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)
+                if n > 1:
+                    past.batch_repeat_interleave(n)
+            else:
+                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
+                                 use_cache=True, logits_to_keep=1)
+                past, logits = out.past_key_values, out.logits[:, -1]
+            z = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(z, -1)
             tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
             tok = torch.where(alive, tok, self.pad_id)

@@ -1,0 +1,109 @@
+"""Policy forwards: token-aligned log-probs and entropies of a trajectory batch under a causal LM.
+
+Two ways to the same numbers (up to float rounding):
+
+* :func:`plain_logprobs_and_entropy` — one forward over every padded row ``[B, T]``.
+* :func:`shared_prefix_logprobs_and_entropy` — GRPO-style batches hold ``n`` samples per prompt,
+  so the prompt is the same in ``n`` rows. The prompt is run **once per distinct prompt** (with
+  autograd), its KV cache is indexed out to every row (indexing is differentiable: the prompt's
+  gradient is the sum over its rows), and only the tokens after the prompt run per row. The
+  "shared-prefix forward" of Prefix Grouper (Liu et al., 2025, arXiv:2506.05433): forward cost
+  drops from ``B·(T − 1)`` tokens to ``U·P + B·(S − 1)`` (``U`` distinct prompts of up to ``P``
+  tokens, ``S`` tokens after them); with one-token answers the per-row part vanishes.
+
+:func:`logprobs_and_entropy` picks the cheaper of the two by that token count. Output positions
+``t ≤ prefix`` (the prompt) and padding are 0 in the shared-prefix path; only action positions
+are meaningful in either (every consumer masks by ``action_mask``).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from . import transforms as T
+
+__all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "logprobs_and_entropy",
+           "prefix_groups"]
+
+
+def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
+    """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 at ``t = 0``)."""
+    tokens = batch["tokens"]  # the last token predicts nothing: run T − 1 positions
+    if tokens.shape[1] < 2:
+        z = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        return z, z.clone()
+    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long()).logits
+    lp, ent = T.logprobs_and_entropy(logits, tokens[:, 1:], temperature)
+    pad = torch.nn.functional.pad
+    return pad(lp, (1, 0)), pad(ent, (1, 0))
+
+
+def prefix_groups(batch: TensorDict):
+    """Rows that share a prompt. The prompt of row ``b`` is ``tokens[b, :p_b]``, ``p_b`` the index
+    of its first action token (its length when it has none). Returns ``(p [B], inverse [B],
+    first [U])``: ``inverse[b]`` numbers row ``b``'s distinct prompt, ``first[u]`` is a row holding
+    prompt ``u``."""
+    tokens, act = batch["tokens"], batch["action_mask"]
+    length = batch["attention_mask"].sum(-1)
+    p = torch.where(act.any(-1), act.int().argmax(-1), length)
+    P = int(p.max())
+    keys = torch.where(torch.arange(P)[None, :] < p[:, None], tokens[:, :P], -1)
+    _, inverse = torch.unique(torch.cat([p[:, None], keys], 1), dim=0, return_inverse=True)
+    B = len(p)
+    first = torch.full((int(inverse.max()) + 1,), B).scatter_reduce(0, inverse, torch.arange(B), "amin")
+    return p, inverse, first
+
+
+def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None):
+    """As :func:`plain_logprobs_and_entropy` on action positions, with each distinct prompt run once.
+
+    Prompts ``[U, P]`` are left-padded so every row's continuation starts at cache slot ``P``;
+    the continuation ``[B, S − 1]`` (all tokens after the prompt but the last) runs on the
+    indexed cache with positions ``p_b + s``. Logits: the prompt's last one predicts the first
+    continuation token, continuation logit ``s`` predicts token ``s + 1``.
+    """
+    tokens, attn = batch["tokens"], batch["attention_mask"]
+    p, inverse, first = groups if groups is not None else prefix_groups(batch)
+    if int(p.min()) < 1:
+        raise ValueError("action_mask: position 0 is an action; a sequence must start with a prompt token")
+    B, dev = tokens.shape[0], tokens.device
+    P, S = int(p.max()), int((attn.sum(-1) - p).max())
+    j = torch.arange(P, device=dev)[None, :]
+    src = j - (P - p[first, None])  # left-pad each distinct prompt to P
+    pre_mask = src >= 0
+    pre_ids = torch.where(pre_mask, tokens[first].gather(1, src.clamp_min(0)), 0)
+    pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
+                logits_to_keep=1)
+    logits = out.logits[:, -1][inverse][:, None]  # [B, 1, V]: predicts the first token after the prompt
+    s = torch.arange(max(S, 1), device=dev)[None, :]
+    cont_valid = s < (attn.sum(-1) - p)[:, None]
+    cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
+    if S > 1:
+        cache = out.past_key_values
+        cache.batch_select_indices(inverse)
+        mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
+        rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=p[:, None] + s[:, :-1],
+                     past_key_values=cache, use_cache=False).logits
+        logits = torch.cat([logits, rest], 1)
+    lp, ent = T.logprobs_and_entropy(logits, cont, temperature)
+    Tn = tokens.shape[1]
+    cols = p[:, None] + s  # distinct per row; the buffer is wide enough for rows' padding tails
+    zero = torch.zeros(B, Tn + s.shape[1], dtype=lp.dtype, device=dev)
+    lp_full = zero.scatter(1, cols, torch.where(cont_valid, lp, 0.0))[:, :Tn]
+    ent_full = zero.scatter(1, cols, torch.where(cont_valid, ent, 0.0))[:, :Tn]
+    return lp_full, ent_full
+
+
+def logprobs_and_entropy(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True):
+    """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it runs
+    fewer tokens than the plain one (``U < B`` and ``U·P + B·(S − 1) < B·(T − 1)``), else the plain one."""
+    if shared_prefix and batch.batch_size[0] > 1 and bool(batch["action_mask"].any()):
+        groups = prefix_groups(batch)
+        p, _, first = groups
+        B, Tn = batch["tokens"].shape
+        S = int((batch["attention_mask"].sum(-1) - p).max())
+        if int(p.min()) >= 1 and len(first) < B and len(first) * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1):
+            return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups)
+    return plain_logprobs_and_entropy(model, batch, temperature)

@@ -1,0 +1,123 @@
+"""hyperrl.forward: the shared-prefix forward equals the plain forward (values and gradients)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyperrl.forward import (
+    logprobs_and_entropy,
+    plain_logprobs_and_entropy,
+    prefix_groups,
+    shared_prefix_logprobs_and_entropy,
+)
+from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
+from hyperrl.trajectory import make_trajectory, validate
+
+V = 40
+MODEL = tiny_qwen3(V, seed=1, dtype=torch.float64)
+
+
+def _batch(rows):
+    """rows: (prompt ids, [(segment ids, is_action), ...]) → a right-padded trajectory."""
+    seqs = [(p, [(t, a) for seg, a in segs for t in seg]) for p, segs in rows]
+    T = max(len(p) + len(r) for p, r in seqs)
+    B = len(seqs)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    act = torch.zeros(B, T, dtype=torch.bool)
+    for b, (p, r) in enumerate(seqs):
+        ids = p + [t for t, _ in r]
+        tokens[b, : len(ids)] = torch.tensor(ids)
+        attn[b, : len(ids)] = True
+        act[b, len(p): len(ids)] = torch.tensor([a for _, a in r], dtype=torch.bool)
+    lp = torch.where(act, -1.0, 0.0)
+    return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
+                           policy_version=torch.zeros(B, dtype=torch.long), group_id=torch.arange(B),
+                           reward=torch.zeros(B))
+
+
+def test_prefix_groups_golden():
+    # prompts [1,5] ×2, [1,5,6] (extends the first but is a different prompt), [1,7] — 3 distinct
+    b = _batch([([1, 5], [([9, 2], True)]), ([1, 5, 6], [([3], True)]), ([1, 5], [([4], True)]),
+                ([1, 7], [([8, 8, 2], True)])])
+    p, inv, first = prefix_groups(b)
+    assert p.tolist() == [2, 3, 2, 2]
+    assert inv[0] == inv[2] and len({int(inv[0]), int(inv[1]), int(inv[3])}) == 3
+    assert first[inv].tolist() == [0, 1, 0, 3]  # the first row holding each prompt
+
+
+segment = st.tuples(st.lists(st.integers(3, V - 1), min_size=1, max_size=4), st.booleans())
+row_shape = st.tuples(st.integers(0, 3), st.lists(segment, min_size=1, max_size=3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(3, V - 1), min_size=1, max_size=5), min_size=1, max_size=3),
+       rows=st.lists(row_shape, min_size=2, max_size=8))
+def test_shared_prefix_equals_plain_values_and_grads(prompts, rows):
+    """Multi-turn shapes too: responses interleave action and observation segments; the first segment
+    is forced to be an action so the prompt ends where the row's first action begins."""
+    spec = []
+    for k, segs in rows:
+        segs = [(segs[0][0], True)] + segs[1:]
+        spec.append(([1] + prompts[k % len(prompts)], segs))
+    b = _batch(spec)
+    validate(b)
+    act = b["action_mask"]
+    w = torch.randn(act.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
+    params = list(MODEL.parameters())
+    out = []
+    for f in (plain_logprobs_and_entropy, shared_prefix_logprobs_and_entropy):
+        lp, ent = f(MODEL, b, 0.9)
+        g = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
+        out.append((lp[act].detach(), ent[act].detach(), g))
+    (lp0, e0, g0), (lp1, e1, g1) = out
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
+class _Count:
+    """Counts the rows × tokens each forward call of a model runs."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.h = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        self.calls.append(tuple(kwargs["input_ids"].shape))
+
+
+def test_shared_prefix_runs_each_prompt_once_and_falls_back_without_sharing():
+    # 2 prompts × 4 samples, one-token answers: one forward over the 2 distinct prompts only
+    b = _batch([([1, 5, 6, 7], [([k + 3], True)]) for k in range(4)] + [([1, 8, 9], [([k + 3], True)])
+                                                                         for k in range(4)])
+    c = _Count(MODEL)
+    lp, _ = logprobs_and_entropy(MODEL, b, 1.0)
+    assert c.calls == [(2, 4)]
+    torch.testing.assert_close(lp[b["action_mask"]], plain_logprobs_and_entropy(MODEL, b, 1.0)[0][b["action_mask"]])
+    # every prompt distinct: the plain forward is cheaper and is used
+    c.calls.clear()
+    logprobs_and_entropy(MODEL, _batch([([1, k + 3], [([4, 5], True)]) for k in range(4)]), 1.0)
+    assert c.calls == [(4, 3)]
+    c.calls.clear()
+    logprobs_and_entropy(MODEL, b, 1.0, shared_prefix=False)
+    assert c.calls == [(8, 4)]
+    c.h.remove()
+
+
+def test_engine_prefills_each_prompt_once():
+    eng = TransformersEngine(tiny_qwen3(V, seed=2))
+    c = _Count(eng.model)
+    b = eng.generate([[1, 5, 6], [1, 7]], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0), n=5)
+    assert c.calls[0] == (2, 3) and all(s == (10, 1) for s in c.calls[1:])
+    assert b["tokens"].shape[0] == 10
+    c.h.remove()
+
+
+def test_position_zero_action_is_rejected():
+    b = _batch([([1], [([4], True)]), ([1], [([5], True)])])
+    b = b.copy().set("action_mask", b["attention_mask"].clone())
+    with pytest.raises(ValueError, match="position 0"):
+        shared_prefix_logprobs_and_entropy(MODEL, b, 1.0)
