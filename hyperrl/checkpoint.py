@@ -1,9 +1,14 @@
-"""Atomic checkpoints without pickle: safetensors for tensors, JSON for everything else.
+"""Atomic, sharded checkpoints without pickle: safetensors for tensors, JSON for everything else.
 
-Layout: ``<dir>/step_<k>/`` with ``model.safetensors``, ``optim.safetensors`` + ``optim.json``,
-``state.json`` (step, version, counters, data cursor, RNG states, world size) and, written last,
-``COMPLETE``. Everything is written into ``step_<k>.tmp`` first, fsynced, then renamed: a run
-killed mid-write leaves only a ``.tmp`` directory, which resume ignores.
+Layout of ``<dir>/step_<k>/``: per rank ``r`` (suffix ``.rank<r>`` when the world size is > 1)
+``<part>{sfx}.safetensors`` for each tensor part (``model``, ``critic``, …) holding that rank's
+*local shards*, optimizer parts as ``<part>{sfx}.safetensors`` + ``<part>{sfx}.json``,
+``rng{sfx}.safetensors``; then ``state.json`` (step, version, counters, data cursor, world size),
+``layout.json`` (each sharded tensor's global shape and ``hyperrl.sharding`` spec on the
+``fsdp`` mesh — what :func:`consolidate` needs) and, written last, ``COMPLETE``.
+Every rank writes into ``step_<k>.tmp`` and fsyncs; after a barrier rank 0 writes the marker and
+renames: a run killed mid-write leaves only a ``.tmp`` directory, which resume ignores. No rank
+gathers another's shards (saving a large FSDP2 model costs each rank its own shard only).
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError", "MARKER"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "consolidate", "CheckpointError", "MARKER"]
 
 MARKER = "COMPLETE"
 
@@ -54,32 +60,61 @@ def _optim_from_files(tensors: dict, meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(root: str | Path, step: int, *, model: dict, optim: dict, state: dict, rng: dict,
-                    _crash_after: str | None = None) -> Path:
-    """Write ``root/step_<step>`` atomically. ``_crash_after`` (tests only) kills the process mid-write."""
+def _suffix(rank: int, world_size: int) -> str:
+    return "" if world_size == 1 else f".rank{rank}"
+
+
+def _is_optim(part: dict) -> bool:
+    return "param_groups" in part and "state" in part
+
+
+def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], state: dict, rng: dict,
+                    layout: dict | None = None, rank: int = 0, world_size: int = 1,
+                    barrier: Callable[[], None] = lambda: None, _crash_after: str | None = None) -> Path:
+    """Write ``root/step_<step>`` atomically; every rank of ``world_size`` calls it with its own
+    ``parts`` (name → local tensors, or an optimizer ``state_dict`` of local tensors) and ``rng``.
+    ``_crash_after`` (tests only) kills the process after writing that part."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file({k: v.detach().clone().contiguous() for k, v in model.items()}, tmp / "model.safetensors")
-    if _crash_after == "model":
-        os._exit(9)
-    o_tensors, o_meta = _optim_to_files(optim)
-    save_file(o_tensors, tmp / "optim.safetensors")
-    (tmp / "optim.json").write_text(json.dumps(o_meta))
-    save_file(rng, tmp / "rng.safetensors")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    for f in tmp.iterdir():
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    sfx = _suffix(rank, world_size)
+    written = []
+    for name, part in parts.items():
+        if _is_optim(part):
+            tensors, meta = _optim_to_files(part)
+            (tmp / f"{name}{sfx}.json").write_text(json.dumps(meta))
+            written.append(tmp / f"{name}{sfx}.json")
+        else:
+            tensors = {k: v.detach().clone().contiguous() for k, v in part.items()}
+        save_file(tensors, tmp / f"{name}{sfx}.safetensors")
+        written.append(tmp / f"{name}{sfx}.safetensors")
+        if _crash_after == name:
+            os._exit(9)
+    save_file(rng, tmp / f"rng{sfx}.safetensors")
+    written.append(tmp / f"rng{sfx}.safetensors")
+    for f in written:
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    (tmp / MARKER).write_text("ok\n")
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
+    barrier()  # every rank's shards are durable before the marker
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps({**state, "world_size": world_size, "parts": list(parts)},
+                                                   indent=1))
+        (tmp / "layout.json").write_text(json.dumps(layout or {}))
+        for f in ("state.json", "layout.json"):
+            with open(tmp / f, "rb") as fh:
+                os.fsync(fh.fileno())
+        (tmp / MARKER).write_text("ok\n")
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    barrier()  # nobody reads or rewrites before the rename
     return final
 
 
@@ -91,8 +126,9 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def load_checkpoint(path: str | Path, *, world_size: int = 1) -> dict:
-    """Load a complete checkpoint; refuses one without its marker or from another world size."""
+def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0) -> dict:
+    """This rank's parts of a complete checkpoint (``{part: tensors | optimizer state, "rng": …,
+    "state": …}``); refuses one without its marker, from another world size, or missing a file."""
     path = Path(path)
     if not (path / MARKER).exists():
         raise CheckpointError(f"{path}: no {MARKER} marker — the write did not finish; resume from an earlier "
@@ -101,10 +137,39 @@ def load_checkpoint(path: str | Path, *, world_size: int = 1) -> dict:
     if state.get("world_size", 1) != world_size:
         raise CheckpointError(f"{path}: written with world size {state.get('world_size')}, resuming with "
                               f"{world_size}; resharding optimizer state across world sizes is not supported")
-    return {
-        "model": load_file(path / "model.safetensors"),
-        "optim": _optim_from_files(load_file(path / "optim.safetensors"),
-                                   json.loads((path / "optim.json").read_text())),
-        "rng": load_file(path / "rng.safetensors"),
-        "state": state,
-    }
+    sfx = _suffix(rank, world_size)
+    out = {"state": state}
+    for name in [*state.get("parts", ["model", "optim"]), "rng"]:
+        f = path / f"{name}{sfx}.safetensors"
+        if not f.exists():
+            raise CheckpointError(f"{path}: {f.name} is missing (rank {rank} of {world_size})")
+        meta = path / f"{name}{sfx}.json"
+        out[name] = _optim_from_files(load_file(f), json.loads(meta.read_text())) if meta.exists() else load_file(f)
+    return out
+
+
+def consolidate(path: str | Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of a tensor part, assembled from every rank's shards with the
+    recorded specs — an HF-style state dict from a sharded FSDP2 checkpoint, on one process."""
+    from .sharding import Mesh, Spec, boxes
+
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    world = state.get("world_size", 1)
+    if world == 1:
+        return load_file(path / f"{part}.safetensors")
+    layout = json.loads((path / "layout.json").read_text())
+    mesh = Mesh.of(fsdp=world)
+    shards = [load_file(path / f"{part}{_suffix(r, world)}.safetensors") for r in range(world)]
+    out = {}
+    for name, local in shards[0].items():
+        rec = layout.get(f"{part}/{name}")
+        if rec is None:  # not sharded: every rank holds it whole
+            out[name] = local
+            continue
+        full = torch.empty(rec["shape"], dtype=local.dtype)
+        spec = Spec(tuple(tuple(d) for d in rec["spec"]))
+        for r, box in boxes(spec, mesh, tuple(rec["shape"]), name).items():
+            full[box.slices()].copy_(shards[r][name])
+        out[name] = full
+    return out

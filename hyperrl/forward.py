@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from . import transforms as T
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "logprobs_and_entropy",
-           "prefix_groups"]
+           "prefix_groups", "choose"]
 
 
 def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
@@ -55,20 +55,23 @@ def prefix_groups(batch: TensorDict):
     return p, inverse, first
 
 
-def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None):
+def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None, *,
+                                       min_rest: int = 0):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each distinct prompt run once.
 
     Prompts ``[U, P]`` are left-padded so every row's continuation starts at cache slot ``P``;
     the continuation ``[B, S − 1]`` (all tokens after the prompt but the last) runs on the
     indexed cache with positions ``p_b + s``. Logits: the prompt's last one predicts the first
-    continuation token, continuation logit ``s`` predicts token ``s + 1``.
+    continuation token, continuation logit ``s`` predicts token ``s + 1``. ``min_rest ≥ 1`` runs
+    the continuation forward even when every row ends one token after its prompt (data-parallel
+    ranks must make the same number of model calls under FSDP).
     """
     tokens, attn = batch["tokens"], batch["attention_mask"]
     p, inverse, first = groups if groups is not None else prefix_groups(batch)
     if int(p.min()) < 1:
         raise ValueError("action_mask: position 0 is an action; a sequence must start with a prompt token")
     B, dev = tokens.shape[0], tokens.device
-    P, S = int(p.max()), int((attn.sum(-1) - p).max())
+    P, S = int(p.max()), max(int((attn.sum(-1) - p).max()), min_rest + 1)
     j = torch.arange(P, device=dev)[None, :]
     src = j - (P - p[first, None])  # left-pad each distinct prompt to P
     pre_mask = src >= 0
@@ -96,14 +99,27 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     return lp_full, ent_full
 
 
-def logprobs_and_entropy(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True):
-    """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it runs
-    fewer tokens than the plain one (``U < B`` and ``U·P + B·(S − 1) < B·(T − 1)``), else the plain one."""
-    if shared_prefix and batch.batch_size[0] > 1 and bool(batch["action_mask"].any()):
-        groups = prefix_groups(batch)
-        p, _, first = groups
-        B, Tn = batch["tokens"].shape
-        S = int((batch["attention_mask"].sum(-1) - p).max())
-        if int(p.min()) >= 1 and len(first) < B and len(first) * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1):
-            return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups)
+def choose(batch: TensorDict, shared_prefix: bool = True) -> tuple[bool, int]:
+    """``(use the shared-prefix forward, tokens after the longest prompt S)``: shared when it runs
+    fewer tokens (``U < B`` and ``U·P + B·(S − 1) < B·(T − 1)``)."""
+    if not shared_prefix or batch.batch_size[0] < 2 or not bool(batch["action_mask"].any()):
+        return False, 0
+    p, _, first = prefix_groups(batch)
+    B, Tn = batch["tokens"].shape
+    S = int((batch["attention_mask"].sum(-1) - p).max())
+    U = len(first)
+    return int(p.min()) >= 1 and U < B and U * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1), S
+
+
+def logprobs_and_entropy(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True,
+                         agree=None):
+    """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it is cheaper
+    (:func:`choose`), else the plain forward. ``agree((use, S)) → (use, S)`` makes the choice
+    collective (data parallel: every rank then makes the same model calls — all use the
+    shared path only if all prefer it, and run the continuation if any rank has one)."""
+    use, S = choose(batch, shared_prefix)
+    if agree is not None:
+        use, S = agree(use, S)
+    if use:
+        return shared_prefix_logprobs_and_entropy(model, batch, temperature, min_rest=int(S > 1))
     return plain_logprobs_and_entropy(model, batch, temperature)

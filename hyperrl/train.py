@@ -46,22 +46,22 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     policy.train()
     engine = TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
     reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        policy = _fully_shard(policy)
     critic = None
     if cfg.algo.estimator == "gae":
         from .trainer import ValueModel
 
         body = _tiny(cfg, tok, cfg.run.seed + 1).model
         critic = ValueModel(body, m.hidden)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and critic is not None:
-        raise ValueError("a critic under torchrun is not supported yet; use an outcome estimator (grpo, rloo, ...)")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        policy = _fully_shard(policy, policy.model.layers)
+        if critic is not None:
+            critic = _fully_shard(critic, critic.backbone.layers)
     task = make_task(cfg.task, tok, cfg.run.seed)
     return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, hooks=hooks, reference=reference,
                        critic=critic)
 
 
-def _fully_shard(policy):
+def _fully_shard(module, layers):
     """FSDP2 over all ranks (gloo on CPU, NCCL/HCCL on devices): each decoder layer, then the root.
     FSDP averages gradients over ranks; the trainer scales each loss by the world size so the
     result is the *sum* the global token normaliser expects (gloo has no PREMUL_SUM for a divide
@@ -70,10 +70,10 @@ def _fully_shard(policy):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("fsdp",))
-    for layer in policy.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(policy, mesh=mesh)
-    return policy
+    fully_shard(module, mesh=mesh)
+    return module
 
 
 def plot_rewards(jsonl: Path, png: Path) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from . import transforms as T
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .forward import logprobs_and_entropy
 from .rollout.base import SamplingParams
@@ -112,16 +112,18 @@ class SyncTrainer:
             batch = self._generate(samples)
         with timer("reward"):
             batch = self._rewards(batch, samples)
-        if self.critic is not None:
-            with timer("values"), torch.no_grad():
-                batch = batch.copy().set("values", self.critic(batch))
-        batch = self.transform(batch)
-        with timer("logprob"):
-            batch, gate = self._old_logprobs(batch)
-        with timer("update"):
-            losses = self._update(batch)
-        with timer("publish"):
-            self.publish()
+        gate, losses = {}, {"update_skipped": 1.0}
+        if self._all_ranks_have_rows(batch):  # else (e.g. all groups filtered) every rank skips alike
+            if self.critic is not None:
+                with timer("values"), torch.no_grad():
+                    batch = batch.copy().set("values", self.critic(batch))
+            batch = self.transform(batch)
+            with timer("logprob"):
+                batch, gate = self._old_logprobs(batch)
+            with timer("update"):
+                losses = self._update(batch)
+            with timer("publish"):
+                self.publish()
         self.step_idx += 1
         self.samples_seen += batch.batch_size[0]
         self.tokens_seen += int(batch["attention_mask"].sum())
@@ -174,10 +176,15 @@ class SyncTrainer:
         return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
             self.reference is None
 
+    def _all_ranks_have_rows(self, batch: TensorDict) -> bool:
+        if self.world == 1:
+            return batch.batch_size[0] > 0
+        t = torch.tensor([batch.batch_size[0]])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t) > 0
+
     @torch.no_grad()
     def _old_logprobs(self, batch: TensorDict):
-        if batch.batch_size[0] == 0:
-            return batch, {}
         if self._single_pass():
             return batch.copy().set("old_logprobs", batch["rollout_logprobs"]), {}
         lp, _ = self._logprobs(self.policy, batch)
@@ -194,23 +201,48 @@ class SyncTrainer:
 
     def _logprobs(self, model, batch: TensorDict):
         return logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                    shared_prefix=self.cfg.optim.shared_prefix)
+                                    shared_prefix=self.cfg.optim.shared_prefix,
+                                    agree=self._agree if self.world > 1 else None)
+
+    @staticmethod
+    def _agree(use: bool, S: int) -> tuple[bool, int]:
+        """One forward choice for all data-parallel ranks (FSDP needs the same model calls on each)."""
+        t = torch.tensor([int(not use), S])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return not bool(t[0]), int(t[1])
+
+    def _micro_batches(self, mini: TensorDict) -> list:
+        """Micro-batches of a mini-batch by token budget; across ranks padded to one count with
+        ``None`` (a zero-weight pass: FSDP needs the same forwards/backwards on every rank)."""
+        lengths = mini["attention_mask"].sum(-1)
+        micros = []
+        if len(lengths):
+            budget = self.cfg.optim.micro_batch_tokens or int(lengths.sum())
+            micros = T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
+        if self.world > 1:
+            t = torch.tensor([len(micros)])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            micros += [None] * (int(t) - len(micros))
+        return micros
 
     def _update(self, batch: TensorDict) -> dict:
         a, o = self.cfg.algo, self.cfg.optim
         B = batch.batch_size[0]
-        if B == 0:
-            return {}
         totals: dict[str, float] = {}
         order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.run.seed + self.step_idx))
         for _ in range(a.ppo_epochs):
-            for mb in order.chunk(o.mini_batches):
+            for mb in order.tensor_split(o.mini_batches):  # the same count on every rank, maybe empty
                 mini = batch[mb]
                 norm = self._global(T.Normalizer.from_mask(mini["action_mask"],
                                                             length_const=self.cfg.rollout.max_new_tokens))
-                lengths = mini["attention_mask"].sum(-1)
-                budget = o.micro_batch_tokens or int(lengths.sum())
-                for micro in T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max()))):
+                for micro in self._micro_batches(mini):
+                    if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
+                        lp, ent = self._logprobs(self.policy, batch[:1])
+                        zero = (lp.sum() + ent.sum()) * 0.0
+                        if self.critic is not None:
+                            zero = zero + self.critic(batch[:1]).sum() * 0.0
+                        zero.backward()
+                        continue
                     part = mini[torch.tensor(micro)]
                     lp, ent = self._logprobs(self.policy, part)
                     out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
@@ -311,44 +343,47 @@ class SyncTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoint / resume
-    def _full_state(self) -> tuple[dict, dict]:
-        """Model and optimizer state as full (unsharded) tensors; under FSDP2 gathered on every rank."""
-        if self.world == 1:
-            return self.policy.state_dict(), self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    def _modules(self) -> dict[str, tuple]:
+        """Checkpoint part name → (module, its optimizer part name, optimizer)."""
+        mods = {"model": (self.policy, "optim", self.optimizer)}
+        if self.critic is not None:
+            mods["critic"] = (self.critic, "critic_optim", self.critic_opt)
+        return mods
 
-        return get_state_dict(self.policy, self.optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                    cpu_offload=True))
-
-    def save(self, *, _crash_after: str | None = None) -> Path | None:
-        """Atomic checkpoint (rank 0 writes the full state; the world size is recorded)."""
-        model, optim = self._full_state()
+    def save(self, *, _crash_after: str | None = None) -> Path:
+        """Atomic checkpoint: each rank writes its own shards (no gather), rank 0 the marker."""
+        mesh, parts, layout = Mesh.of(fsdp=self.world), {}, {}
+        for name, (module, oname, opt) in self._modules().items():
+            sd = module.state_dict()
+            parts[name] = {k: _local(v) for k, v in sd.items()}
+            layout.update({f"{name}/{k}": {"shape": list(v.shape),
+                                           "spec": [list(d) for d in from_placements(v.placements, mesh, v.dim()).dims]}
+                           for k, v in sd.items() if hasattr(v, "placements")})
+            o = opt.state_dict()
+            parts[oname] = {"param_groups": o["param_groups"],
+                            "state": {i: {k: _local(v) for k, v in st.items()} for i, st in o["state"].items()}}
         state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
-                 "tokens_seen": self.tokens_seen, "world_size": self.world, "task": self.task.state(),
-                 "config": self.cfg.to_dict()}
-        path = None
+                 "tokens_seen": self.tokens_seen, "task": self.task.state(), "config": self.cfg.to_dict()}
+        path = save_checkpoint(self.out / "checkpoints", self.step_idx, parts=parts, state=state, layout=layout,
+                               rng={"torch": torch.get_rng_state()}, rank=self.rank, world_size=self.world,
+                               barrier=dist.barrier if self.world > 1 else (lambda: None), _crash_after=_crash_after)
         if self.rank == 0:
-            path = save_checkpoint(self.out / "checkpoints", self.step_idx, model=model, optim=optim, state=state,
-                                   rng={"torch": torch.get_rng_state()}, _crash_after=_crash_after)
             self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
-        if self.world > 1:
-            dist.barrier()
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load the given (or latest complete) checkpoint and refit the engine before generating."""
+        """Load the given (or latest complete) checkpoint — this rank's shards into its local
+        parameters and optimizer state — and refit the engine before generating."""
         path = Path(path) if path else latest_checkpoint(self.out / "checkpoints")
         if path is None:
             return False
-        ck = load_checkpoint(path, world_size=self.world)
-        if self.world == 1:
-            self.policy.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optim"])
-        else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            set_state_dict(self.policy, self.optimizer, model_state_dict=ck["model"], optim_state_dict=ck["optim"],
-                           options=StateDictOptions(full_state_dict=True))
+        ck = load_checkpoint(path, world_size=self.world, rank=self.rank)
+        for name, (module, oname, opt) in self._modules().items():
+            if name not in ck:
+                raise CheckpointError(f"{path}: no {name!r} part (this run has one; the checkpoint was written "
+                                      f"without it)")
+            _load_local(module, ck[name], f"{path}: {name}")
+            _load_optimizer(opt, ck[oname])
         torch.set_rng_state(ck["rng"]["torch"])
         st = ck["state"]
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
@@ -361,17 +396,52 @@ class SyncTrainer:
         return True
 
     def _mean_over_ranks(self, metrics: dict) -> dict:
+        """Numeric metrics averaged over ranks (a key some ranks lack averages over those that have it)."""
         if self.world == 1:
             return metrics
-        keys = sorted(k for k, v in metrics.items() if isinstance(v, int | float) and k not in ("step",
-                                                                                              "policy_version"))
-        t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        mine = {k: float(v) for k, v in metrics.items()
+                if isinstance(v, int | float) and k not in ("step", "policy_version")}
+        names: list = [None] * self.world
+        dist.all_gather_object(names, sorted(mine))
+        keys = sorted(set().union(*names))
+        t = torch.tensor([[mine.get(k, 0.0), float(k in mine)] for k in keys], dtype=torch.float64)
         dist.all_reduce(t)
-        return {**metrics, **{k: float(v) / self.world for k, v in zip(keys, t.tolist())}}
+        return {**metrics, **{k: s / c for k, (s, c) in zip(keys, t.tolist()) if c}}
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:
             h(event, self, metrics)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself when not sharded)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def _load_local(module: torch.nn.Module, tensors: dict, where: str) -> None:
+    for k, v in module.state_dict(keep_vars=True).items():
+        if k not in tensors:
+            raise CheckpointError(f"{where}: tensor {k!r} is missing")
+        dst = _local(v)
+        if tuple(dst.shape) != tuple(tensors[k].shape):
+            raise CheckpointError(f"{where}: {k!r} shard has shape {list(tensors[k].shape)}, this rank holds "
+                                  f"{list(dst.shape)}")
+        dst.copy_(tensors[k])
+
+
+def _load_optimizer(opt, sd: dict) -> None:
+    """Local optimizer state back onto (possibly DTensor) parameters, then ``load_state_dict``."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for i, st in sd["state"].items():
+        p = params[int(i)]
+        state[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                         if hasattr(p, "placements") and torch.is_tensor(v) and v.dim() == p.dim() else v
+                         for k, v in st.items()}
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
 def write_jsonl(path: Path):

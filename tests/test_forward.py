@@ -121,3 +121,17 @@ def test_position_zero_action_is_rejected():
     b = b.copy().set("action_mask", b["attention_mask"].clone())
     with pytest.raises(ValueError, match="position 0"):
         shared_prefix_logprobs_and_entropy(MODEL, b, 1.0)
+
+
+def test_agreed_choice_forces_the_same_model_calls():
+    """Data parallel: a rank whose answers are one token long still runs the continuation forward
+    when another rank needs it (agree → S = 2), and the result is unchanged."""
+    b = _batch([([1, 5, 6], [([k + 3], True)]) for k in range(4)])
+    c = _Count(MODEL)
+    lp, _ = logprobs_and_entropy(MODEL, b, 1.0, agree=lambda use, S: (use, max(S, 3)))
+    assert c.calls == [(1, 3), (4, 1)]  # prompt once, then a continuation call (its outputs all padding)
+    torch.testing.assert_close(lp[b["action_mask"]], plain_logprobs_and_entropy(MODEL, b, 1.0)[0][b["action_mask"]])
+    c.calls.clear()
+    logprobs_and_entropy(MODEL, b, 1.0, agree=lambda use, S: (False, S))  # another rank prefers plain
+    assert c.calls == [(4, 3)]
+    c.h.remove()

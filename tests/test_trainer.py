@@ -157,7 +157,17 @@ def test_example_configs_build_and_step(tmp_path, config):
                                "--run.steps=1"])
     tr = build_trainer(cfg)
     m = tr.step()
-    assert m["policy_version"] == 1
+    # dynamic sampling (dapo) may drop every group of a random policy: then nothing is updated or published
+    assert m["policy_version"] == 1 - m.get("update_skipped", 0) and tr.engine.policy_version == m["policy_version"]
+
+
+def test_an_all_filtered_batch_skips_update_and_publish(tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--algo.dynamic_sampling=true"))
+    tr.task.reward = lambda response, sample: 0.0  # every group constant: dynamic sampling keeps nothing
+    before = {k: v.clone() for k, v in tr.policy.state_dict().items()}
+    m = tr.step()
+    assert m["update_skipped"] == 1.0 and m["policy_version"] == 0 and tr.engine.policy_version == 0
+    assert all(torch.equal(before[k], v) for k, v in tr.policy.state_dict().items())
 
 
 def test_cli_train_writes_outputs(tmp_path):

@@ -70,3 +70,63 @@ def test_fsdp2_checkpoint_resume_is_identical(tmp_path):
 
     with pytest.raises(CheckpointError, match="world size 2, resuming with 1"):
         load_checkpoint(tmp_path / "b" / "checkpoints" / "step_3", world_size=1)
+
+
+def _critic_worker(rank, world, out_dir, stop, resume):
+    """PPO + critic, both FSDP2-sharded; multi-token answers and a small micro-batch token budget, so
+    ranks hold different lengths and micro-batch counts (padded with zero-weight passes)."""
+    from hyperrl.config import load_config
+    from hyperrl.train import build_trainer
+
+    cfg = load_config("configs/ppo_critic.yaml", [
+        f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4", "--rollout.max_new_tokens=3",
+        "--model.hidden=64", "--model.intermediate=128", "--task.max_operand=99", "--optim.micro_batch_tokens=17",
+        "--optim.mini_batches=2"])
+    tr = build_trainer(cfg)
+    assert type(tr.critic).__name__.startswith("FSDP"), type(tr.critic)
+    if resume:
+        assert tr.resume()
+    metrics, micro_counts = [], []
+    orig = tr._micro_batches
+
+    def counting(mini):
+        out = orig(mini)
+        micro_counts.append((sum(m is not None for m in out), len(out)))
+        return out
+
+    tr._micro_batches = counting
+    while tr.step_idx < stop:
+        metrics.append(tr.step())
+        if tr.step_idx == 2:
+            tr.save()
+    full = {f"{n}/{k}": p.full_tensor().detach().numpy().copy()
+            for n, mod in (("policy", tr.policy), ("critic", tr.critic)) for k, p in mod.named_parameters()}
+    skip = ("time_", "tokens_per_s")
+    return full, [{k: v for k, v in m.items() if not k.startswith(skip)} for m in metrics], micro_counts
+
+
+def test_fsdp2_critic_uneven_micro_batches_and_sharded_resume(tmp_path):
+    import numpy as np
+
+    from hyperrl.checkpoint import consolidate
+
+    full = run_gloo(_critic_worker, 2, str(tmp_path / "a"), 4, False)
+    counts = full[0][2] + full[1][2]
+    assert any(real < padded for real, padded in counts), counts  # some rank really ran a padding pass
+    assert all(m["policy_version"] == i + 1 for i, m in enumerate(full[0][1]))
+    assert all("loss_value" in m for m in full[0][1])
+    run_gloo(_critic_worker, 2, str(tmp_path / "b"), 2, False)
+    ck = tmp_path / "b" / "checkpoints" / "step_2"
+    names = sorted(p.name for p in ck.iterdir())
+    assert "model.rank0.safetensors" in names and "critic_optim.rank1.safetensors" in names
+    assert "model.safetensors" not in names  # nothing was gathered into a full copy
+    resumed = run_gloo(_critic_worker, 2, str(tmp_path / "b"), 4, True)
+    assert resumed[0][1] == full[0][1][2:]  # identical metrics for steps 3..4
+    for k, v in full[0][0].items():
+        assert np.array_equal(v, resumed[0][0][k]), k
+    # one process reassembles full tensors from both ranks' shards with the recorded specs
+    weights = consolidate(ck, "model")
+    mid = run_gloo(_critic_worker, 2, str(tmp_path / "c"), 2, False)
+    for k, v in mid[0][0].items():
+        if k.startswith("policy/"):
+            assert np.array_equal(weights[k.removeprefix("policy/")].numpy(), v), k
