@@ -60,9 +60,7 @@ class ParquetTask:
         self.reward_fn = REWARDS.get(reward)
 
     def sample(self, k: int, step: int) -> list[Sample]:
-        if k != self.loader.batch_size:
-            self.loader.batch_size = k
-        return self.loader.next_batch()
+        return self.loader.next_batch(k)
 
     def held_out(self, k: int) -> list[Sample]:
         return [self.dataset[i % len(self.dataset)] for i in range(k)]

@@ -306,12 +306,16 @@ class SyncTrainer:
     def _through_plan(self) -> dict[str, torch.Tensor]:
         local = {k: (p.to_local() if hasattr(p, "to_local") else p).detach()
                  for k, p in self.policy.named_parameters()}
-        out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in self.policy.named_parameters()}
-        if self.world == 1:
+        if self.world == 1:  # the identity plan: each transfer is a whole tensor — pass views, copy nothing
+            out = {}
             for t in self._plan:
-                out[t.param][t.dst_slice.slices()].copy_(local[t.tensor][t.src_slice.slices()])
-        else:
-            execute_direct(self._plan, self.rank, local, out)
+                view = local[t.tensor][t.src_slice.slices()]
+                if tuple(view.shape) != tuple(local[t.tensor].shape):
+                    raise RuntimeError(f"{t.param}: a one-process plan must move whole tensors, got {t.src_slice}")
+                out[t.param] = view
+            return out
+        out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in self.policy.named_parameters()}
+        execute_direct(self._plan, self.rank, local, out)
         return out
 
     def publish(self) -> None:

@@ -74,5 +74,10 @@ def test_loader_deterministic_resumable_and_counts():
     assert rest == seq[6:]
     resumed.add_tokens(120)
     assert resumed.state.tokens == 120 and isinstance(resumed.state, CursorState)
+    # an explicit size per call reads the same stream (the loader's batch size is not changed)
+    c = PromptLoader(ds, 3, seed=7)
+    assert [s.source for s in c.next_batch(5) + c.next_batch(10)] == seq and c.batch_size == 3
+    with pytest.raises(ValueError, match="k=0"):
+        c.next_batch(0)
     with pytest.raises(DataError, match="empty"):
         PromptLoader(PromptDataset([]), 2)

@@ -131,12 +131,16 @@ class PromptLoader:
         n = len(self.dataset)
         return np.random.default_rng(self.seed + epoch).permutation(n) if self.shuffle else np.arange(n)
 
-    def next_batch(self) -> list[Sample]:
-        """The next ``batch_size`` samples, crossing epoch boundaries (each epoch reshuffled)."""
+    def next_batch(self, k: int | None = None) -> list[Sample]:
+        """The next ``k`` (default ``batch_size``) samples, crossing epoch boundaries (each epoch
+        reshuffled)."""
+        k = self.batch_size if k is None else k
+        if k < 1:
+            raise ValueError(f"k={k}: must be ≥ 1")
         out, st = [], self.state
-        while len(out) < self.batch_size:
+        while len(out) < k:
             order = self._order(st.epoch)
-            take = min(self.batch_size - len(out), len(order) - st.index)
+            take = min(k - len(out), len(order) - st.index)
             out += [self.dataset[int(i)] for i in order[st.index: st.index + take]]
             st = replace(st, index=st.index + take, samples=st.samples + take)
             if st.index == len(order):
