@@ -130,3 +130,33 @@ def test_fsdp2_critic_uneven_micro_batches_and_sharded_resume(tmp_path):
     for k, v in mid[0][0].items():
         if k.startswith("policy/"):
             assert np.array_equal(weights[k.removeprefix("policy/")].numpy(), v), k
+
+
+def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from hyperrl.checkpoint import latest_checkpoint
+
+    def run(steps):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                               "--master_port", str(port), "-m", "hyperrl.cli", "train", f"--run.out_dir={tmp_path}",
+                               f"--run.steps={steps}", "--run.ckpt_every=2", "--rollout.prompts_per_step=8",
+                               "--rollout.n=4", "--run.eval_every=0", "--run.threads=1", "--model.hidden=64",
+                               "--model.intermediate=128"], capture_output=True, text=True, timeout=300)
+
+    first = run(3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ck = latest_checkpoint(tmp_path / "checkpoints")
+    assert ck.name == "step_3" and (ck / "model.rank1.safetensors").exists()
+    second = run(5)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from step 3" in second.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # rank 0 alone logs; the resumed run appends
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]  # the engine was refitted to version 3
