@@ -3,8 +3,8 @@
 Same tiny Qwen3 (random init, same seed), same character tokenizer (wrapped as an HF fast
 tokenizer for TRL), same (a+b) mod 10 prompts, the same prompts × completions per step as
 hyperrl's default config, one-token completions, lr 1e-3, β = 0, temperature 1; TRL otherwise
-with its defaults (hyperrl with its: entropy bonus 0.03). Reports seconds per step, tokens/s and the reward
-reached; appends to benchmarks/RESULTS.md.
+with its defaults (hyperrl with its: entropy bonus 0.05, clip-higher 0.28). Reports seconds per
+step, tokens/s and the reward reached; appends to benchmarks/RESULTS.md.
 
     python benchmarks/e2e.py --steps 200      # needs the bench extra (trl)
 """
