@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "consolidate", "CheckpointError", "MARKER"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "consolidate", "rng_states", "set_rng_states",
+           "CheckpointError", "MARKER"]
 
 MARKER = "COMPLETE"
 
@@ -58,6 +59,35 @@ def _optim_from_files(tensors: dict, meta: dict) -> dict:
         key = int(idx) if idx.isdigit() else idx  # torch optimizers key by index; full state dicts by name
         state[key] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in st.items()}
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _json_bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """This process's torch, Python ``random`` and NumPy global RNG states as tensors (no pickle)."""
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": _json_bytes(random.getstate()),
+            "numpy": _json_bytes([kind, keys.tolist(), pos, has_gauss, gauss])}
+
+
+def set_rng_states(rng: dict[str, torch.Tensor]) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(rng["torch"])
+    if "python" in rng:
+        version, internal, gauss = json.loads(bytes(rng["python"].tolist()).decode())
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, gauss = json.loads(bytes(rng["numpy"].tolist()).decode())
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 def _suffix(rank: int, world_size: int) -> str:

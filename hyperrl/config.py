@@ -85,6 +85,9 @@ class OptimConfig:
     mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_tokens: int = 0  # gradient-accumulation budget per micro-batch (0 = whole mini-batch)
     shared_prefix: bool = True  # run each distinct prompt once per forward (hyperrl.forward), when cheaper
+    schedule: str = "constant"  # lr schedule (hyperrl.schedules.SCHEDULES): constant | linear | cosine
+    warmup_steps: int = 0  # linear warmup, in optimizer steps
+    min_lr_ratio: float = 0.0  # where linear/cosine end, as a fraction of lr
 
 
 @dataclass(frozen=True)

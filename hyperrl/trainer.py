@@ -21,10 +21,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from . import transforms as T
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig
 from .forward import logprobs_and_entropy
 from .rollout.base import SamplingParams
+from .schedules import SCHEDULES, lr_multiplier
 from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
 from .sharding.dtensor import from_placements
 from .sharding.execute import execute_direct
@@ -97,6 +98,8 @@ class SyncTrainer:
         self.hooks = list(hooks)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        SCHEDULES.get(o.schedule)
+        self.optim_steps = 0  # the lr schedule's only state
         self.step_idx, self.version = 0, engine.policy_version
         self.samples_seen = self.tokens_seen = 0
         self.out = Path(cfg.run.out_dir)
@@ -268,6 +271,7 @@ class SyncTrainer:
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip)
                 gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
                 totals["grad_norm"] = max(totals.get("grad_norm", 0.0), float(gn))
+                totals["lr"] = self._set_lr()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.critic_opt is not None:
@@ -275,6 +279,18 @@ class SyncTrainer:
                     self.critic_opt.step()
                     self.critic_opt.zero_grad(set_to_none=True)
         return totals
+
+    def _set_lr(self) -> float:
+        """Learning rates for optimizer step ``optim_steps`` of the run (policy and critic), from the schedule."""
+        o, a = self.cfg.optim, self.cfg.algo
+        total = self.cfg.run.steps * o.mini_batches * a.ppo_epochs
+        m = lr_multiplier(self.optim_steps, schedule=o.schedule, total=max(total, 1), warmup=o.warmup_steps,
+                          min_ratio=o.min_lr_ratio)
+        for opt, base in ((self.optimizer, o.lr), (self.critic_opt, a.critic_lr)):
+            for g in (opt.param_groups if opt is not None else ()):
+                g["lr"] = base * m
+        self.optim_steps += 1
+        return o.lr * m
 
     def _global(self, norm):
         """Sum the step's normalisers over data-parallel ranks (exact gradient accumulation)."""
@@ -367,9 +383,10 @@ class SyncTrainer:
             parts[oname] = {"param_groups": o["param_groups"],
                             "state": {i: {k: _local(v) for k, v in st.items()} for i, st in o["state"].items()}}
         state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
-                 "tokens_seen": self.tokens_seen, "task": self.task.state(), "config": self.cfg.to_dict()}
+                 "tokens_seen": self.tokens_seen, "optim_steps": self.optim_steps, "task": self.task.state(),
+                 "config": self.cfg.to_dict()}
         path = save_checkpoint(self.out / "checkpoints", self.step_idx, parts=parts, state=state, layout=layout,
-                               rng={"torch": torch.get_rng_state()}, rank=self.rank, world_size=self.world,
+                               rng=rng_states(), rank=self.rank, world_size=self.world,
                                barrier=dist.barrier if self.world > 1 else (lambda: None), _crash_after=_crash_after)
         if self.rank == 0:
             self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
@@ -388,9 +405,10 @@ class SyncTrainer:
                                       f"without it)")
             _load_local(module, ck[name], f"{path}: {name}")
             _load_optimizer(opt, ck[oname])
-        torch.set_rng_state(ck["rng"]["torch"])
+        set_rng_states(ck["rng"])
         st = ck["state"]
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
+        self.optim_steps = st.get("optim_steps", 0)
         self.task.load_state(st.get("task", {}))
         target = st["version"]
         if self.engine.policy_version >= target:  # versions only grow: republish as the next one

@@ -57,11 +57,17 @@ def _same_metrics(a, b):
 
 
 def test_resume_is_bit_identical(tmp_path):
-    full, m_full = _run_steps(_cfg(tmp_path / "a"), 6)
-    _, m_first = _run_steps(_cfg(tmp_path / "b"), 3)
-    resumed, m_rest = _run_steps(_cfg(tmp_path / "b"), 6, resume=True)
+    # a cosine schedule with warmup: its position (optimizer steps) is part of the checkpoint
+    sched = ("--optim.schedule=cosine", "--optim.warmup_steps=2", "--optim.min_lr_ratio=0.1", "--run.steps=6")
+    full, m_full = _run_steps(_cfg(tmp_path / "a", *sched), 6)
+    _, m_first = _run_steps(_cfg(tmp_path / "b", *sched), 3)
+    resumed, m_rest = _run_steps(_cfg(tmp_path / "b", *sched), 6, resume=True)
     assert resumed.engine.policy_version == 6
     assert _same_metrics(m_full[3:], m_rest)
+    # lr = 1e-3 · multiplier: warmup 0.5, 1, then cosine from 1 down to 0.1 at the last step
+    lrs = [m["lr"] for m in m_full]
+    assert lrs[:2] == pytest.approx([5e-4, 1e-3]) and lrs[-1] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
     for k, v in full.policy.state_dict().items():
         assert torch.equal(v, resumed.policy.state_dict()[k]), k
 
@@ -95,6 +101,20 @@ def test_kill_during_checkpoint_write_then_resume(tmp_path):
     full, _ = _run_steps(_cfg(tmp_path / "u"), 6)
     for k, v in full.policy.state_dict().items():
         assert torch.equal(v, resumed.policy.state_dict()[k]), k
+
+
+def test_rng_states_round_trip_without_pickle():
+    import random
+
+    import numpy as np
+
+    from hyperrl.checkpoint import rng_states, set_rng_states
+
+    st = rng_states()
+    a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    set_rng_states(st)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == a
+    assert all(t.dtype == torch.uint8 for t in st.values())  # plain bytes tensors in safetensors
 
 
 def test_resume_refuses_other_world_size(tmp_path):
