@@ -22,7 +22,7 @@ def test_golden_values():
        r=st.floats(0, 1))
 def test_bounded_warmup_rises_decay_falls(name, total, warmup, r):
     ms = [lr_multiplier(k, schedule=name, total=total, warmup=warmup, min_ratio=r) for k in range(total + 5)]
-    assert all(0 < m <= 1 + 1e-12 or (m == 0 and r == 0) for m in ms)
+    assert all(0 <= m <= 1 + 1e-12 for m in ms) and all(m > 0 for m in ms[:warmup])
     assert all(m >= r - 1e-12 for m in ms[warmup:])
     assert all(a < b for a, b in zip(ms[:warmup], ms[1:warmup]))  # warmup strictly increases
     assert all(a >= b - 1e-12 for a, b in zip(ms[warmup:], ms[warmup + 1:]))  # then never increases
