@@ -100,6 +100,7 @@ class RunConfig:
     out_dir: str = "runs/default"
     device: str = "cpu"
     threads: int = 0  # 0 = torch default
+    wandb_project: str = ""  # log to Weights & Biases under this project (needs `pip install wandb`)
 
 
 @dataclass(frozen=True)

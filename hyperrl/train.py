@@ -131,6 +131,21 @@ def _tensorboard(out: Path):
     return hook
 
 
+def _wandb(cfg: TrainConfig):
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError(f"run.wandb_project={cfg.run.wandb_project!r} needs wandb: `pip install wandb`, or unset "
+                         "run.wandb_project") from None
+    run = wandb.init(project=cfg.run.wandb_project, config=cfg.to_dict(), dir=cfg.run.out_dir)
+
+    def hook(event, trainer, metrics):
+        if event in ("step", "eval"):
+            run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
+
+    return hook
+
+
 def init_distributed(device: str = "cpu") -> int:
     """Under ``torchrun`` (``WORLD_SIZE > 1``) join the process group — gloo on CPU, NCCL on CUDA,
     HCCL on NPU — and return this process's rank (0 when single-process)."""
@@ -155,6 +170,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         tb = _tensorboard(out)
         if tb:
             hooks.append(tb)
+        if cfg.run.wandb_project:
+            hooks.append(_wandb(cfg))
     trainer = build_trainer(cfg, hooks)
     if resume and trainer.resume():
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
