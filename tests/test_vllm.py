@@ -26,17 +26,26 @@ def _vllm_available() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def report():
+def _run_check(script: str) -> dict:
     reason = _vllm_available()
     if reason:
         print(f"SKIP vLLM tests: {reason}", file=sys.stderr)
         pytest.skip(reason)
-    out = subprocess.run([str(PY), str(ROOT / "tests" / "vllm" / "check_vllm.py")], capture_output=True, text=True,
+    out = subprocess.run([str(PY), str(ROOT / "tests" / "vllm" / script)], capture_output=True, text=True,
                          timeout=900, cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, f"vLLM check failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def report():
+    return _run_check("check_vllm.py")
+
+
+@pytest.fixture(scope="module")
+def trainer_report():
+    return _run_check("check_vllm_trainer.py")
 
 
 def test_vllm_logprobs_match_transformers_across_in_place_updates(report):
@@ -49,3 +58,13 @@ def test_vllm_logprobs_match_transformers_across_in_place_updates(report):
 def test_vllm_bad_publication_keeps_serving(report):
     assert report["bad_publish"] == "WeightPublishError"
     assert report["version_after_bad"] == 3 and report["diff_after_bad"] < 1e-5
+
+
+def test_sync_trainer_on_vllm_publishes_every_step_and_learns(trainer_report):
+    r = trainer_report
+    assert r["engine"] == "VLLMEngine"
+    assert r["versions"] == list(range(1, 151)) and r["served_version"] == 150
+    assert r["mismatch_max"] < 1e-4  # trainer vs vLLM log-probs on every step's actions (fp32)
+    assert r["final_diff"] < 1e-5  # the last publication is what vLLM serves
+    first, last = sum(r["rewards"][:20]) / 20, sum(r["rewards"][-20:]) / 20
+    assert last > first + 0.08, (first, last)

