@@ -11,7 +11,7 @@ Two ways to the same numbers (up to float rounding):
   drops from ``B·(T − 1)`` tokens to ``U·P + B·(S − 1)`` (``U`` distinct prompts of up to ``P``
   tokens, ``S`` tokens after them); with one-token answers the per-row part vanishes.
 
-:func:`logprobs_and_entropy` picks the cheaper of the two by that token count. Output positions
+:func:`policy_logprobs` picks the cheaper of the two by that token count. Output positions
 ``t ≤ prefix`` (the prompt) and padding are 0 in the shared-prefix path; only action positions
 are meaningful in either (every consumer masks by ``action_mask``).
 """
@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from . import transforms as T
 
-__all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "logprobs_and_entropy",
+__all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "policy_logprobs",
            "prefix_groups", "choose"]
 
 
@@ -111,8 +111,7 @@ def choose(batch: TensorDict, shared_prefix: bool = True) -> tuple[bool, int]:
     return int(p.min()) >= 1 and U < B and U * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1), S
 
 
-def logprobs_and_entropy(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True,
-                         agree=None):
+def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True, agree=None):
     """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it is cheaper
     (:func:`choose`), else the plain forward. ``agree((use, S)) → (use, S)`` makes the choice
     collective (data parallel: every rank then makes the same model calls — all use the

@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from . import transforms as T
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig
-from .forward import logprobs_and_entropy
+from .forward import policy_logprobs
 from .rollout.base import SamplingParams
 from .schedules import SCHEDULES, lr_multiplier
 from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
@@ -203,7 +203,7 @@ class SyncTrainer:
         return out, {k: float(v) for k, v in mm.items()}
 
     def _logprobs(self, model, batch: TensorDict):
-        return logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+        return policy_logprobs(model, batch, self.cfg.rollout.temperature,
                                     shared_prefix=self.cfg.optim.shared_prefix,
                                     agree=self._agree if self.world > 1 else None)
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperrl.forward import (
-    logprobs_and_entropy,
     plain_logprobs_and_entropy,
+    policy_logprobs,
     prefix_groups,
     shared_prefix_logprobs_and_entropy,
 )
@@ -94,15 +94,15 @@ def test_shared_prefix_runs_each_prompt_once_and_falls_back_without_sharing():
     b = _batch([([1, 5, 6, 7], [([k + 3], True)]) for k in range(4)] + [([1, 8, 9], [([k + 3], True)])
                                                                          for k in range(4)])
     c = _Count(MODEL)
-    lp, _ = logprobs_and_entropy(MODEL, b, 1.0)
+    lp, _ = policy_logprobs(MODEL, b, 1.0)
     assert c.calls == [(2, 4)]
     torch.testing.assert_close(lp[b["action_mask"]], plain_logprobs_and_entropy(MODEL, b, 1.0)[0][b["action_mask"]])
     # every prompt distinct: the plain forward is cheaper and is used
     c.calls.clear()
-    logprobs_and_entropy(MODEL, _batch([([1, k + 3], [([4, 5], True)]) for k in range(4)]), 1.0)
+    policy_logprobs(MODEL, _batch([([1, k + 3], [([4, 5], True)]) for k in range(4)]), 1.0)
     assert c.calls == [(4, 3)]
     c.calls.clear()
-    logprobs_and_entropy(MODEL, b, 1.0, shared_prefix=False)
+    policy_logprobs(MODEL, b, 1.0, shared_prefix=False)
     assert c.calls == [(8, 4)]
     c.h.remove()
 
@@ -128,10 +128,10 @@ def test_agreed_choice_forces_the_same_model_calls():
     when another rank needs it (agree → S = 2), and the result is unchanged."""
     b = _batch([([1, 5, 6], [([k + 3], True)]) for k in range(4)])
     c = _Count(MODEL)
-    lp, _ = logprobs_and_entropy(MODEL, b, 1.0, agree=lambda use, S: (use, max(S, 3)))
+    lp, _ = policy_logprobs(MODEL, b, 1.0, agree=lambda use, S: (use, max(S, 3)))
     assert c.calls == [(1, 3), (4, 1)]  # prompt once, then a continuation call (its outputs all padding)
     torch.testing.assert_close(lp[b["action_mask"]], plain_logprobs_and_entropy(MODEL, b, 1.0)[0][b["action_mask"]])
     c.calls.clear()
-    logprobs_and_entropy(MODEL, b, 1.0, agree=lambda use, S: (False, S))  # another rank prefers plain
+    policy_logprobs(MODEL, b, 1.0, agree=lambda use, S: (False, S))  # another rank prefers plain
     assert c.calls == [(4, 3)]
     c.h.remove()
