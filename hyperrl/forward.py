@@ -99,16 +99,17 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     return lp_full, ent_full
 
 
-def choose(batch: TensorDict, shared_prefix: bool = True) -> tuple[bool, int]:
-    """``(use the shared-prefix forward, tokens after the longest prompt S)``: shared when it runs
-    fewer tokens (``U < B`` and ``U·P + B·(S − 1) < B·(T − 1)``)."""
+def choose(batch: TensorDict, shared_prefix: bool = True):
+    """``(use the shared-prefix forward, tokens after the longest prompt S, prefix_groups or None)``:
+    shared when it runs fewer tokens (``U < B`` and ``U·P + B·(S − 1) < B·(T − 1)``)."""
     if not shared_prefix or batch.batch_size[0] < 2 or not bool(batch["action_mask"].any()):
-        return False, 0
-    p, _, first = prefix_groups(batch)
+        return False, 0, None
+    groups = prefix_groups(batch)
+    p, _, first = groups
     B, Tn = batch["tokens"].shape
     S = int((batch["attention_mask"].sum(-1) - p).max())
     U = len(first)
-    return int(p.min()) >= 1 and U < B and U * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1), S
+    return int(p.min()) >= 1 and U < B and U * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1), S, groups
 
 
 def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True, agree=None):
@@ -116,9 +117,9 @@ def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_pref
     (:func:`choose`), else the plain forward. ``agree((use, S)) → (use, S)`` makes the choice
     collective (data parallel: every rank then makes the same model calls — all use the
     shared path only if all prefer it, and run the continuation if any rank has one)."""
-    use, S = choose(batch, shared_prefix)
+    use, S, groups = choose(batch, shared_prefix)
     if agree is not None:
         use, S = agree(use, S)
-    if use:
-        return shared_prefix_logprobs_and_entropy(model, batch, temperature, min_rest=int(S > 1))
+    if use:  # an agreed `use` implies this rank preferred it too, so its groups exist
+        return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups, min_rest=int(S > 1))
     return plain_logprobs_and_entropy(model, batch, temperature)

@@ -320,8 +320,7 @@ class SyncTrainer:
         return reshard_plan(Layout(placements), dst)
 
     def _through_plan(self) -> dict[str, torch.Tensor]:
-        local = {k: (p.to_local() if hasattr(p, "to_local") else p).detach()
-                 for k, p in self.policy.named_parameters()}
+        local = {k: _local(p).detach() for k, p in self.policy.named_parameters()}
         if self.world == 1:  # the identity plan: each transfer is a whole tensor — pass views, copy nothing
             out = {}
             for t in self._plan:
