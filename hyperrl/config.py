@@ -1,181 +1,202 @@
-"""Frozen run configuration at the edge: YAML files plus dotted overrides, unknown keys rejected.
+"""Frozen run configuration at the edge, checked completely when it is loaded.
+
+Layers, later over earlier: the defaults below ← the recipe named by ``algo.recipe``
+(:mod:`hyperrl.recipes`) ← a YAML file ← ``--a.b=value`` overrides (values parsed as YAML).
+Types, unknown keys, dict and list values are validated by pydantic (frozen models,
+``extra="forbid"``). A **variant** section names a registered factory and its arguments —
+``objective: {name: gspo, clip_low: 3.0e-4}`` or just ``objective: gspo`` — and is checked
+against that factory's signature at load time: the name must be registered, every argument one
+the factory takes, of its type; arguments not given take the **factory's** defaults (the only
+defaults). Merging a variant keeps the arguments of the layer below only while the name stays
+the same, so ``--algo.objective=gspo`` gets GSPO's clips, never PPO's. Nothing is built here:
+a config error names the dotted key and the fix before any model, engine or process group exists.
 
 Pure transforms never see these objects; the trainer reads the scalars and passes them on.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["ModelConfig", "TaskConfig", "RolloutConfig", "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig",
-           "load_config", "ConfigError"]
+__all__ = ["Variant", "ModelConfig", "RolloutConfig", "KLConfig", "CriticConfig", "AlgoConfig", "OptimConfig",
+           "RunConfig", "TrainConfig", "load_config", "ConfigError", "describe"]
 
 
 class ConfigError(ValueError):
-    """A bad config key or value; the message names the dotted key."""
+    """A bad config key or value; the message names the dotted key and the fix."""
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    intermediate: int = 256
-    checkpoint: str | None = None  # a local HF checkpoint directory instead of a random init
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
 
 
-@dataclass(frozen=True)
-class TaskConfig:
-    name: str = "modsum"  # modsum (synthetic, in code) | parquet
-    modulus: int = 10
-    max_operand: int = 9
-    parquet: str | None = None
-    reward: str = "gsm8k_exact"
-    environment: str | None = None  # a registered multi-turn environment (e.g. gsm8k_calculator)
-    max_turns: int = 3
+class Variant(_Frozen):
+    """A registered factory by name and its hyperparameters (``{name: x, **args}`` or ``"x"``)."""
+
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_spec(cls, v):
+        if isinstance(v, str):
+            return {"name": v}
+        if isinstance(v, dict) and "args" not in v:
+            if "name" not in v:
+                raise ValueError(f"a variant needs a 'name' (got keys {sorted(v)})")
+            return {"name": v["name"], "args": {k: x for k, x in v.items() if k != "name"}}
+        return v
+
+    def spec(self) -> dict:
+        return {"name": self.name, **self.args}
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    engine: str = "transformers"  # hyperrl.train.ENGINES: transformers (any device) | vllm (vllm / -ascend / -cpu)
-    prompts_per_step: int = 32
-    n: int = 16
-    max_new_tokens: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+class ModelConfig(_Frozen):
+    hidden: int = Field(128, description="tiny Qwen3: hidden size (random init; ignored with checkpoint)")
+    layers: int = Field(2, description="tiny Qwen3: decoder layers")
+    heads: int = Field(4, description="tiny Qwen3: attention heads")
+    kv_heads: int = Field(2, description="tiny Qwen3: key/value heads")
+    head_dim: int = Field(32, description="tiny Qwen3: head dimension")
+    intermediate: int = Field(256, description="tiny Qwen3: MLP width")
+    checkpoint: str | None = Field(None, description="a local HF checkpoint directory instead of a random init")
 
 
-@dataclass(frozen=True)
-class AlgoConfig:
-    estimator: str = "grpo"
-    objective: str = "ppo_clip"
-    agg: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.28  # DAPO clip-higher: keeps the embedded default from collapsing its entropy
-    eps: float = 1e-6
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.05  # with clip-higher: ≥ 0.9 held-out on 5/5 seeds (docs/trainer.md)
-    ppo_epochs: int = 1
-    overlong_buffer: int = 0  # DAPO soft overlong punishment (0 = off)
-    dynamic_sampling: bool = False
-    gate_threshold: float | None = None  # bit-exact gate: refuse the update above this logprob gap
-    # PPO with a critic (estimator: gae)
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip: float = 0.2
-    value_coef: float = 1.0
-    critic_lr: float = 0.003
-    whiten_advantages: bool = True
+class RolloutConfig(_Frozen):
+    engine: Variant = Field(Variant(name="transformers"), description="rollout engine (hyperrl.rollout.ENGINES)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts (groups) per step, over all ranks")
+    n: int = Field(16, ge=1, description="samples per prompt (the group size)")
+    max_new_tokens: int = Field(1, ge=1, description="response budget per turn")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (also divides the trainer's logits)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1 = off)")
+    top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
+    max_turns: int = Field(3, ge=1, description="multi-turn: turns per episode (with env)")
+    max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
+                                        "refill the batch with informative groups (verl max_num_gen_batches)")
 
 
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    mini_batches: int = 1  # optimizer steps per rollout batch
-    micro_batch_tokens: int = 0  # gradient-accumulation budget per micro-batch (0 = whole mini-batch)
-    shared_prefix: bool = True  # run each distinct prompt once per forward (hyperrl.forward), when cheaper
-    schedule: str = "constant"  # lr schedule (hyperrl.schedules.SCHEDULES): constant | linear | cosine
-    warmup_steps: int = 0  # linear warmup, in optimizer steps
-    min_lr_ratio: float = 0.0  # where linear/cosine end, as a fraction of lr
+class KLConfig(_Frozen):
+    coef: float = Field(0.0, ge=0, description="β of the KL loss term (> 0 builds a reference model)")
+    estimator: str = Field("k3", description="KL estimator (hyperrl.transforms.KL_ESTIMATORS; '+' suffix: "
+                           "straight-through)")
+    clamp_input: float | None = Field(None, description="clamp lp − ref to ±this (verl low_var_kl: 20)")
+    clamp_output: float | None = Field(None, description="clamp the estimate to ±this (verl low_var_kl: 10)")
+    controller: Variant = Field(Variant(name="fixed"), description="β controller (KL_CONTROLLERS: fixed | adaptive)")
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    steps: int = 1000
-    seed: int = 0
-    eval_every: int = 100
-    eval_prompts: int = 256
-    ckpt_every: int = 0  # 0 = only at the end
-    out_dir: str = "runs/default"
-    device: str = "cpu"
-    threads: int = 0  # 0 = torch default
-    wandb_project: str = ""  # log to Weights & Biases under this project (needs `pip install wandb`)
+class CriticConfig(_Frozen):
+    lr: float = Field(0.003, gt=0, description="critic learning rate (a critic is built when a factory needs "
+                      "'values')")
+    value_clip: float | None = Field(0.2, description="value clip around the rollout-time values (null = off)")
+    value_coef: float = Field(1.0, ge=0, description="weight of loss_value")
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
+class AlgoConfig(_Frozen):
+    recipe: str = Field("grpo_clip_higher", description="named chain (hyperrl.recipes.RECIPES); the keys below "
+                        "override its parts")
+    advantage: Variant = Field(Variant(name="grpo"), description="advantage estimator (transforms.ADVANTAGES)")
+    objective: Variant = Field(Variant(name="ppo_clip"), description="policy objective (transforms.OBJECTIVES)")
+    agg: Variant = Field(Variant(name="token-mean"), description="loss aggregation (transforms.AGGREGATIONS)")
+    kl: KLConfig = Field(default_factory=KLConfig)
+    correction: Variant | None = Field(None, description="rollout/trainer mismatch correction (transforms."
+                                       "CORRECTIONS: tis | mis | rejection)")
+    shaping: list[Variant] = Field(default_factory=list, description="reward shaping stages, in order "
+                                   "(transforms.SHAPING: overlong | clip)")
+    filter: Variant | None = Field(None, description="group filter with refill (transforms.FILTERS: "
+                                   "dynamic_sampling)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight (loss_entropy = −c·agg(H))")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    gate_threshold: float | None = Field(None, description="bit-exact gate: refuse the update above this "
+                                         "trainer–rollout log-prob gap")
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+
+
+class OptimConfig(_Frozen):
+    lr: float = Field(1e-3, gt=0, description="policy learning rate (AdamW)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
+    micro_batch_tokens: int = Field(0, ge=0, description="gradient-accumulation budget per micro-batch "
+                                    "(0 = whole mini-batch)")
+    shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
+    schedule: str = Field("constant", description="lr schedule (hyperrl.schedules.SCHEDULES)")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="where linear/cosine end, as a fraction of lr")
+
+
+class RunConfig(_Frozen):
+    steps: int = Field(1000, ge=0, description="training steps")
+    seed: int = Field(0, description="seed of data, sampling, init and update order")
+    eval_every: int = Field(100, ge=0, description="held-out evaluation every k steps (0 = off)")
+    eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation")
+    ckpt_every: int = Field(0, ge=0, description="checkpoint every k steps (0 = only at the end)")
+    out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
+    device: str = Field("cpu", description="cpu | cuda | npu")
+    threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
+    wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
+
+
+class TrainConfig(_Frozen):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: Variant = Field(Variant(name="modsum"), description="task (hyperrl.tasks.TASKS)")
+    env: Variant | None = Field(None, description="multi-turn environment (hyperrl.envs.ENVIRONMENTS); null = "
+                                "single-turn")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return _plain(self)
 
 
-def _coerce(key: str, value: Any, typ) -> Any:
-    typ = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
-    if value is None:
-        if "None" in typ:
-            return None
-        raise ConfigError(f"{key}: null is not allowed (expected {typ})")
-    try:
-        if typ.startswith("int"):
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if typ.startswith("float"):
-            return float(value)
-        if typ.startswith("bool"):
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                return value.lower() in ("true", "1")
-            return bool(value)
-        if typ.startswith("tuple"):
-            seq = yaml.safe_load(value) if isinstance(value, str) else value
-            return tuple(float(v) for v in seq)
-        if "int | None" in typ:
-            return int(value)
-        if "float | None" in typ:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: {value!r} is not a valid {typ}") from None
+def _plain(m):
+    if isinstance(m, Variant):
+        return m.spec()
+    if isinstance(m, BaseModel):
+        return {k: _plain(getattr(m, k)) for k in type(m).model_fields}
+    if isinstance(m, list | tuple):
+        return [_plain(x) for x in m]
+    return m
 
 
-def _build(cls, data: dict, prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix + unknown[0]!r}; valid keys under "
-                          f"{prefix.rstrip('.') or 'the top level'}: {sorted(fields)}")
-    kw = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue
-        if dataclasses.is_dataclass(f.default_factory() if f.default_factory is not dataclasses.MISSING else None):
-            kw[name] = _build(type(f.default_factory()), data[name], f"{prefix}{name}.")
+# ----------------------------------------------------------------------------- layers and merging
+
+def _is_variant(annotation) -> bool:
+    return annotation is Variant or (getattr(annotation, "__args__", None) and Variant in annotation.__args__
+                                     and list not in (getattr(annotation, "__origin__", None),))
+
+
+def _as_spec(v):
+    return {"name": v} if isinstance(v, str) else v
+
+
+def _merge(model: type[BaseModel], base: dict, over: dict) -> dict:
+    """``over`` on ``base`` (plain dicts): sections recurse, variants keep ``base``'s arguments only
+    while the name is unchanged, everything else (lists included) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        f = model.model_fields.get(k)
+        sub = getattr(f, "annotation", None) if f else None
+        if f is not None and isinstance(sub, type) and issubclass(sub, BaseModel) and sub is not Variant \
+                and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(sub, out[k], v)
+        elif f is not None and _is_variant(sub) and isinstance(_as_spec(v), dict) and \
+                isinstance(_as_spec(out.get(k)), dict):
+            b, o = _as_spec(out[k]), _as_spec(v)
+            out[k] = o if "name" in o and o["name"] != b.get("name") else {**b, **o}
         else:
-            kw[name] = _coerce(prefix + name, data[name], f.type)
-    return cls(**kw)
+            out[k] = v
+    return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults ← YAML file ← ``--a.b=value`` overrides (values parsed as YAML scalars)."""
+def _overrides(items: list[str]) -> dict:
     data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-    for item in overrides:
+    for item in items:
         item = item[2:] if item.startswith("--") else item
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected --section.key=value")
@@ -183,8 +204,102 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         parts = key.split(".")
         node = data
         for part in parts[:-1]:
+            if isinstance(node.get(part), str):  # --algo.objective=gspo --algo.objective.clip_low=…
+                node[part] = {"name": node[part]}
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-    return _build(TrainConfig, data, "")
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key!r}: {raw!r} is not a YAML value ({e.problem})") from None
+    return data
+
+
+def _dotted(loc) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in ("args",)))
+
+
+def _pydantic_error(e: ValidationError, data: dict) -> ConfigError:
+    err = e.errors()[0]
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+    key = _dotted(loc)
+    if err["type"] == "extra_forbidden":
+        parent = TrainConfig
+        for p in loc[:-1]:
+            f = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
+            parent = f.annotation if f is not None else None
+        valid = sorted(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+        where = ".".join(map(str, loc[:-1])) or "the top level"
+        return ConfigError(f"unknown config key {key!r}; valid keys under {where}: {valid}")
+    return ConfigError(f"{key}: {err.get('input')!r} is not valid — {err['msg']}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults ← recipe ← YAML file ← ``--a.b=value`` overrides; then every variant checked
+    against its registry (see the module doc). Raises :class:`ConfigError`."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    over = _overrides(list(overrides))
+    for layer in (data, over):
+        for section in ("algo", "rollout", "optim", "run", "model"):
+            if section in layer and not isinstance(layer[section], dict):
+                raise ConfigError(f"{section}: expected a mapping, got {type(layer[section]).__name__}")
+    recipe = over.get("algo", {}).get("recipe", data.get("algo", {}).get("recipe", AlgoConfig().recipe))
+    from .recipes import recipe_config
+
+    try:
+        base = {"algo": recipe_config(recipe)}
+    except KeyError as e:
+        raise ConfigError(f"algo.recipe: {e.args[0]}") from None
+    merged = TrainConfig().to_dict()
+    for layer in (base, data, over):
+        merged = _merge(TrainConfig, merged, layer)
+    try:
+        cfg = TrainConfig.model_validate(merged)
+    except ValidationError as e:
+        raise _pydantic_error(e, merged) from None
+    from .recipes import resolve
+
+    return resolve(cfg)
+
+
+def describe() -> str:
+    """Every key with its default and one line of doc, then every registered variant with its
+    hyperparameters (``hyperrl config``)."""
+    lines = []
+
+    def walk(model: type[BaseModel], inst, prefix: str):
+        for name, f in type(inst).model_fields.items():
+            v = getattr(inst, name)
+            if isinstance(v, BaseModel) and not isinstance(v, Variant):
+                walk(type(v), v, f"{prefix}{name}.")
+                continue
+            shown = _plain(v)
+            lines.append(f"{prefix}{name} = {shown!r}" + (f"  # {f.description}" if f.description else ""))
+
+    walk(TrainConfig, load_config(), "")
+    from .recipes import registries
+
+    lines.append("")
+    lines.append("Variants (a section names one: {name: x, arg: value}); the factory's defaults:")
+    for key, reg in registries().items():
+        lines.append(f"{key}: {reg.kind}")
+        for n in reg.names():
+            f = reg.factory(n)
+            args = ", ".join(f"{p.name}={p.default!r}" if not p.required else f"{p.name} (required)"
+                             for p in f.params.values())
+            needs = f"  needs {list(f.needs)}" if f.needs else ""
+            lines.append(f"  {n}({args}){needs}")
+    from .recipes import RECIPES
+
+    lines.append("algo.recipe: named chains")
+    for n in RECIPES.names():
+        lines.append(f"  {n}: {RECIPES.factory(n).doc}")
+    return "\n".join(lines)

@@ -79,13 +79,12 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp_min(0)
     out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
                 logits_to_keep=1)
-    logits = out.logits[:, -1][inverse][:, None]  # [B, 1, V]: predicts the first token after the prompt
+    logits = out.logits[:, -1].index_select(0, inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
     cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
     if S > 1:
-        cache = out.past_key_values
-        cache.batch_select_indices(inverse)
+        cache = _select_rows(out.past_key_values, inverse)
         mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
         rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=p[:, None] + s[:, :-1],
                      past_key_values=cache, use_cache=False).logits
@@ -97,6 +96,21 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     lp_full = zero.scatter(1, cols, torch.where(cont_valid, lp, 0.0))[:, :Tn]
     ent_full = zero.scatter(1, cols, torch.where(cont_valid, ent, 0.0))[:, :Tn]
     return lp_full, ent_full
+
+
+def _select_rows(cache, index: torch.Tensor):
+    """Row ``index[b]`` of every layer's keys and values, with ``index_select``: its backward is
+    ``index_add_`` — a fixed summation order — whereas advanced indexing's backward
+    (``index_put_(accumulate=True)``) adds in a thread-dependent order on CPU, which made two runs
+    with the same seed differ in the last bits."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(la, "keys") and hasattr(la, "values") for la in layers):
+        raise TypeError(f"shared-prefix forward: unsupported cache type {type(cache).__name__} (needs per-layer "
+                        "keys/values, transformers' DynamicCache); use optim.shared_prefix=false")
+    for la in layers:
+        if la.keys is not None and la.keys.numel():
+            la.keys, la.values = la.keys.index_select(0, index), la.values.index_select(0, index)
+    return cache
 
 
 def choose(batch: TensorDict, shared_prefix: bool = True):

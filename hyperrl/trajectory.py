@@ -43,6 +43,8 @@ import torch
 from tensordict import TensorDict
 
 __all__ = [
+    "stack_episodes",
+    "cat_batches",
     "TOKEN_FIELDS",
     "SEQ_FIELDS",
     "REQUIRED",
@@ -237,3 +239,43 @@ def from_packed(packed: TensorDict, pad_to: int | None = None) -> TensorDict:
         out[k] = full
     out.update(dict(packed["seq"].items()))
     return TensorDict(out, batch_size=[B])
+
+
+def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
+    """Right-pad episode rows into one validated trajectory batch."""
+    B, T = len(rows), max(len(r["tokens"]) for r in rows)
+    tokens = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    act = torch.zeros(B, T, dtype=torch.bool)
+    lp = torch.zeros(B, T)
+    for i, r in enumerate(rows):
+        n = len(r["tokens"])
+        tokens[i, :n] = torch.tensor(r["tokens"])
+        attn[i, :n] = True
+        act[i, :n] = torch.tensor(r["action"])
+        lp[i, :n] = torch.tensor(r["logprobs"])
+    return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
+                           policy_version=torch.tensor([r["version"] for r in rows]),
+                           group_id=torch.tensor([r["group_id"] for r in rows]),
+                           reward=torch.tensor([float(r["reward"]) for r in rows]))
+
+
+def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
+    """Concatenate trajectory batches along rows, right-padding token fields ``[B, T]`` to the
+    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0). One batch is returned as is."""
+    if len(batches) == 1:
+        return batches[0]
+    if not batches:
+        raise ValueError("cat_batches: no batches")
+    T = max(b["tokens"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        extra = T - b["tokens"].shape[1]
+        fields = {}
+        for k in b.keys():
+            v = b[k]
+            if k in TOKEN_FIELDS and extra:
+                v = torch.nn.functional.pad(v, (0, extra), value=pad_id if k == "tokens" else 0)
+            fields[k] = v
+        padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))
+    return torch.cat(padded, 0)

@@ -19,7 +19,7 @@ def _worker(rank, world, out_dir):
     full = {k: p.full_tensor() for k, p in tr.policy.named_parameters()}
     served = tr.engine.model.state_dict()
     engine_equals_policy = all(torch.equal(served[k], v) for k, v in full.items())
-    transfers = sum(1 for t in tr._plan if not t.local)
+    transfers = sum(1 for t in tr.publisher.plan if not t.local)
     return {"version": tr.engine.policy_version, "engine_equals_policy": engine_equals_policy,
             "rewards": [m["reward_mean"] for m in metrics], "remote_transfers": transfers,
             "checksum": float(sum(v.detach().double().sum() for v in full.values()))}
@@ -87,14 +87,14 @@ def _critic_worker(rank, world, out_dir, stop, resume):
     if resume:
         assert tr.resume()
     metrics, micro_counts = [], []
-    orig = tr._micro_batches
+    orig = tr.parallel.pad_micro_batches
 
-    def counting(mini):
-        out = orig(mini)
+    def counting(micros):
+        out = orig(micros)
         micro_counts.append((sum(m is not None for m in out), len(out)))
         return out
 
-    tr._micro_batches = counting
+    tr.parallel.pad_micro_batches = counting
     while tr.step_idx < stop:
         metrics.append(tr.step())
         if tr.step_idx == 2:

@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import torch
 from tensordict import TensorDict
 
 from ..registry import Registry
-from ..rollout.base import SamplingParams
-from ..trajectory import make_trajectory
+from ..sampling import SamplingParams
+from ..trajectory import stack_episodes
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
            "Limits", "run_episodes", "stack_episodes"]
@@ -93,25 +92,6 @@ class EpisodeBuilder:
     def row(self, *, reward: float, group_id: int, version: int) -> dict:
         return dict(tokens=self.tokens, action=self.action, logprobs=self.logprobs, reward=reward,
                     group_id=group_id, version=version)
-
-
-def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
-    """Right-pad episode rows into one validated trajectory batch."""
-    B, T = len(rows), max(len(r["tokens"]) for r in rows)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.bool)
-    act = torch.zeros(B, T, dtype=torch.bool)
-    lp = torch.zeros(B, T)
-    for i, r in enumerate(rows):
-        n = len(r["tokens"])
-        tokens[i, :n] = torch.tensor(r["tokens"])
-        attn[i, :n] = True
-        act[i, :n] = torch.tensor(r["action"])
-        lp[i, :n] = torch.tensor(r["logprobs"])
-    return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
-                           policy_version=torch.tensor([r["version"] for r in rows]),
-                           group_id=torch.tensor([r["group_id"] for r in rows]),
-                           reward=torch.tensor([float(r["reward"]) for r in rows]))
 
 
 def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingParams, *, n: int = 1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .base import StepResult, register_environment
@@ -45,7 +46,6 @@ class GSM8KCalculatorEnv:
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
-@register_environment("search_r1")
 class SearchEnv:
     """Search-R1 style: ``<tool>{"name": "search", "arguments": {"query": ...}}</tool>`` returns BM25
     passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward."""
@@ -67,3 +67,15 @@ class SearchEnv:
         if not results:
             return StepResult("", 0.0, True)
         return StepResult("".join(f"<result>{r.text}</result>" for r in results), 0.0, False)
+
+
+@functools.lru_cache(maxsize=8)
+def _index(corpus: str, text_key: str) -> BM25Index:
+    return BM25Index.from_jsonl(corpus, text_key=text_key)
+
+
+@register_environment("search_r1")
+def search_r1(*, corpus: str, k: int = 2, text_key: str = "text") -> SearchEnv:
+    """Search-R1 over a JSONL ``corpus`` (one document per line, its text under ``text_key``);
+    the BM25 index is built once per file and shared by every episode."""
+    return SearchEnv(_index(corpus, text_key), k=k)

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from ..registry import Registry
 
-__all__ = ["REWARDS", "register_reward", "extract_gsm8k_answer", "normalize_number", "gsm8k_exact"]
+__all__ = ["REWARDS", "register_reward", "extract_gsm8k_answer", "normalize_number", "gsm8k_exact", "first_char_exact",
+           "starts_with_digit", "RewardName"]
 
 REWARDS: Registry = Registry("reward function")
 register_reward = REWARDS.register
+
+
+def _known_reward(name: str) -> str:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward function {name!r}; registered: {REWARDS.names()}")
+    return name
+
+
+RewardName = Annotated[str, AfterValidator(_known_reward)]  # a hyperparameter naming a registered reward
 
 _HASH = re.compile(r"####\s*([-+]?[\$\d][\d,\$]*(?:\.\d+)?)")
 _NUM = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?")
@@ -43,3 +56,15 @@ def gsm8k_exact(response: str, sample) -> float:
     want = extract_gsm8k_answer(str(truth))
     got = extract_gsm8k_answer(response)
     return float(got is not None and got == want)
+
+
+@register_reward("first_char_exact")
+def first_char_exact(response: str, sample) -> float:
+    """1.0 when the response's first character is the answer (the ``modsum`` task's reward)."""
+    return float(response[:1] == str(sample.answer))
+
+
+@register_reward("starts_with_digit")
+def starts_with_digit(response: str, sample) -> float:
+    """A format reward: 1.0 when the response starts with a digit."""
+    return float(response[:1].isdigit())

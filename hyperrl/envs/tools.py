@@ -43,7 +43,8 @@ TOOLS: Registry = Registry("tool")
 
 
 def register_tool(tool: Tool) -> Tool:
-    TOOLS.register(tool.name)(tool)
+    """Register a ready :class:`Tool` under its name (its factory takes no hyperparameters)."""
+    TOOLS.add(tool.name, lambda: tool)
     return tool
 
 
@@ -64,7 +65,7 @@ def parse_tool_calls(text: str) -> list[str]:
 
 class ToolRunner:
     def __init__(self, tools: dict[str, Tool] | None = None, *, max_calls_per_turn: int = 4, max_concurrency: int = 4):
-        self.tools = tools if tools is not None else {n: TOOLS.get(n) for n in TOOLS.names()}
+        self.tools = tools if tools is not None else {n: TOOLS.build(n)() for n in TOOLS.names()}
         self.max_calls, self.max_concurrency = max_calls_per_turn, max_concurrency
 
     def _prepare(self, payload: str):

@@ -14,36 +14,14 @@ mid-publication leaves version ``V`` serving, never a mix.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
+from ..sampling import SamplingParams
+
 __all__ = ["SamplingParams", "RolloutEngine", "WeightPublishError", "stage_weights"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """``temperature`` > 0; ``top_k`` 0 = off; ``top_p`` 1 = off; generation stops at ``eos_id``
-    or after ``max_new_tokens``. ``seed`` makes sampling reproducible."""
-
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    eos_id: int | None = None
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature}: must be > 0 (RL needs the sampled distribution)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}: must be ≥ 0 (0 disables it)")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be ≥ 1")
 
 
 class WeightPublishError(RuntimeError):

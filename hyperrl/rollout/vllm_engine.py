@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from ..envs.base import stack_episodes
+from ..trajectory import stack_episodes
 from .base import SamplingParams, WeightPublishError, stage_weights
 
 __all__ = ["VLLMEngine"]

@@ -30,18 +30,22 @@ from .aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregati
 from .batching import balanced_partition, micro_batches_by_token_budget, partition_spread
 from .chain import bind, chain
 from .correction import (
+    CORRECTIONS,
     Correction,
     importance_weights,
     masked_is,
     mismatch_log_ratio,
     mismatch_metrics,
+    register_correction,
     rejection_mask,
     truncated_is,
 )
-from .filters import dynamic_sampling_filter, informative_groups
+from .filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
 from .groups import GroupStats, dense_group_index, group_stats
 from .kl import (
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
+    KLController,
     KLState,
     adaptive_kl_init,
     adaptive_kl_update,
@@ -50,6 +54,7 @@ from .kl import (
     is_corrected_kl,
     kl_penalty,
     register_kl,
+    register_kl_controller,
 )
 from .logprobs import entropy, logprobs_and_entropy, naive_token_logprobs, sequence_logprobs, token_logprobs
 from .loss import LossOutput, critic_loss, policy_loss
@@ -68,13 +73,14 @@ from .objectives import (
     value_loss,
 )
 from .preference import DPOLoss, dpo_loss
-from .shaping import clip_rewards, kl_in_reward, mask_truncated, overlong_penalty
+from .shaping import SHAPING, clip_rewards, kl_in_reward, mask_truncated, overlong_penalty, register_shaping
 from .stats import RunningStats, running_stats_init, running_stats_normalize, running_stats_update
 
 __all__ = [
     # registries
-    "ADVANTAGES", "OBJECTIVES", "AGGREGATIONS", "KL_ESTIMATORS",
-    "register_advantage", "register_objective", "register_aggregation", "register_kl",
+    "ADVANTAGES", "OBJECTIVES", "AGGREGATIONS", "KL_ESTIMATORS", "KL_CONTROLLERS", "CORRECTIONS", "SHAPING", "FILTERS",
+    "register_advantage", "register_objective", "register_aggregation", "register_kl", "register_kl_controller",
+    "register_correction", "register_shaping", "register_filter", "KLController",
     # adapters and composition
     "compute_advantages", "policy_loss", "critic_loss", "LossOutput", "chain", "bind",
     # advantages

@@ -97,22 +97,38 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, singleton:
     return _singletons(adv, scores, g.count, singleton)
 
 
-def opo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """OPO: length-weighted baseline ``b_g = Σ_j L_j s_j / Σ_j L_j``; ``A_i = s_i − b_g``. ``[B]``."""
+def _centred(scores: torch.Tensor, baseline: torch.Tensor, g, singleton: str) -> torch.Tensor:
+    """``s − b`` with zero-variance groups at exactly 0 and singletons per ``singleton``:
+    ``"zero"`` → 0, ``"raw"`` → the baseline is 0 (verl: ``A = s``), ``"error"`` → raise."""
+    s = scores.float()
+    out = torch.where(g.constant, torch.zeros_like(s), s - baseline)
+    return _singletons(out, scores, g.count, singleton)
+
+
+def opo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor, *,
+                   singleton: str = "zero") -> torch.Tensor:
+    """OPO: length-weighted baseline ``b_g = Σ_j L_j s_j / Σ_j L_j``; ``A_i = s_i − b_g``. ``[B]``.
+
+    Singletons: ``"zero"`` (no baseline → no signal) or ``"raw"`` (verl: baseline 0, ``A = s``).
+    """
     s, w = scores.float(), lengths.float()
     g = group_stats(s, group_ids)
     B = s.shape[0]
     num = segment_sum(w * s, g.index, B)
     den = segment_sum(w, g.index, B).clamp_min(1e-12)
-    return torch.where(g.constant, torch.zeros_like(s), s - (num / den)[g.index])
+    return _centred(s, (num / den)[g.index], g, singleton)
 
 
-def gpg_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, f_norm: float = 1.0) -> torch.Tensor:
-    """GPG: ``A_i = α·(s_i − μ_g)/f_norm``, ``α = B / max(1, #{i: s_i ≠ 0})``. Chu et al. 2025."""
+def gpg_advantages(scores: torch.Tensor, group_ids: torch.Tensor, *, f_norm: float = 1.0,
+                   singleton: str = "zero") -> torch.Tensor:
+    """GPG: ``A_i = α·(s_i − μ_g)/f_norm``, ``α = B / max(1, #{i: s_i ≠ 0})``. Chu et al. 2025.
+
+    Singletons: ``"zero"`` or ``"raw"`` (verl: μ = 0, ``A = α·s/f_norm``).
+    """
     s = scores.float()
     g = group_stats(s, group_ids)
     alpha = s.shape[0] / (s != 0).sum().clamp_min(1).float()
-    return torch.where(g.constant, torch.zeros_like(s), alpha * (s - g.mean) / f_norm)
+    return alpha * _centred(s, g.mean, g, singleton) / f_norm
 
 
 def grpo_passk_advantages(
@@ -256,11 +272,15 @@ def reinforce_pp_returns(
 
 
 def reinforce_pp_baseline_advantages(
-    scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True
+    scores: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor, *, unbiased: bool = True,
+    singleton: str = "zero",
 ) -> torch.Tensor:
-    """REINFORCE++-baseline: ``s_i − μ_g`` broadcast to action tokens, then batch whitening."""
+    """REINFORCE++-baseline: ``s_i − μ_g`` broadcast to action tokens, then batch whitening.
+
+    Singletons: ``"zero"`` or ``"raw"`` (verl: μ = 0, which shifts the batch whitening).
+    """
     g = group_stats(scores, group_ids)
-    centred = torch.where(g.constant, torch.zeros_like(g.mean), scores.float() - g.mean)
+    centred = _centred(scores, g.mean, g, singleton)
     return masked_whiten(centred[:, None].expand(mask.shape), mask, unbiased=unbiased)
 
 
@@ -290,44 +310,44 @@ def _token_rewards(batch: TensorDict) -> torch.Tensor:
     return scores_to_token_rewards(batch["reward"], batch["action_mask"])
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs=("reward",), produces=("advantages",))
 def _grpo(batch, *, eps=1e-6, singleton="zero"):
     return _broadcast(grpo_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", needs=("reward",), produces=("advantages",))
 def _dr_grpo(batch, *, singleton="zero"):
     return _broadcast(dr_grpo_advantages(batch["reward"], batch["group_id"], singleton=singleton), batch)
 
 
-@register_advantage("batch_std")
+@register_advantage("batch_std", needs=("reward",), produces=("advantages",))
 def _batch_std(batch, *, eps=1e-6, singleton="zero"):
     return _broadcast(batch_std_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs=("reward",), produces=("advantages",))
 def _rloo(batch, *, singleton="zero"):
     return _broadcast(rloo_advantages(batch["reward"], batch["group_id"], singleton=singleton), batch)
 
 
-@register_advantage("opo")
-def _opo(batch):
+@register_advantage("opo", needs=("reward",), produces=("advantages",))
+def _opo(batch, *, singleton="zero"):
     lengths = batch["action_mask"].sum(-1)
-    return _broadcast(opo_advantages(batch["reward"], batch["group_id"], lengths), batch)
+    return _broadcast(opo_advantages(batch["reward"], batch["group_id"], lengths, singleton=singleton), batch)
 
 
-@register_advantage("gpg")
-def _gpg(batch, *, f_norm=1.0):
-    return _broadcast(gpg_advantages(batch["reward"], batch["group_id"], f_norm=f_norm), batch)
+@register_advantage("gpg", needs=("reward",), produces=("advantages",))
+def _gpg(batch, *, f_norm=1.0, singleton="zero"):
+    return _broadcast(gpg_advantages(batch["reward"], batch["group_id"], f_norm=f_norm, singleton=singleton), batch)
 
 
-@register_advantage("grpo_passk")
+@register_advantage("grpo_passk", needs=("reward",), produces=("advantages",))
 def _passk(batch, *, eps=1e-6, norm_by_std=True):
     adv = grpo_passk_advantages(batch["reward"], batch["group_id"], eps=eps, norm_by_std=norm_by_std)
     return _broadcast(adv, batch)
 
 
-@register_advantage("normalize_then_sum")
+@register_advantage("normalize_then_sum", needs=("reward_components",), produces=("advantages",))
 def _nts(batch, *, components_key="reward_components", weights=None, eps=1e-6):
     if components_key not in batch.keys():
         raise KeyError(f"{components_key}: normalize_then_sum needs per-component rewards [B, K] under this key")
@@ -335,8 +355,8 @@ def _nts(batch, *, components_key="reward_components", weights=None, eps=1e-6):
     return _broadcast(normalize_then_sum_advantages(batch[components_key], batch["group_id"], w, eps=eps), batch)
 
 
-@register_advantage("gae")
-def _gae(batch, *, gamma=1.0, lam=1.0, masked="skip", whiten=False):
+@register_advantage("gae", needs=("reward", "values"), produces=("advantages", "returns"))
+def _gae(batch, *, gamma=1.0, lam=1.0, masked="skip", whiten=True):
     if "values" not in batch.keys():
         raise KeyError("values: gae needs critic values [B, T] in the batch (run the critic first)")
     adv, ret = gae(_token_rewards(batch), batch["values"], batch["action_mask"], gamma=gamma, lam=lam, masked=masked)
@@ -345,20 +365,21 @@ def _gae(batch, *, gamma=1.0, lam=1.0, masked="skip", whiten=False):
     return {"advantages": adv, "returns": ret}
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", needs=("reward",), produces=("advantages", "returns"))
 def _rpp(batch, *, gamma=1.0, masked="skip", unbiased=True):
     adv, ret = reinforce_pp_returns(_token_rewards(batch), batch["action_mask"], gamma=gamma, masked=masked,
                                     unbiased=unbiased)
     return {"advantages": adv, "returns": ret}
 
 
-@register_advantage("reinforce_pp_baseline")
-def _rppb(batch, *, unbiased=True):
-    adv = reinforce_pp_baseline_advantages(batch["reward"], batch["group_id"], batch["action_mask"], unbiased=unbiased)
+@register_advantage("reinforce_pp_baseline", needs=("reward",), produces=("advantages",))
+def _rppb(batch, *, unbiased=True, singleton="zero"):
+    adv = reinforce_pp_baseline_advantages(batch["reward"], batch["group_id"], batch["action_mask"], unbiased=unbiased,
+                                           singleton=singleton)
     return {"advantages": adv}
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs=("reward", "baseline_reward"), produces=("advantages", "returns"))
 def _remax(batch, *, baseline_key="baseline_reward"):
     if baseline_key not in batch.keys():
         raise KeyError(f"{baseline_key}: remax needs the greedy rollout's reward [B] under this key")

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..registry import Registry
 from .kl import kl_penalty
 
 __all__ = [
+    "CORRECTIONS",
+    "register_correction",
     "Correction",
     "mismatch_log_ratio",
     "importance_weights",
@@ -86,3 +89,35 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask) -> dict:
         "mismatch_mean_abs": d.abs().mean(),
         "mismatch_k3": (torch.expm1(-d) + d).mean(),
     }
+
+
+# ----------------------------------------------------------------------------- registry
+# A correction factory maps a batch (behaviour ``old_logprobs`` recomputed by the learner,
+# ``rollout_logprobs`` from the engine) to a :class:`Correction` for ``policy_loss(correction=...)``.
+
+CORRECTIONS: Registry = Registry("mismatch correction")
+register_correction = CORRECTIONS.register
+
+
+def _decoupled(batch):
+    return mismatch_log_ratio(batch["old_logprobs"], batch["rollout_logprobs"], batch["action_mask"])
+
+
+@register_correction("tis", needs=("old_logprobs",))
+def _tis(batch, *, cap: float = 2.0, level: str = "token") -> Correction:
+    """Truncated IS ``min(π_old/π_rollout, cap)`` (Yao et al. 2025); every token kept."""
+    return truncated_is(_decoupled(batch), batch["action_mask"], cap=cap, level=level)
+
+
+@register_correction("mis", needs=("old_logprobs",))
+def _mis(batch, *, lo: float = 0.5, hi: float = 2.0, level: str = "token") -> Correction:
+    """Masked IS / IcePop: tokens whose weight leaves ``[lo, hi]`` are dropped."""
+    return masked_is(_decoupled(batch), batch["action_mask"], lo=lo, hi=hi, level=level)
+
+
+@register_correction("rejection", needs=("old_logprobs",))
+def _rejection(batch, *, estimator: str = "k3", threshold: float = 1e-2, level: str = "sequence") -> Correction:
+    """Rejection sampling: drop tokens / sequences whose ``kX(old − rollout)`` exceeds ``threshold``; weight 1."""
+    keep = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], batch["action_mask"],
+                          estimator=estimator, threshold=threshold, level=level)
+    return Correction(keep.float(), keep)

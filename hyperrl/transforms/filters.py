@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from ..registry import Registry
 from .groups import group_stats
 
-__all__ = ["informative_groups", "dynamic_sampling_filter"]
+__all__ = ["FILTERS", "register_filter", "informative_groups", "dynamic_sampling_filter"]
+
+# A filter is ``(batch, **hyperparams) -> (kept batch, dropped count)``; the loop refills the batch.
+FILTERS: Registry = Registry("batch filter")
+register_filter = FILTERS.register
 
 
 def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -14,6 +19,7 @@ def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     return ~group_stats(scores, group_ids).constant
 
 
+@register_filter("dynamic_sampling", needs=("reward",))
 def dynamic_sampling_filter(batch, *, key: str = "reward"):
     """DAPO dynamic sampling: drop groups whose rewards are all equal. Returns a *new* batch and
     the number of dropped sequences (the caller samples more prompts to refill)."""

@@ -12,7 +12,9 @@ Controllers are optax-style ``(init, update)`` pairs over a frozen :class:`KLSta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +22,11 @@ from ..registry import Registry
 
 __all__ = [
     "KL_ESTIMATORS",
+    "KL_CONTROLLERS",
+    "register_kl_controller",
+    "KLController",
+    "fixed_controller",
+    "adaptive_controller",
     "register_kl",
     "kl_penalty",
     "is_corrected_kl",
@@ -109,3 +116,29 @@ def adaptive_kl_update(state: KLState, kl: float, n_steps: int, *, target: float
         raise ValueError(f"target={target}, horizon={horizon}: both must be > 0")
     err = min(max(float(kl) / target - 1.0, -0.2), 0.2)
     return KLState(state.beta * (1.0 + err * n_steps / horizon))
+
+
+class KLController(NamedTuple):
+    """An optax-style pair: ``init() -> KLState`` and ``update(state, kl, n_steps) -> KLState``."""
+
+    init: Callable[[], KLState]
+    update: Callable[[KLState, float, int], KLState]
+
+
+KL_CONTROLLERS: Registry = Registry("KL controller")
+register_kl_controller = KL_CONTROLLERS.register
+
+
+@register_kl_controller("fixed")
+def fixed_controller(beta: float) -> KLController:
+    """β stays at its initial value (verl ``kl_ctrl.type=fixed``)."""
+    return KLController(lambda: fixed_kl_init(beta), fixed_kl_update)
+
+
+@register_kl_controller("adaptive")
+def adaptive_controller(beta: float, *, target: float = 0.1, horizon: float = 10000.0) -> KLController:
+    """Ziegler et al. 2019 (verl ``kl_ctrl.type=adaptive``, defaults target_kl 0.1, horizon 10000)."""
+    if target <= 0 or horizon <= 0:
+        raise ValueError(f"target={target}, horizon={horizon}: both must be > 0")
+    return KLController(lambda: adaptive_kl_init(beta),
+                        lambda s, kl, n: adaptive_kl_update(s, kl, n, target=target, horizon=horizon))

@@ -31,6 +31,14 @@ class LossOutput:
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.terms[key] if key in self.terms else self.metrics[key]
 
+    def __add__(self, other: LossOutput) -> LossOutput:
+        """Both records' terms and metrics (a name in both is an error: nothing is silently replaced)."""
+        for a, b, what in ((self.terms, other.terms, "term"), (self.metrics, other.metrics, "metric")):
+            both = sorted(set(a) & set(b))
+            if both:
+                raise ValueError(f"LossOutput +: {what} {both[0]!r} is in both records")
+        return LossOutput({**self.terms, **other.terms}, {**self.metrics, **other.metrics})
+
     def scalars(self) -> dict[str, float]:
         """Every term and metric as Python floats (for logging)."""
         return {k: float(v.detach()) for k, v in {**self.terms, **self.metrics}.items()}

@@ -84,7 +84,8 @@ def gspo(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4, clip_high=4
     """GSPO (Zheng et al. 2025): sequence-level ratio ``s_i = exp(Σ_t m(lp−old)/|o_i|)``.
 
     Token form ``log r_t = lp_t − sg(lp_t) + sg(log s_i)`` (clamped at ``log_ratio_max``), then
-    the PPO clip with ε = (3e-4, 4e-4). verl pairs it with seq-mean-token-mean. Value: every
+    the PPO clip with ε = (3e-4, 4e-4). verl 0.9.1 aggregates it by ``loss_agg_mode`` (default
+    token-mean; older verl forced seq-mean-token-mean). Value: every
     token of a sequence carries ``s_i``; gradient: ``s_i·∇lp_t``.
     """
     log_s = _seq_mean(logprobs - old_logprobs, mask)
@@ -116,7 +117,8 @@ def cispo(logprobs, old_logprobs, advantages, mask, *, clip_mode="upper", eps_ma
 def sapo(logprobs, old_logprobs, advantages, mask, *, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0
          ) -> Objective:
     """SAPO soft gate (Qwen 2025): ``L = −f(r)·A``, ``f(r) = σ(τ(r−1))·4/τ`` with τ = tau_pos
-    if A > 0 else tau_neg. ``f'(1) = 1``, so on-policy it is REINFORCE."""
+    if A > 0 else tau_neg. ``f'(1) = 1``, so on-policy it is REINFORCE. verl 0.9.1 aggregates it
+    with seq-mean-token-mean whatever its ``loss_agg_mode`` (the ``sapo`` recipe does the same)."""
     ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp))
     tau = torch.where(advantages > 0, tau_pos, tau_neg)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau

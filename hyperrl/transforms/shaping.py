@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated"]
+from ..registry import Registry
+
+__all__ = ["SHAPING", "register_shaping", "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated"]
 
 
 def overlong_penalty(lengths: torch.Tensor, *, max_len: int, buffer: int) -> torch.Tensor:
@@ -31,3 +33,26 @@ def kl_in_reward(token_rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tens
 def mask_truncated(action_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """Drop truncated completions (no EOS within the budget) from the loss: ``m & ~truncated[:, None]``."""
     return action_mask.bool() & ~truncated.bool()[:, None]
+
+
+# ----------------------------------------------------------------------------- registry
+# A shaping stage is a batch transform ``(batch, **hyperparams) -> new batch`` over ``reward``.
+
+SHAPING: Registry = Registry("reward shaping")
+register_shaping = SHAPING.register
+
+
+@register_shaping("overlong", needs=("reward",), produces=("reward",))
+def _overlong(batch, *, max_len: int, buffer: int | None = None):
+    """DAPO soft overlong punishment added to ``reward``. ``max_len``: the response budget (filled
+    from ``rollout.max_new_tokens`` by the config when not given); ``buffer`` None = a fifth of it,
+    at least 1 (DAPO: 4,096 of 20,480)."""
+    buf = max(1, max_len // 5) if buffer is None else buffer
+    pen = overlong_penalty(batch["action_mask"].sum(-1), max_len=max_len, buffer=buf)
+    return batch.copy().set("reward", batch["reward"] + pen)
+
+
+@register_shaping("clip", needs=("reward",), produces=("reward",))
+def _clip(batch, *, lo: float = -10.0, hi: float = 10.0):
+    """Clamp ``reward`` to ``[lo, hi]`` (OpenRLHF ±10)."""
+    return batch.copy().set("reward", clip_rewards(batch["reward"], lo=lo, hi=hi))

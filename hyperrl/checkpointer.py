@@ -1,0 +1,91 @@
+"""The checkpointer: module and optimizer state to and from a sharded checkpoint directory.
+
+Owns the DTensor local/global conversion (each rank writes its local shards and, for sharded
+tensors, their global shape and ``hyperrl.sharding`` spec on the ``fsdp`` mesh; optimizer state
+goes back onto DTensor parameters with their placements) and the file format
+(:mod:`hyperrl.checkpoint`: safetensors + JSON, atomic, no pickle).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
+from .parallel import LocalParallel
+from .sharding import Mesh
+from .sharding.dtensor import from_placements
+
+__all__ = ["Checkpointer", "local"]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself when not sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Checkpointer:
+    """``save(step, parts, state)`` / ``load(path, parts) -> state`` where ``parts`` maps a part
+    name to ``(module, optimizer part name, optimizer)``."""
+
+    def __init__(self, root: str | Path, parallel: LocalParallel | None = None):
+        self.root = Path(root)
+        self.parallel = parallel or LocalParallel()
+
+    def save(self, step: int, parts: dict[str, tuple], state: dict, *, _crash_after: str | None = None) -> Path:
+        p = self.parallel
+        mesh, files, layout = Mesh.of(fsdp=p.world), {}, {}
+        for name, (module, oname, opt) in parts.items():
+            sd = module.state_dict()
+            files[name] = {k: local(v) for k, v in sd.items()}
+            layout.update({f"{name}/{k}": {"shape": list(v.shape),
+                                           "spec": [list(d) for d in from_placements(v.placements, mesh, v.dim()).dims]}
+                           for k, v in sd.items() if isinstance(v, DTensor)})
+            o = opt.state_dict()
+            files[oname] = {"param_groups": o["param_groups"],
+                            "state": {i: {k: local(v) for k, v in st.items()} for i, st in o["state"].items()}}
+        return save_checkpoint(self.root, step, parts=files, state=state, layout=layout, rng=rng_states(),
+                               rank=p.rank, world_size=p.world, barrier=p.barrier, _crash_after=_crash_after)
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.root)
+
+    def load(self, path: str | Path, parts: dict[str, tuple]) -> dict:
+        """This rank's shards into the modules' local parameters and the optimizers; RNG restored;
+        returns the checkpoint's ``state``."""
+        path = Path(path)
+        ck = load_checkpoint(path, world_size=self.parallel.world, rank=self.parallel.rank)
+        for name, (module, oname, opt) in parts.items():
+            if name not in ck:
+                raise CheckpointError(f"{path}: no {name!r} part (this run has one; the checkpoint was written "
+                                      f"without it)")
+            _load_local(module, ck[name], f"{path}: {name}")
+            _load_optimizer(opt, ck[oname])
+        set_rng_states(ck["rng"])
+        return ck["state"]
+
+
+@torch.no_grad()
+def _load_local(module: torch.nn.Module, tensors: dict, where: str) -> None:
+    for k, v in module.state_dict(keep_vars=True).items():
+        if k not in tensors:
+            raise CheckpointError(f"{where}: tensor {k!r} is missing")
+        dst = local(v)
+        if tuple(dst.shape) != tuple(tensors[k].shape):
+            raise CheckpointError(f"{where}: {k!r} shard has shape {list(tensors[k].shape)}, this rank holds "
+                                  f"{list(dst.shape)}")
+        dst.copy_(tensors[k])
+
+
+def _load_optimizer(opt, sd: dict) -> None:
+    """Local optimizer state back onto (possibly DTensor) parameters, then ``load_state_dict``."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for i, st in sd["state"].items():
+        p = params[int(i)]
+        state[int(i)] = {k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                         if isinstance(p, DTensor) and torch.is_tensor(v) and v.dim() == p.dim() else v
+                         for k, v in st.items()}
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})

@@ -1,0 +1,98 @@
+"""The learner: optimizers and the learning-rate schedule as its state, one composed loss function.
+
+``Learner.update(batch, loss_fn)`` runs ``epochs × mini-batches × micro-batches``: a seeded
+mini-batch order, the step's global normaliser (from the data-parallel strategy), micro-batches
+by token budget (padded across ranks with zero-weight passes), ``backward`` of
+``loss_fn(micro, normalizer).loss`` scaled by the strategy, then one clipped optimizer step per
+mini-batch for every module. The policy and a critic are just two entries of ``modules``; the
+critic's value loss is one more ``loss_*`` term of the same loss function.
+
+Metric accumulation: every ``loss_*`` term and metric is averaged over the step's rows (weight
+``rows / B / epochs``), except keys containing ``_max`` (the maximum). ``grad_norm`` is the
+largest pre-clip norm of the step's optimizer steps; ``lr`` the last policy learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from . import transforms as T
+from .parallel import LocalParallel
+from .schedules import lr_multiplier
+
+__all__ = ["Learner", "Optimized"]
+
+
+@dataclass
+class Optimized:
+    """One trained module: its optimizer and base learning rate."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    lr: float
+
+
+class Learner:
+    def __init__(self, modules: dict[str, Optimized], *, grad_clip: float, schedule: str = "constant",
+                 total_steps: int = 1, warmup: int = 0, min_lr_ratio: float = 0.0,
+                 parallel: LocalParallel | None = None):
+        self.modules = modules
+        self.grad_clip, self.schedule, self.total = grad_clip, schedule, max(total_steps, 1)
+        self.warmup, self.min_lr_ratio = warmup, min_lr_ratio
+        self.parallel = parallel or LocalParallel()
+        self.optim_steps = 0  # the schedule's only state (checkpointed)
+
+    def update(self, batch: TensorDict, loss_fn: Callable[[TensorDict, T.Normalizer], T.LossOutput], *,
+               epochs: int = 1, mini_batches: int = 1, seed: int = 0, micro_batch_tokens: int = 0,
+               length_const: float | None = None) -> dict:
+        """Train on ``batch``; returns the accumulated metrics (see the module doc)."""
+        B = batch.batch_size[0]
+        totals: dict[str, float] = {}
+        order = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
+        for _ in range(epochs):
+            for idx in order.tensor_split(mini_batches):  # the same count on every rank, maybe empty
+                mini = batch[idx]
+                norm = self.parallel.global_normalizer(T.Normalizer.from_mask(mini["action_mask"], length_const))
+                for micro in self.parallel.pad_micro_batches(self._micro_batches(mini, micro_batch_tokens)):
+                    if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
+                        (loss_fn(batch[:1], norm).loss * 0.0).backward()
+                        continue
+                    out = loss_fn(mini[torch.tensor(micro)], norm)
+                    (out.loss * self.parallel.loss_scale).backward()
+                    _accumulate(totals, out.scalars(), len(micro) / B / epochs)
+                gn = self._step()
+                totals["grad_norm"] = max(totals.get("grad_norm", 0.0), gn)
+                totals["lr"] = self.current_lr
+        return totals
+
+    @staticmethod
+    def _micro_batches(mini: TensorDict, budget: int) -> list:
+        lengths = mini["attention_mask"].sum(-1)
+        if not len(lengths):
+            return []
+        budget = budget or int(lengths.sum())
+        return T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
+
+    def _step(self) -> float:
+        """Set every learning rate from the schedule, clip, step and zero each module; the policy's norm."""
+        m = lr_multiplier(self.optim_steps, schedule=self.schedule, total=self.total, warmup=self.warmup,
+                          min_ratio=self.min_lr_ratio)
+        norms = []
+        for part in self.modules.values():
+            for g in part.optimizer.param_groups:
+                g["lr"] = part.lr * m
+            norms.append(self.parallel.clip_grad_norm(part.module.parameters(), self.grad_clip))
+            part.optimizer.step()
+            part.optimizer.zero_grad(set_to_none=True)
+        self.optim_steps += 1
+        self.current_lr = next(iter(self.modules.values())).lr * m
+        return norms[0]
+
+
+def _accumulate(totals: dict, values: dict, w: float) -> None:
+    for k, v in values.items():
+        totals[k] = max(totals.get(k, v), v) if "_max" in k else totals.get(k, 0.0) + v * w
