@@ -1,4 +1,5 @@
-"""``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl plan``, ``hyperrl demo``."""
+"""``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl config``, ``hyperrl plan``,
+``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,11 @@ def main(argv: list[str] | None = None) -> int:
     from .sharding import cli as plan_cli
 
     plan_cli.add_parser(sub)
-    tr = sub.add_parser("train", help="train with RL (no arguments: the embedded CPU default that learns)")
+    cf = sub.add_parser("config", help="list every config key with its default and doc, every registered variant "
+                        "with its hyperparameters, and every recipe (with --config/overrides: the resolved config)")
+    cf.add_argument("--config", help="YAML config to resolve")
+    tr = sub.add_parser("train", help="train with RL (no arguments: the embedded CPU default that learns); "
+                        "`hyperrl config` lists every key")
     tr.add_argument("--config", help="YAML config; dotted overrides follow, e.g. --algo.objective=gspo")
     tr.add_argument("--no-resume", action="store_true", help="start fresh even if out_dir has checkpoints")
     args, rest = parser.parse_known_args(argv)
@@ -23,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(args)
     if args.command == "train":
         return _train(args, rest)
+    if args.command == "config":
+        return _config(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "demo"):
@@ -32,6 +39,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _config(args, overrides: list[str]) -> int:
+    import json
+
+    from .config import ConfigError, describe, load_config
+
+    try:
+        if args.config or overrides:
+            print(json.dumps(load_config(args.config, overrides).to_dict(), indent=1))
+        else:
+            print(describe())
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    return 0
 
 
 def _train(args, overrides: list[str]) -> int:

@@ -7,9 +7,12 @@ by token budget (padded across ranks with zero-weight passes), ``backward`` of
 mini-batch for every module. The policy and a critic are just two entries of ``modules``; the
 critic's value loss is one more ``loss_*`` term of the same loss function.
 
-Metric accumulation: every ``loss_*`` term and metric is averaged over the step's rows (weight
-``rows / B / epochs``), except keys containing ``_max`` (the maximum). ``grad_norm`` is the
-largest pre-clip norm of the step's optimizer steps; ``lr`` the last policy learning rate.
+Metric accumulation: a ``loss_*`` term is the loss of its optimizer step — the sum over the
+micro-batches (and, times the strategy's loss scale, over ranks: each holds its share under the
+global normaliser) — averaged over the mini-batches by rows; every other metric is averaged over
+the rows (weight ``rows / B / epochs``), except keys containing ``_max`` (the maximum).
+``grad_norm`` is the largest pre-clip norm of the step's optimizer steps; ``lr`` the last policy
+learning rate.
 """
 
 from __future__ import annotations
@@ -57,13 +60,17 @@ class Learner:
             for idx in order.tensor_split(mini_batches):  # the same count on every rank, maybe empty
                 mini = batch[idx]
                 norm = self.parallel.global_normalizer(T.Normalizer.from_mask(mini["action_mask"], length_const))
+                step_terms: dict[str, float] = {}
                 for micro in self.parallel.pad_micro_batches(self._micro_batches(mini, micro_batch_tokens)):
                     if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
                         (loss_fn(batch[:1], norm).loss * 0.0).backward()
                         continue
                     out = loss_fn(mini[torch.tensor(micro)], norm)
                     (out.loss * self.parallel.loss_scale).backward()
-                    _accumulate(totals, out.scalars(), len(micro) / B / epochs)
+                    for k, v in out.terms.items():
+                        step_terms[k] = step_terms.get(k, 0.0) + float(v.detach()) * self.parallel.loss_scale
+                    _accumulate(totals, {k: float(v) for k, v in out.metrics.items()}, len(micro) / B / epochs)
+                _accumulate(totals, step_terms, len(idx) / B / epochs)
                 gn = self._step()
                 totals["grad_norm"] = max(totals.get("grad_norm", 0.0), gn)
                 totals["lr"] = self.current_lr

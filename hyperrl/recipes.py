@@ -125,6 +125,7 @@ def _check(reg: Registry, spec, key: str, context: dict | None = None):
             args[k] = v
     try:
         args = f.check(args, key)
+        f.check_requirements(key)
     except HyperparameterError as e:
         raise _err(str(e)) from None
     return Variant(name=spec.name, args={**f.defaults(), **args}), f

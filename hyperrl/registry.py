@@ -81,6 +81,7 @@ class Factory:
     fn: Callable
     needs: tuple[str, ...] = ()  # batch keys the component reads beyond the trajectory contract
     produces: tuple[str, ...] = ()  # batch keys it writes
+    requires: tuple[str, ...] = ()  # importable modules it needs, with the install hint (module, hint)
     doc: str = ""
     params: dict[str, Param] = field(default_factory=dict)
 
@@ -98,6 +99,15 @@ class Factory:
             raise HyperparameterError(f"{where}.{missing[0]}: {self.kind} {self.name!r} needs {missing[0]!r} "
                                       f"(a {_type_name(self.params[missing[0]].annotation)}); set it in the config")
         return {k: _validate(v, self.params[k].annotation, f"{where}.{k}") for k, v in args.items()}
+
+    def check_requirements(self, where: str = "") -> None:
+        """Every module the factory ``requires`` is importable, else an error naming it and the install."""
+        import importlib.util
+
+        for module, hint in self.requires:
+            if importlib.util.find_spec(module) is None:
+                raise HyperparameterError(f"{where or self.kind}={self.name}: {module} is not installed in this "
+                                          f"environment — {hint}")
 
     def defaults(self) -> dict:
         return {p.name: p.default for p in self.params.values() if not p.required}
@@ -127,21 +137,21 @@ class Registry(Generic[F]):
         self._items: dict[str, Factory] = {}
 
     def register(self, name: str, *, needs: tuple[str, ...] = (), produces: tuple[str, ...] = (),
-                 overwrite: bool = False) -> Callable[[F], F]:
+                 requires: tuple[tuple[str, str], ...] = (), overwrite: bool = False) -> Callable[[F], F]:
         """Decorator: ``@REG.register("my_variant", needs=("values",))`` adds ``fn`` under ``name``;
         its keyword-only parameters are its hyperparameters. Returns ``fn`` unchanged."""
 
         def deco(fn: F) -> F:
-            self.add(name, fn, needs=needs, produces=produces, overwrite=overwrite)
+            self.add(name, fn, needs=needs, produces=produces, requires=requires, overwrite=overwrite)
             return fn
 
         return deco
 
-    def add(self, name: str, fn: Callable, *, needs=(), produces=(), overwrite: bool = False) -> Factory:
+    def add(self, name: str, fn: Callable, *, needs=(), produces=(), requires=(), overwrite: bool = False) -> Factory:
         if name in self._items and not overwrite:
             raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
         doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-        f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), doc, _params(fn))
+        f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), tuple(requires), doc, _params(fn))
         self._items[name] = f
         return f
 

@@ -158,6 +158,24 @@ def _wandb(cfg: TrainConfig):
     return hook
 
 
+def _truncate_log(jsonl: Path, step: int) -> None:
+    """Drop the records a killed run logged after its last checkpoint (and a torn last line): the
+    resumed run logs those steps again, so the file ends as an uninterrupted run's would."""
+    if not jsonl.exists():
+        return
+    keep = []
+    for line in jsonl.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("step", 0) <= step:
+            keep.append(line)
+    tmp = jsonl.with_suffix(".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in keep))
+    tmp.replace(jsonl)
+
+
 def init_distributed(device: str = "cpu") -> int:
     """Under ``torchrun`` (``WORLD_SIZE > 1``) join the process group — gloo on CPU, NCCL on CUDA,
     HCCL on NPU — and return this process's rank (0 when single-process)."""
@@ -187,6 +205,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     trainer = build_trainer(cfg, hooks)
     if resume and trainer.resume():
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
+        if rank == 0:
+            _truncate_log(jsonl, trainer.step_idx)
     elif jsonl.exists() and rank == 0:
         jsonl.unlink()
     bar = None

@@ -247,3 +247,43 @@ def test_register_custom_estimator():
     assert out["advantages"].sum() == random_batch()["action_mask"].sum()
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("test_constant_one")(_one)
+
+
+def test_verl_singleton_semantics_for_opo_gpg_and_rpp_baseline():
+    # scores [1, 0 | 3]: group 0 = rows 0, 1; group 1 = row 2 alone. verl gives a singleton group mean 0.
+    from hyperrl.transforms import gpg_advantages, opo_advantages, reinforce_pp_baseline_advantages
+
+    s, g = torch.tensor([1.0, 0.0, 3.0]), torch.tensor([0, 0, 1])
+    # OPO, lengths [1, 1, 2]: b_0 = (1·1 + 1·0)/2 = 0.5 → ±0.5; singleton: baseline 0 → 3 (raw) or 0 (zero)
+    assert opo_advantages(s, g, torch.tensor([1, 1, 2]), singleton="raw").tolist() == [0.5, -0.5, 3.0]
+    assert opo_advantages(s, g, torch.tensor([1, 1, 2])).tolist() == [0.5, -0.5, 0.0]
+    # GPG: α = B / #nonzero = 3/2; group 0: 1.5·(±0.5) = ±0.75; singleton raw: 1.5·3 = 4.5
+    assert gpg_advantages(s, g, singleton="raw").tolist() == [0.75, -0.75, 4.5]
+    assert gpg_advantages(s, g).tolist() == [0.75, -0.75, 0.0]
+    # REINFORCE++-baseline raw: centred [0.5, −0.5, 3], whitened: μ = 1, σ² = (0.25 + 2.25 + 4)/2 = 3.25
+    m = torch.ones(3, 1, dtype=torch.bool)
+    want = torch.tensor([-0.5, -1.5, 2.0]) / 3.25 ** 0.5
+    assert torch.allclose(reinforce_pp_baseline_advantages(s, g, m, singleton="raw")[:, 0], want, atol=1e-6)
+    with pytest.raises(ValueError, match="single sample"):
+        gpg_advantages(s, g, singleton="error")
+
+
+def test_gae_adapter_whitens_by_default_like_verl():
+    from hyperrl.transforms import gae, masked_whiten, scores_to_token_rewards
+
+    b = _traj_for_gae()
+    out = compute_advantages(b, "gae")
+    adv, _ = gae(scores_to_token_rewards(b["reward"], b["action_mask"]), b["values"], b["action_mask"])
+    assert torch.allclose(out["advantages"], masked_whiten(adv, b["action_mask"]))
+
+
+def _traj_for_gae():
+    from hyperrl.trajectory import make_trajectory
+
+    B, T_ = 4, 5
+    attn = torch.ones(B, T_, dtype=torch.bool)
+    act = attn & (torch.arange(T_) >= 2)
+    return make_trajectory(tokens=torch.zeros(B, T_, dtype=torch.long), attention_mask=attn, action_mask=act,
+                           rollout_logprobs=torch.zeros(B, T_), policy_version=torch.zeros(B, dtype=torch.long),
+                           group_id=torch.arange(B), reward=torch.tensor([1.0, 0.0, 0.5, 2.0]),
+                           values=torch.linspace(0, 1, B * T_).reshape(B, T_))

@@ -114,8 +114,8 @@ def test_vllm_engine_without_vllm_names_key_and_fix(tmp_path, monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    with pytest.raises(ValueError, match=r"rollout.engine=vllm: vllm is not installed.*setup_vllm.sh"):
-        build_trainer(_cfg(tmp_path, "--rollout.engine=vllm"))
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: vllm is not installed.*setup_vllm.sh"):
+        _cfg(tmp_path, "--rollout.engine=vllm")  # at load time: nothing has been built
     with pytest.raises(ConfigError, match="rollout.engine: unknown rollout engine 'vlm'"):
         _cfg(tmp_path, "--rollout.engine=vlm")
 
@@ -255,3 +255,14 @@ def test_local_hf_checkpoint_directory(tmp_path):
     tiny_qwen3(CharTokenizer().vocab_size, hidden=64, intermediate=128, seed=5).save_pretrained(ckpt)
     tr = build_trainer(_cfg(tmp_path / "run", f"--model.checkpoint={ckpt}"))
     assert tr.step()["policy_version"] == 1
+
+
+def test_dynamic_sampling_refills_the_batch_to_the_configured_groups(tmp_path):
+    # groups of 2 with a parity reward: about half are constant, so one round cannot fill 8 groups
+    tr = build_trainer(_cfg(tmp_path, "--algo.recipe=dapo", "--rollout.n=2", "--rollout.prompts_per_step=8",
+                            "--rollout.max_generation_batches=8", "--rollout.max_new_tokens=2"))
+    tr.task.rewards = (("parity", lambda r, s: float(ord(r[0]) % 2) if r else 0.0),)
+    m = tr.step()
+    assert m["filter_kept_groups"] == 8 and m["filter_rounds"] >= 2 and m["filter_dropped_groups"] >= 1, m
+    assert tr.samples_seen == 16 and m["zero_variance_group_frac"] == 0.0  # exactly 8 informative groups
+    assert m["policy_version"] == 1

