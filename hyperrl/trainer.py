@@ -95,7 +95,8 @@ class SyncTrainer:
                                parallel=self.parallel)
         self.publisher = Publisher(policy, engine, rank=self.parallel.rank, world=self.parallel.world)
         self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel)
-        self.kl_state = self.pipeline.kl_controller(self.pipeline.kl_coef).init()
+        self.kl_controller = self.pipeline.kl_controller(self.pipeline.kl_coef)  # (init, update) pair
+        self.kl_state = self.kl_controller.init()
         self.step_idx, self.version = 0, engine.policy_version
         self.samples_seen = self.tokens_seen = 0
 
@@ -246,8 +247,7 @@ class SyncTrainer:
                                 seed=self.cfg.run.seed + self.step_idx, micro_batch_tokens=o.micro_batch_tokens,
                                 length_const=self.cfg.rollout.max_new_tokens)
         if "kl" in m:
-            self.kl_state = self.pipeline.kl_controller(self.pipeline.kl_coef).update(
-                self.kl_state, m["kl"], batch.batch_size[0])
+            self.kl_state = self.kl_controller.update(self.kl_state, m["kl"], batch.batch_size[0])
             m["kl_coef"] = self.kl_state.beta
         return m
 

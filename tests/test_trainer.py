@@ -266,3 +266,15 @@ def test_dynamic_sampling_refills_the_batch_to_the_configured_groups(tmp_path):
     assert m["filter_kept_groups"] == 8 and m["filter_rounds"] >= 2 and m["filter_dropped_groups"] >= 1, m
     assert tr.samples_seen == 16 and m["zero_variance_group_frac"] == 0.0  # exactly 8 informative groups
     assert m["policy_version"] == 1
+
+
+def test_adaptive_kl_controller_moves_beta_and_resumes_it(tmp_path):
+    args = ("--algo.kl.coef=0.1", "--algo.kl.controller=adaptive", "--algo.kl.controller.horizon=100")
+    tr = build_trainer(_cfg(tmp_path, *args))
+    m = [tr.step() for _ in range(2)]
+    # KL ≪ target 0.1 → err clipped to −0.2: β ← β·(1 − 0.2·64/100) per step (64 rows)
+    assert m[0]["kl_coef"] == pytest.approx(0.1 * (1 - 0.2 * 64 / 100))
+    assert m[1]["kl_coef"] == pytest.approx(0.1 * (1 - 0.2 * 64 / 100) ** 2)
+    tr.save()
+    again = build_trainer(_cfg(tmp_path, *args))
+    assert again.resume() and again.kl_state.beta == tr.kl_state.beta

@@ -1,0 +1,77 @@
+"""The loop's overhead, side by side: this checkout vs an older commit, on the default config.
+
+Each version runs in its own process (a ``git worktree`` of ``--ref`` for the old one), alternating,
+``--repeats`` times: build the trainer, ``--warmup`` steps, then ``--steps`` timed ``trainer.step()``
+calls. Reports the median seconds per step of each version and their ratio; appends to RESULTS.md.
+
+    python benchmarks/overhead.py --ref e67ffff --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import append_results, table  # noqa: E402
+
+_CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from hyperrl.config import load_config
+from hyperrl.train import build_trainer
+warmup, steps = int(sys.argv[2]), int(sys.argv[3])
+cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f"--run.steps={warmup + steps}"])
+tr = build_trainer(cfg)
+for _ in range(warmup):
+    tr.step()
+t0 = time.perf_counter()
+for _ in range(steps):
+    tr.step()
+print(json.dumps({"s_per_step": (time.perf_counter() - t0) / steps}))
+"""
+
+
+def _run(src: Path, warmup: int, steps: int, out: str) -> float:
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(warmup), str(steps), out], capture_output=True,
+                       text=True, cwd=src, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])["s_per_step"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ref", default="e67ffff", help="the older commit to compare with")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.ref], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            times = {"old": [], "new": []}
+            for i in range(args.repeats):
+                for name, src in (("old", old), ("new", ROOT)):
+                    times[name].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{name}_{i}"))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [[f"before ({args.ref})", round(med["old"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["old"])],
+            ["this checkout", round(med["new"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["new"])],
+            ["new / old", round(med["new"] / med["old"], 3), ""]]
+    append_results("loop overhead (old commit vs this checkout)",
+                   f"Default config (32 prompts x 16, tiny Qwen3), {args.steps} timed steps after {args.warmup}, "
+                   f"{args.repeats} alternating processes each:\n\n"
+                   + table(["version", "median ms/step", "runs (ms/step)"], rows))
+
+
+if __name__ == "__main__":
+    main()
