@@ -278,3 +278,22 @@ def test_adaptive_kl_controller_moves_beta_and_resumes_it(tmp_path):
     tr.save()
     again = build_trainer(_cfg(tmp_path, *args))
     assert again.resume() and again.kl_state.beta == tr.kl_state.beta
+
+
+def test_a_user_extends_the_pipeline_in_python(tmp_path):
+    import dataclasses
+
+    import hyperrl.transforms as T
+
+    seen = []
+
+    def clip_adv(batch):  # a user stage after the recipe's advantages
+        seen.append(float(batch["advantages"].abs().max()))
+        return batch.copy().set("advantages", batch["advantages"].clamp(-0.5, 0.5))
+
+    cfg = _cfg(tmp_path, "--task.max_operand=1")
+    base = build_trainer(cfg).pipeline
+    tr = build_trainer(cfg)
+    tr.pipeline = dataclasses.replace(base, transform=T.chain(base.transform, clip_adv))
+    m = tr.step()
+    assert seen[0] > 0.5 and m["adv_max_abs"] <= 0.5 and m["policy_version"] == 1  # the stage really clipped
