@@ -45,7 +45,12 @@ def test_factory_defaults_are_the_only_defaults(kind, data):
     name = data.draw(st.sampled_from(reg.names()))
     recipe = data.draw(st.sampled_from(RECIPES.names()))
     spec = getattr(load_config(None, [f"--algo.recipe={recipe}", f"--algo.{kind}={name}"]).algo, kind)
-    assert spec.name == name and spec.args == reg.factory(name).defaults()
+    base = recipe_config(recipe).get(kind)
+    base = {"name": base} if isinstance(base, str) else (base or {})
+    # a new name starts from the factory's defaults; the same name keeps the recipe's own arguments
+    kept = {k: v for k, v in base.items() if k != "name"} if base.get("name") == name else {}
+    assert spec.name == name and spec.args == {**reg.factory(name).defaults(), **kept}
+    assert set(spec.args) == set(reg.factory(name).params)  # every hyperparameter, nothing else
 
 
 def test_every_kernel_knob_is_reachable():
