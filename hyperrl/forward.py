@@ -28,15 +28,21 @@ __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "
 
 
 def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
-    """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 at ``t = 0``)."""
+    """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 before the
+    first action position of the batch, ``a``). Logits are computed only on the action window —
+    positions ``a − 1 … T − 2`` (``logits_to_keep``), not at every prompt position: at a real
+    vocabulary the ``[B, T, V]`` prompt logits dominate a forward's memory."""
     tokens = batch["tokens"]  # the last token predicts nothing: run T − 1 positions
-    if tokens.shape[1] < 2:
+    act = batch["action_mask"]
+    if tokens.shape[1] < 2 or not bool(act[:, 1:].any()):
         z = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return z, z.clone()
-    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long()).logits
-    lp, ent = T.logprobs_and_entropy(logits, tokens[:, 1:], temperature)
+    a = max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)  # the batch's first action position
+    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                   logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
+    lp, ent = T.logprobs_and_entropy(logits, tokens[:, a:], temperature)
     pad = torch.nn.functional.pad
-    return pad(lp, (1, 0)), pad(ent, (1, 0))
+    return pad(lp, (a, 0)), pad(ent, (a, 0))
 
 
 def prefix_groups(batch: TensorDict):

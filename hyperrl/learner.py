@@ -27,7 +27,39 @@ from . import transforms as T
 from .parallel import LocalParallel
 from .schedules import lr_multiplier
 
-__all__ = ["Learner", "Optimized"]
+__all__ = ["Learner", "Optimized", "micro_batches", "map_micro_batches"]
+
+
+def micro_batches(batch: TensorDict, budget: int) -> list[list[int]]:
+    """Row indices of ``batch`` packed into micro-batches of at most ``budget`` tokens (attention
+    mask sums; 0 = one micro-batch; a row longer than the budget gets one of its own)."""
+    lengths = batch["attention_mask"].sum(-1)
+    if not len(lengths):
+        return []
+    budget = budget or int(lengths.sum())
+    return T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
+
+
+@torch.no_grad()
+def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParallel | None = None):
+    """``fn(rows) -> tensor | tuple of tensors`` (each ``[b, …]``) over micro-batches of ``budget``
+    tokens, reassembled in row order — a no-grad forward whose memory is bounded by the micro-batch.
+    Ranks with fewer micro-batches call ``fn(batch[:1])`` and drop the result (FSDP's lockstep)."""
+    parallel = parallel or LocalParallel()
+    outs, order = [], []
+    for micro in parallel.pad_micro_batches(micro_batches(batch, budget)):
+        if micro is None:
+            fn(batch[:1])
+            continue
+        idx = torch.tensor(micro)
+        r = fn(batch[idx])
+        outs.append(r if isinstance(r, tuple) else (r,))
+        order.append(idx)
+    if not outs:
+        raise ValueError("map_micro_batches: the batch has no rows")
+    inverse = torch.argsort(torch.cat(order))
+    res = tuple(torch.cat(parts, 0)[inverse] for parts in zip(*outs))
+    return res if isinstance(r, tuple) else res[0]
 
 
 @dataclass
@@ -61,7 +93,7 @@ class Learner:
                 mini = batch[idx]
                 norm = self.parallel.global_normalizer(T.Normalizer.from_mask(mini["action_mask"], length_const))
                 step_terms: dict[str, float] = {}
-                for micro in self.parallel.pad_micro_batches(self._micro_batches(mini, micro_batch_tokens)):
+                for micro in self.parallel.pad_micro_batches(micro_batches(mini, micro_batch_tokens)):
                     if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
                         (loss_fn(batch[:1], norm).loss * 0.0).backward()
                         continue
@@ -75,14 +107,6 @@ class Learner:
                 totals["grad_norm"] = max(totals.get("grad_norm", 0.0), gn)
                 totals["lr"] = self.current_lr
         return totals
-
-    @staticmethod
-    def _micro_batches(mini: TensorDict, budget: int) -> list:
-        lengths = mini["attention_mask"].sum(-1)
-        if not len(lengths):
-            return []
-        budget = budget or int(lengths.sum())
-        return T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
 
     def _step(self) -> float:
         """Set every learning rate from the schedule, clip, step and zero each module; the policy's norm."""

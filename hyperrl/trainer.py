@@ -28,7 +28,7 @@ from . import transforms as T
 from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .forward import policy_logprobs
-from .learner import Learner, Optimized
+from .learner import Learner, Optimized, map_micro_batches
 from .parallel import LocalParallel, make_parallel
 from .recipes import Pipeline, build_pipeline
 from .sampling import SamplingParams
@@ -192,12 +192,12 @@ class SyncTrainer:
         ``old_logprobs`` (checked by the gate), ``ref_logprobs``."""
         out, needs = batch.copy(), self.pipeline.needs
         if self.critic is not None:
-            out.set("values", self.critic(batch))
+            out.set("values", self._no_grad(self.critic, batch))
         if "baseline_reward" in needs:
             out.set("baseline_reward", self._greedy_baseline(batch))
         if self._single_pass():
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
-        lp, _ = self._logprobs(self.policy, batch)
+        lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
         thr = self.cfg.algo.gate_threshold
         if thr is not None and float(mm["mismatch_max_abs"]) > thr:
@@ -206,8 +206,15 @@ class SyncTrainer:
                             f"refused, still serving version {self.version}")
         out.set("old_logprobs", lp)
         if self.reference is not None:
-            out.set("ref_logprobs", self._logprobs(self.reference, batch)[0])
+            out.set("ref_logprobs", self._no_grad(lambda rows: self._logprobs(self.reference, rows), batch)[0])
         return out, {k: float(v) for k, v in mm.items()}
+
+    def _no_grad(self, fn, batch: TensorDict):
+        """``fn(batch)`` without autograd, micro-batched by ``optim.micro_batch_tokens`` (peak memory
+        bounded by the micro-batch, not the rollout batch); the whole batch at once when it is 0."""
+        if not self.cfg.optim.micro_batch_tokens:
+            return fn(batch)
+        return map_micro_batches(fn, batch, self.cfg.optim.micro_batch_tokens, self.parallel)
 
     def _greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
         """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,

@@ -135,3 +135,28 @@ def test_agreed_choice_forces_the_same_model_calls():
     policy_logprobs(MODEL, b, 1.0, agree=lambda use, S: (False, S))  # another rank prefers plain
     assert c.calls == [(4, 3)]
     c.h.remove()
+
+
+def test_plain_forward_computes_logits_only_on_the_action_window():
+    from hyperrl.forward import plain_logprobs_and_entropy
+    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.trajectory import make_trajectory
+
+    model = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=3)
+    B, T_ = 3, 9
+    tokens = torch.randint(1, 11, (B, T_), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(B, T_, dtype=torch.bool)
+    act = torch.arange(T_)[None, :] >= torch.tensor([4, 6, 5])[:, None]  # first action at 4
+    b = make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=torch.zeros(B, T_),
+                        policy_version=torch.zeros(B, dtype=torch.long), group_id=torch.arange(B),
+                        reward=torch.zeros(B))
+    shapes = []
+    orig = model.forward
+    model.forward = lambda *a, **kw: shapes.append(kw.get("logits_to_keep")) or orig(*a, **kw)
+    lp, ent = plain_logprobs_and_entropy(model, b, 1.0)
+    assert shapes == [T_ - 4]  # logits for positions 3 … 7 only
+    with torch.no_grad():
+        full = torch.log_softmax(orig(input_ids=tokens[:, :-1]).logits.float(), -1)
+    want = full.gather(-1, tokens[:, 1:, None])[..., 0]
+    assert torch.allclose(lp[:, 1:][act[:, 1:]], want[act[:, 1:]], atol=1e-5)
+    assert (lp[:, :4] == 0).all() and lp.shape == (B, T_) and ent.shape == (B, T_)

@@ -195,3 +195,26 @@ def test_cat_batches_pads_token_fields():
     assert c["tokens"].shape == (5, 5) and not c["attention_mask"][:2, 3:].any()
     assert torch.equal(c["reward"], torch.cat([a["reward"], b["reward"]])) and cat_batches([a]) is a
     assert isinstance(c, TensorDict)
+
+
+@settings(max_examples=15, deadline=None)
+@given(budget=st.integers(1, 40), seed=st.integers(0, 50))
+def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
+    from hyperrl.forward import policy_logprobs
+    from hyperrl.learner import map_micro_batches
+
+    model = tiny_qwen3(7, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=seed)
+    b = _batch(seed=seed)
+    seen = []
+
+    def fn(rows):
+        seen.append(int(rows["attention_mask"].sum()))
+        return policy_logprobs(model, rows, 1.0, shared_prefix=False)
+
+    with torch.no_grad():
+        whole = policy_logprobs(model, b, 1.0, shared_prefix=False)
+    lp, ent = map_micro_batches(fn, b, budget)
+    m = b["action_mask"]
+    assert torch.allclose(lp[m], whole[0][m], atol=1e-5) and torch.allclose(ent[m], whole[1][m], atol=1e-5)
+    longest = int(b["attention_mask"].sum(-1).max())
+    assert max(seen) <= max(budget, longest) and sum(seen) == int(b["attention_mask"].sum())

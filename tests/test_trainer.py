@@ -297,3 +297,28 @@ def test_a_user_extends_the_pipeline_in_python(tmp_path):
     tr.pipeline = dataclasses.replace(base, transform=T.chain(base.transform, clip_adv))
     m = tr.step()
     assert seen[0] > 0.5 and m["adv_max_abs"] <= 0.5 and m["policy_version"] == 1  # the stage really clipped
+
+
+def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--algo.kl.coef=0.1", "--optim.micro_batch_tokens=40",
+                            "--rollout.max_new_tokens=3"))
+    calls = []
+    orig = tr.policy.forward
+
+    def counting(*a, **kw):
+        calls.append(int(kw["input_ids"].numel()))
+        return orig(*a, **kw)
+
+    tr.policy.forward = counting
+    from hyperrl.trainer import _Timer
+
+    batch, _ = tr.collect(_Timer())
+    out, _ = tr.prepare(batch)
+    in_prepare = list(calls)
+    with torch.no_grad():
+        whole = tr._logprobs(tr.policy, batch)[0]
+    m = batch["action_mask"]
+    assert torch.allclose(out["old_logprobs"][m], whole[m], atol=1e-5)
+    assert torch.allclose(out["ref_logprobs"][m], whole[m], atol=1e-5)  # the reference is the initial policy
+    # every forward of prepare ran at most the 40-token budget; the whole batch is far larger
+    assert len(in_prepare) > 2 and max(in_prepare) <= 40 < int(batch["attention_mask"].sum())
