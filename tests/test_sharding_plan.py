@@ -229,3 +229,53 @@ def test_sender_choice_balances_source_replicas():
     senders, _, m = reshard_plan(src, dst).traffic()
     per = m.sum(1)
     assert len(senders) == 4 and per.max() == per.min() == 64 * 4 // 4
+
+
+@pytest.mark.parametrize("src_mesh", [Mesh.of(ep=2).submesh(ep=1), Mesh((), (3,))],
+                         ids=["pure-EP expert sub-mesh", "zero-axis trainer mesh"])
+@pytest.mark.parametrize("fan_out", [False, True])
+def test_zero_axis_source_mesh_plans_and_delivers(src_mesh, fan_out):
+    # a source tensor on a mesh with no axes (one rank) used to crash inside np.unravel_index
+    assert src_mesh.names == () and src_mesh.size == 1
+    src = Layout({"w": Placement((4, 6), torch.float32, Spec.replicate(2), src_mesh)})
+    dst = plain_destination({"w": ((4, 6), torch.float32, Spec(((), ("tp",))))}, Mesh.of(tp=2, offset=10))
+    plan = reshard_plan(src, dst, fan_out=fan_out)
+    verify(plan)
+    full = random_state(src)
+    got, want = simulate(plan, full), expected_destination(dst, full)
+    assert {t.src_rank for t in plan if t.phase == 0} == set(src_mesh.ranks)
+    for rank, params in want.items():
+        assert torch.equal(got[rank]["w"], params["w"]), rank
+
+
+def _dst(part, mesh=None):
+    from hyperrl.sharding import DstParam
+
+    return DstLayout({"p": DstParam(torch.float32, mesh or Mesh.of(tp=2), (part,))})
+
+
+def test_destination_layouts_that_would_lose_data_are_refused_naming_the_param():
+    from hyperrl.sharding import ChunkRule, HeadReplicaRule, Part
+
+    tp = ChunkRule(Spec.shard(2, d0="tp"))
+    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6\]\): rule spec .* has 3 dims, the part has 2"):
+        _dst(Part.plain("w", (4, 6), ChunkRule(Spec.shard(3, d0="tp"))))  # used to be accepted, a dim ignored
+    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6, 2\]\): rule spec .* has 2 dims"):
+        _dst(Part.plain("w", (4, 6, 2), tp))  # used to crash inside numpy
+    with pytest.raises(LayoutError, match=r"block 'e1' at \[5, 0, 0\] .* lies outside the part"):
+        _dst(Part.stacked(["e0", "e1"], (4, 6), ChunkRule(Spec.shard(3, d0="tp")), order=[0, 5]))
+    with pytest.raises(LayoutError, match=r"block 'w' at \[0, 0\] of size \[4, 6\] lies outside"):
+        _dst(Part.plain("w", (4, 6), tp, pad_shape=(2, 6)))  # padded extent smaller than the tensor
+    with pytest.raises(LayoutError, match=r"2 kv heads × 2 rows cover 4 rows of dim 0, the part has 8"):
+        _dst(Part.plain("k", (8, 6), HeadReplicaRule("tp", n_heads=2, head_dim=2)))
+    with pytest.raises(LayoutError, match=r"blocks 'e0' and 'e1' share the slot \[0, 0, 0\]"):
+        _dst(Part.stacked(["e0", "e1"], (4, 6), ChunkRule(Spec.replicate(3)), order=[0, 0]))
+    with pytest.raises(LayoutError, match=r"p \(part 0.*rule axis 'ep' is not a destination mesh axis \['tp'\]"):
+        _dst(Part.plain("w", (4, 6), ChunkRule(Spec.shard(2, d0="ep"))))
+
+
+def test_unknown_source_axis_names_the_tensor():
+    from hyperrl.sharding import SpecError
+
+    with pytest.raises(SpecError, match=r"model.norm.weight: spec axis 'tp' is not a mesh axis \['fsdp'\]"):
+        Layout({"model.norm.weight": Placement((8,), torch.float32, Spec.shard(1, d0="tp"), Mesh.of(fsdp=2))})

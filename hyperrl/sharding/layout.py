@@ -59,7 +59,7 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        self.spec.check(self.mesh, self.shape)
+        # the spec is checked against the mesh by Layout, which knows the tensor's name
 
     @property
     def itemsize(self) -> int:
@@ -78,6 +78,8 @@ class Layout(Mapping):
 
     def __init__(self, placements: Mapping[str, Placement]):
         self._p = dict(placements)
+        for name, pl in self._p.items():
+            pl.spec.check(pl.mesh, pl.shape, name)
 
     def __getitem__(self, k: str) -> Placement:
         return self._p[k]
@@ -234,11 +236,52 @@ class Demand:
     shift: tuple[int, ...]
 
 
+def _check_param(name: str, p: DstParam) -> None:
+    """A destination parameter that would silently lose or misplace data is an error naming it:
+    a rule whose dims differ from its part's, an axis not on the mesh, a block outside its part's
+    virtual extent (an expert slot outside its stack, a padded extent smaller than the tensor), two
+    blocks in one slot, kv-head replication covering other rows than the part."""
+    for i, part in enumerate(p.parts):
+        where = f"{name} (part {i}, shape {list(part.shape)})"
+        rule = part.rule
+        if isinstance(rule, ChunkRule):
+            if rule.spec.ndim != len(part.shape):
+                raise LayoutError(f"{where}: rule spec {rule.spec} has {rule.spec.ndim} dims, the part has "
+                                  f"{len(part.shape)}")
+            bad = [a for a in rule.spec.axes() if a not in p.mesh.names]
+            if bad:
+                raise LayoutError(f"{where}: rule axis {bad[0]!r} is not a destination mesh axis {list(p.mesh.names)}")
+        elif isinstance(rule, HeadReplicaRule):
+            if rule.axis not in p.mesh.names:
+                raise LayoutError(f"{where}: kv-head axis {rule.axis!r} is not a destination mesh axis "
+                                  f"{list(p.mesh.names)}")
+            if not 0 <= rule.dim < len(part.shape) or rule.n_heads * rule.head_dim != part.shape[rule.dim]:
+                raise LayoutError(f"{where}: {rule.n_heads} kv heads × {rule.head_dim} rows cover "
+                                  f"{rule.n_heads * rule.head_dim} rows of dim {rule.dim}, the part has "
+                                  f"{part.shape[rule.dim] if 0 <= rule.dim < len(part.shape) else 'no such dim'}")
+        seen: dict[tuple, str] = {}
+        L = part.shape
+        for b in part.blocks:
+            sizes = (1, *b.shape) if b.stacked else b.shape
+            if len(b.offset) != len(L) or len(sizes) != len(L) or \
+                    not all(0 <= o and o + n <= m for o, n, m in zip(b.offset, sizes, L)):
+                raise LayoutError(f"{where}: block {b.src!r} at {list(b.offset)} of size {list(sizes)} lies "
+                                  f"outside the part (an expert slot outside its stack, or a padded extent smaller "
+                                  f"than the tensor): it would never be sent")
+            if b.offset in seen:
+                raise LayoutError(f"{where}: blocks {seen[b.offset]!r} and {b.src!r} share the slot {list(b.offset)}")
+            seen[b.offset] = b.src
+
+
 @dataclass
 class DstLayout:
-    """``name → DstParam`` for the inference engine's parameters."""
+    """``name → DstParam`` for the inference engine's parameters (each checked at construction)."""
 
     params: dict[str, DstParam] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, p in self.params.items():
+            _check_param(name, p)
 
     def __len__(self) -> int:
         return len(self.params)

@@ -53,7 +53,8 @@ class _SrcGrid:
 def _src_grid(pl: Placement) -> _SrcGrid:
     mesh, spec = pl.mesh, pl.spec
     ivs = [dim_intervals(L, tuple(mesh.axis_size(a) for a in axes)) for L, axes in zip(pl.shape, spec.dims)]
-    coords = dict(zip(mesh.names, np.unravel_index(np.arange(mesh.size), mesh.shape)))
+    # a mesh with no axes (one rank: e.g. a pure-EP expert's sub-mesh) has no coordinates to unravel
+    coords = dict(zip(mesh.names, np.unravel_index(np.arange(mesh.size), mesh.shape))) if mesh.names else {}
     flat = np.zeros(mesh.size, np.int64)
     for axes, iv in zip(spec.dims, ivs):
         k = np.zeros(mesh.size, np.int64)
