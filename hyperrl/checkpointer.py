@@ -16,14 +16,9 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .parallel import LocalParallel
 from .sharding import Mesh
-from .sharding.dtensor import from_placements
+from .sharding.dtensor import from_placements, local
 
 __all__ = ["Checkpointer", "local"]
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself when not sharded)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Checkpointer:

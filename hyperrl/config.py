@@ -220,7 +220,7 @@ def _dotted(loc) -> str:
     return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in ("args",)))
 
 
-def _pydantic_error(e: ValidationError, data: dict) -> ConfigError:
+def _pydantic_error(e: ValidationError) -> ConfigError:
     err = e.errors()[0]
     loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
     key = _dotted(loc)
@@ -264,7 +264,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     try:
         cfg = TrainConfig.model_validate(merged)
     except ValidationError as e:
-        raise _pydantic_error(e, merged) from None
+        raise _pydantic_error(e) from None
     from .recipes import resolve
 
     return resolve(cfg)
@@ -275,16 +275,16 @@ def describe() -> str:
     hyperparameters (``hyperrl config``)."""
     lines = []
 
-    def walk(model: type[BaseModel], inst, prefix: str):
+    def walk(inst, prefix: str):
         for name, f in type(inst).model_fields.items():
             v = getattr(inst, name)
             if isinstance(v, BaseModel) and not isinstance(v, Variant):
-                walk(type(v), v, f"{prefix}{name}.")
+                walk(v, f"{prefix}{name}.")
                 continue
             shown = _plain(v)
             lines.append(f"{prefix}{name} = {shown!r}" + (f"  # {f.description}" if f.description else ""))
 
-    walk(TrainConfig, load_config(), "")
+    walk(load_config(), "")
     from .recipes import registries
 
     lines.append("")

@@ -136,9 +136,8 @@ def resolve(cfg):
     each variant's arguments completed by its factory's defaults. Raises ``ConfigError``."""
     regs = registries()
     a = cfg.algo
-    upd: dict = {}
-    upd["task"], _ = _check(regs["task"], cfg.task, "task")
-    upd["env"] = _check(regs["env"], cfg.env, "env")[0] if cfg.env is not None else None
+    task, _ = _check(regs["task"], cfg.task, "task")
+    env = _check(regs["env"], cfg.env, "env")[0] if cfg.env is not None else None
     engine, _ = _check(regs["rollout.engine"], cfg.rollout.engine, "rollout.engine")
     adv, fadv = _check(regs["algo.advantage"], a.advantage, "algo.advantage")
     obj, fobj = _check(regs["algo.objective"], a.objective, "algo.objective")
@@ -169,7 +168,7 @@ def resolve(cfg):
         raise _err(f"algo.advantage: {fadv.name!r} needs a critic's values but produces no 'returns' for the "
                    f"critic's loss")
     d = cfg.to_dict()
-    d["task"], d["env"] = upd["task"].spec(), upd["env"].spec() if upd["env"] else None
+    d["task"], d["env"] = task.spec(), env.spec() if env else None
     d["rollout"]["engine"] = engine.spec()
     d["algo"].update(advantage=adv.spec(), objective=obj.spec(), agg=agg.spec(),
                      correction=corr[0].spec() if corr[0] else None, shaping=[s[0].spec() for s in shaping],

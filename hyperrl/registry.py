@@ -38,7 +38,7 @@ class Param:
         return self.default is inspect.Parameter.empty
 
 
-def _annotation(fn: Callable, p: inspect.Parameter, hints: dict) -> Any:
+def _annotation(p: inspect.Parameter, hints: dict) -> Any:
     if p.name in hints:
         return hints[p.name]
     d = p.default
@@ -125,7 +125,7 @@ def _params(fn: Callable) -> dict[str, Param]:
         hints = get_type_hints(target, include_extras=True)
     except (TypeError, ValueError, NameError):
         return {}
-    return {p.name: Param(p.name, _annotation(fn, p, hints), p.default)
+    return {p.name: Param(p.name, _annotation(p, hints), p.default)
             for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 

@@ -163,9 +163,11 @@ class SyncTrainer:
             with timer("reward"):
                 batch = p.admit(self.rewards(batch, samples))
             rounds += 1
-            if p.filter is not None:
-                batch, d = p.filter(batch)
-                dropped += d // r.n
+            if p.filter is None:
+                kept.append(batch)
+                break
+            batch, d = p.filter(batch)
+            dropped += d // r.n
             kept.append(batch)
             n_groups += int(torch.unique(batch["group_id"]).numel()) if batch.batch_size[0] else 0
             if n_groups >= want:

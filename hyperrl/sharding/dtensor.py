@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .mesh import Mesh
 from .spec import Spec, SpecError
 
-__all__ = ["to_placements", "from_placements"]
+__all__ = ["to_placements", "from_placements", "is_dtensor", "local"]
 
 
 def to_placements(spec: Spec, mesh: Mesh) -> list:
@@ -68,3 +68,14 @@ def from_placements(placements, mesh: Mesh, ndim: int) -> Spec:
                 raise SpecError(f"mesh axis {a!r}: split_factor {strided[a]} does not match the later axes on dim {d}")
             axes.insert(j - 1, axes.pop(i))
     return Spec(tuple(tuple(a) for a in dims))
+
+
+def is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t):
+    """A DTensor's local shard (the tensor itself when not sharded)."""
+    return t.to_local() if is_dtensor(t) else t

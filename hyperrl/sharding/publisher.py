@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .dtensor import from_placements
+from .dtensor import from_placements, is_dtensor, local
 from .execute import execute_direct
 from .layout import Layout, Placement, plain_destination
 from .mesh import Mesh
@@ -24,18 +24,12 @@ from .spec import Spec
 __all__ = ["Publisher", "source_layout"]
 
 
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
     """Each parameter's global shape, dtype and spec on ``Mesh.of(fsdp=world)``."""
     mesh = Mesh.of(fsdp=world)
     out = {}
     for k, p in model.named_parameters():
-        spec = from_placements(p.placements, mesh, p.dim()) if _is_dtensor(p) else Spec.replicate(p.dim())
+        spec = from_placements(p.placements, mesh, p.dim()) if is_dtensor(p) else Spec.replicate(p.dim())
         out[k] = Placement(tuple(p.shape), p.dtype, spec, mesh)
     return Layout(out)
 
@@ -51,17 +45,17 @@ class Publisher:
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's destination tensors, by engine parameter name."""
-        local = {k: (p.to_local() if _is_dtensor(p) else p).detach() for k, p in model.named_parameters()}
+        shards = {k: local(p).detach() for k, p in model.named_parameters()}
         if self.world == 1:  # the identity plan: each transfer is a whole tensor — pass views, copy nothing
             out = {}
             for t in self.plan:
-                view = local[t.tensor][t.src_slice.slices()]
-                if tuple(view.shape) != tuple(local[t.tensor].shape):
+                view = shards[t.tensor][t.src_slice.slices()]
+                if tuple(view.shape) != tuple(shards[t.tensor].shape):
                     raise RuntimeError(f"{t.param}: a one-process plan must move whole tensors, got {t.src_slice}")
                 out[t.param] = view
             return out
         out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in model.named_parameters()}
-        execute_direct(self.plan, self.rank, local, out)
+        execute_direct(self.plan, self.rank, shards, out)
         return out
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
