@@ -17,7 +17,8 @@ Pure transforms never see these objects; the trainer reads the scalars and passe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -167,8 +168,8 @@ def _plain(m):
 # ----------------------------------------------------------------------------- layers and merging
 
 def _is_variant(annotation) -> bool:
-    return annotation is Variant or (getattr(annotation, "__args__", None) and Variant in annotation.__args__
-                                     and list not in (getattr(annotation, "__origin__", None),))
+    """``Variant`` or ``Variant | None`` (not ``list[Variant]``: lists are replaced whole)."""
+    return annotation is Variant or (get_origin(annotation) in (Union, UnionType) and Variant in get_args(annotation))
 
 
 def _as_spec(v):
