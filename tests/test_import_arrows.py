@@ -79,3 +79,31 @@ def test_core_loads_without_the_loop_at_run_time():
             f"bad = [m for m in sys.modules if m.startswith({LOOP!r})]; print(bad); assert not bad")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+_TRAIN_ONLY = ("transformers", "tokenizers", "pyarrow", "yaml", "matplotlib", "jsonschema", "peft", "safetensors",
+               "tqdm")
+
+
+def test_core_runs_with_the_training_packages_unimportable():
+    """The core extra's promise (pyproject: torch, tensordict, numpy, pydantic only): with every
+    training-only package made unimportable, a GRPO loss is built from the registry and a
+    reshard plan is made. (scripts/check_core.sh proves the same in a venv holding only the core.)"""
+    code = f"""
+import sys
+for name in {_TRAIN_ONLY!r}:
+    sys.modules[name] = None  # `import name` now raises ImportError, find_spec says absent
+import torch, hyperrl.transforms as T
+from hyperrl.sharding.models import MODELS, trainer_layout, rollout_layout
+from hyperrl.sharding import reshard_plan
+from tests.conftest import random_batch
+b = T.compute_advantages(random_batch(), "grpo")
+out = T.policy_loss(b, b["rollout_logprobs"], objective="ppo_clip", agg="token-mean", clip_low=0.2, clip_high=0.28)
+m = MODELS["qwen3-tiny"]
+plan = reshard_plan(trainer_layout(m, fsdp=2), rollout_layout(m, tp=2))
+assert torch.isfinite(out.loss) and plan.stats().wire_bytes > 0
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PKG.parent)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
