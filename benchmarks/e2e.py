@@ -24,21 +24,23 @@ from benchmarks._common import append_results, table  # noqa: E402
 from hyperrl.config import load_config  # noqa: E402
 from hyperrl.rollout import tiny_qwen3  # noqa: E402
 from hyperrl.tasks import ModSumTask  # noqa: E402
-from hyperrl.tokenizer import CharTokenizer  # noqa: E402
+from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer  # noqa: E402
 from hyperrl.train import build_trainer  # noqa: E402
 
 
-def hf_char_tokenizer(tok: CharTokenizer):
-    """The character tokenizer as a transformers fast tokenizer with identical ids."""
+def hf_char_tokenizer():
+    """The character tokenizer for TRL: hyperrl's ids, no ``<bos>`` post-processor (TRL's prompts
+    carry ``<bos>`` as text, so both trainers see identical prompt ids)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {s: i for i, s in enumerate(tok.specials)}
-    vocab.update({c: i + len(tok.specials) for i, c in enumerate(tok.alphabet)})
+    specials = ("<pad>", "<bos>", "<eos>")
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({c: i + len(specials) for i, c in enumerate(DEFAULT_ALPHABET)})
     t = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     t.decoder = decoders.Fuse()
-    t.add_special_tokens(list(tok.specials))
+    t.add_special_tokens(list(specials))
     return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
@@ -63,8 +65,8 @@ def run_trl(steps: int, seed: int):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    tok = CharTokenizer()
-    hf_tok = hf_char_tokenizer(tok)
+    tok = char_tokenizer()
+    hf_tok = hf_char_tokenizer()
     task = ModSumTask(tok, seed=seed)
     samples = [s for step in range(steps) for s in task.sample(P, step)]
     ds = Dataset.from_dict({"prompt": ["<bos>" + s.prompt for s in samples], "answer": [s.answer for s in samples]})

@@ -22,14 +22,14 @@ def main():
     from benchmarks._common import append_results, table
     from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
     from hyperrl.rollout.vllm_engine import VLLMEngine
-    from hyperrl.tokenizer import CharTokenizer
+    from hyperrl.tokenizer import char_tokenizer
 
     torch.manual_seed(0)
-    tok = CharTokenizer()
+    tok = char_tokenizer()
     model = tiny_qwen3(tok.vocab_size, hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=256)
     tmp = tempfile.mkdtemp()
     model.save_pretrained(tmp)
-    prompts = [tok.encode(f"{a}+{b}=", bos=True) for a, b in zip(range(16), range(16, 32))]
+    prompts = [tok.encode(f"{a}+{b}=") for a, b in zip(range(16), range(16, 32))]
     shapes = ((4, 32), (16, 32))  # (samples per prompt, new tokens); no EOS: fixed length
 
     def timed(engine, name, n, new):

@@ -13,7 +13,15 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, rng_states, save_checkpoint, set_rng_states
+from .checkpoint import (
+    MARKER,
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_states,
+    save_checkpoint,
+    set_rng_states,
+)
 from .parallel import LocalParallel
 from .sharding import Mesh
 from .sharding.dtensor import from_placements, local
@@ -25,9 +33,10 @@ class Checkpointer:
     """``save(step, parts, state)`` / ``load(path, parts) -> state`` where ``parts`` maps a part
     name to ``(module, optimizer part name, optimizer)``."""
 
-    def __init__(self, root: str | Path, parallel: LocalParallel | None = None):
+    def __init__(self, root: str | Path, parallel: LocalParallel | None = None, *, keep_last_k: int = 0):
         self.root = Path(root)
         self.parallel = parallel or LocalParallel()
+        self.keep_last_k = keep_last_k
 
     def save(self, step: int, parts: dict[str, tuple], state: dict, *, _crash_after: str | None = None) -> Path:
         p = self.parallel
@@ -41,8 +50,23 @@ class Checkpointer:
             o = opt.state_dict()
             files[oname] = {"param_groups": o["param_groups"],
                             "state": {i: {k: local(v) for k, v in st.items()} for i, st in o["state"].items()}}
-        return save_checkpoint(self.root, step, parts=files, state=state, layout=layout, rng=rng_states(),
+        path = save_checkpoint(self.root, step, parts=files, state=state, layout=layout, rng=rng_states(),
                                rank=p.rank, world_size=p.world, barrier=p.barrier, _crash_after=_crash_after)
+        if self.keep_last_k and p.rank == 0:
+            self.prune()
+        return path
+
+    def prune(self) -> list[Path]:
+        """Delete complete checkpoints older than the newest ``keep_last_k`` (never an incomplete
+        one that is not older than every kept one, and never the newest); returns what was deleted."""
+        import shutil
+
+        done = sorted((c for c in self.root.glob("step_*") if c.is_dir() and (c / MARKER).exists()),
+                      key=lambda c: int(c.name.split("_")[1]))
+        gone = done[: max(len(done) - self.keep_last_k, 0)]
+        for c in gone:
+            shutil.rmtree(c)
+        return gone
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)

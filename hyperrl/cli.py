@@ -1,5 +1,5 @@
 """``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl config``, ``hyperrl plan``,
-``hyperrl demo``."""
+``hyperrl export``, ``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,22 @@ def main(argv: list[str] | None = None) -> int:
                         "`hyperrl config` lists every key")
     tr.add_argument("--config", help="YAML config; dotted overrides follow, e.g. --algo.objective=gspo")
     tr.add_argument("--no-resume", action="store_true", help="start fresh even if out_dir has checkpoints")
+    ex = sub.add_parser("export", help="a checkpoint → a Hugging Face model directory (save_pretrained + tokenizer) "
+                        "that transformers and vLLM load")
+    ex.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/default/checkpoints/step_1000")
+    ex.add_argument("out_dir", help="where to write the model directory")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "export":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .export import ExportError, export_hf
+
+        try:
+            print(f"exported {args.checkpoint} → {export_hf(args.checkpoint, args.out_dir)}")
+        except (ExportError, FileNotFoundError) as e:
+            print(f"hyperrl export: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "plan":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

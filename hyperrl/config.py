@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["Variant", "ModelConfig", "RolloutConfig", "KLConfig", "CriticConfig", "AlgoConfig", "OptimConfig",
-           "RunConfig", "TrainConfig", "load_config", "ConfigError", "describe"]
+__all__ = ["Variant", "RewardSpec", "DataConfig", "ModelConfig", "RolloutConfig", "KLConfig", "CriticConfig",
+           "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_config", "ConfigError", "describe"]
 
 
 class ConfigError(ValueError):
@@ -56,6 +56,9 @@ class Variant(_Frozen):
         return {"name": self.name, **self.args}
 
 
+DType = Literal["float32", "bfloat16", "float16"]
+
+
 class ModelConfig(_Frozen):
     hidden: int = Field(128, description="tiny Qwen3: hidden size (random init; ignored with checkpoint)")
     layers: int = Field(2, description="tiny Qwen3: decoder layers")
@@ -64,6 +67,16 @@ class ModelConfig(_Frozen):
     head_dim: int = Field(32, description="tiny Qwen3: head dimension")
     intermediate: int = Field(256, description="tiny Qwen3: MLP width")
     checkpoint: str | None = Field(None, description="a local HF checkpoint directory instead of a random init")
+    tokenizer: str | None = Field(None, description="tokenizer directory (AutoTokenizer); default: the checkpoint's "
+                                  "own, or the embedded character tokenizer without a checkpoint")
+    dtype: DType = Field("float32", description="compute dtype: activations (autocast / FSDP2 param_dtype), the "
+                         "rollout engine's and the reference's weights; log-probs and losses stay fp32")
+    param_dtype: DType = Field("float32", description="trainable parameters and optimizer state (fp32 master "
+                               "weights by default; bfloat16 halves their memory)")
+    gradient_checkpointing: bool = Field(False, description="recompute decoder layers in backward (implies "
+                                         "optim.shared_prefix=false: checkpointed layers drop the KV cache)")
+    compile: str = Field("", description="torch.compile backend for the trainer's policy forward ('' = off; "
+                         "'inductor', or 'eager' / 'aot_eager' to check tracing)")
 
 
 class RolloutConfig(_Frozen):
@@ -129,11 +142,31 @@ class OptimConfig(_Frozen):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="where linear/cosine end, as a fraction of lr")
 
 
+class DataConfig(_Frozen):
+    train_files: list[str] = Field(default_factory=list, description="parquet / JSONL / JSON training prompts "
+                                   "(verl columns); set = task 'files' (do not also set task)")
+    val_files: list[str] = Field(default_factory=list, description="validation prompts (evaluation runs on these, "
+                                 "never on training rows)")
+    prompt_key: str = Field("prompt", description="the prompt column (a string or chat messages)")
+    max_prompt_length: int = Field(0, ge=0, description="prompt token limit (0 = none)")
+    overlong_prompts: Literal["error", "filter", "truncate"] = Field("error", description="a prompt over "
+                                                                     "max_prompt_length: error | filter | truncate")
+    rewards: list[str] = Field(default_factory=lambda: ["gsm8k_exact"], description="the files task's registered "
+                               "rewards (the top-level rewards: list overrides them)")
+
+
 class RunConfig(_Frozen):
     steps: int = Field(1000, ge=0, description="training steps")
     seed: int = Field(0, description="seed of data, sampling, init and update order")
     eval_every: int = Field(100, ge=0, description="held-out evaluation every k steps (0 = off)")
     eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation")
+    eval_n: int = Field(1, ge=1, description="samples per held-out prompt: eval_reward_mean = mean@k, "
+                        "eval_pass_at_k = mean over prompts of the best sample's reward")
+    log_completions: int = Field(0, ge=0, description="write k rows per step (prompt, completion, rewards, "
+                                 "advantage) to completions.jsonl (and TensorBoard / W&B)")
+    keep_last_k: int = Field(0, ge=0, description="keep only the newest k checkpoints (0 = all)")
+    export: bool = Field(True, description="at the end, save_pretrained model + tokenizer to out_dir/hf "
+                         "(loads with transformers / vLLM); also `hyperrl export CKPT DIR`")
     ckpt_every: int = Field(0, ge=0, description="checkpoint every k steps (0 = only at the end)")
     out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
     device: str = Field("cpu", description="cpu | cuda | npu")
@@ -141,11 +174,33 @@ class RunConfig(_Frozen):
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 
 
+class RewardSpec(_Frozen):
+    """One reward (see :mod:`hyperrl.rewards`)."""
+
+    fn: str = Field(description="'path/to/file.py:function' or a registered reward (REWARDS, REWARD_FACTORIES)")
+    weight: float = Field(1.0, description="its weight in the total reward Σ w·r (and GDPO's component weight)")
+    style: Literal["trl", "verl", "hyperrl"] | None = Field(None, description="calling convention (required for "
+                                                           "a file's function)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments (a factory's "
+                                   "hyperparameters for registered factories)")
+    name: str | None = Field(None, description="metric name (default: the function's)")
+    data_source: str | list[str] | None = Field(None, description="score only samples of these data_source "
+                                                "values (the rest: not applicable)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v):
+        return {"fn": v} if isinstance(v, str) else v
+
+
 class TrainConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: Variant = Field(Variant(name="modsum"), description="task (hyperrl.tasks.TASKS)")
+    data: DataConfig = Field(default_factory=DataConfig)
     env: Variant | None = Field(None, description="multi-turn environment (hyperrl.envs.ENVIRONMENTS); null = "
                                 "single-turn")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="rewards as users write them (TRL / verl "
+                                      "/ hyperrl style, weighted, routed by data_source); [] = the task's rewards")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -158,6 +213,8 @@ class TrainConfig(_Frozen):
 def _plain(m):
     if isinstance(m, Variant):
         return m.spec()
+    if isinstance(m, RewardSpec):
+        return {k: getattr(m, k) for k in type(m).model_fields if getattr(m, k) not in (None, {})}
     if isinstance(m, BaseModel):
         return {k: _plain(getattr(m, k)) for k in type(m).model_fields}
     if isinstance(m, list | tuple):
@@ -262,13 +319,74 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     merged = TrainConfig().to_dict()
     for layer in (base, data, over):
         merged = _merge(TrainConfig, merged, layer)
+    merged = _data_task(merged, explicit_task="task" in data or "task" in over)
     try:
         cfg = TrainConfig.model_validate(merged)
     except ValidationError as e:
         raise _pydantic_error(e) from None
+    _check_files(cfg)
+    _check_rewards(cfg)
     from .recipes import resolve
 
     return resolve(cfg)
+
+
+def _data_task(d: dict, *, explicit_task: bool) -> dict:
+    """``data.train_files`` set → the task is ``files`` built from the data section."""
+    data = d.get("data") or {}
+    if not isinstance(data, dict) or not data.get("train_files"):
+        if isinstance(data, dict) and data.get("val_files"):
+            raise ConfigError("data.val_files: set data.train_files too (validation data belongs to a files task)")
+        return d
+    if explicit_task:
+        raise ConfigError("data.train_files and task are both set: data.train_files builds the task (files); "
+                          "remove task, or drop data.train_files and use the task's own arguments")
+    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "rewards")
+    return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
+
+
+def _check_rewards(cfg: TrainConfig) -> None:
+    """Every reward resolves (files import, names are registered, factory hyperparameters check)
+    — without building a reward model."""
+    from .envs.rewards import REWARDS
+    from .registry import HyperparameterError
+    from .rewards import REWARD_FACTORIES, RewardError, load_function
+
+    for i, r in enumerate(cfg.rewards):
+        key = f"rewards[{i}]"
+        try:
+            if ".py" in r.fn:
+                if ":" not in r.fn or r.style is None:
+                    raise RewardError(f"{key}: a function from a file is 'path/to/file.py:name' with a style "
+                                      "(trl | verl | hyperrl)")
+                load_function(r.fn, f"{key}.fn")
+            elif r.fn in REWARD_FACTORIES:
+                f = REWARD_FACTORIES.factory(r.fn)
+                f.check(r.kwargs, f"{key}.kwargs")
+                f.check_requirements(f"{key}.fn")
+            elif r.fn not in REWARDS:
+                raise RewardError(f"{key}.fn: {r.fn!r} is neither 'file.py:function' nor a registered reward "
+                                  f"({sorted(REWARDS.names() + REWARD_FACTORIES.names())})")
+        except (RewardError, HyperparameterError) as e:
+            raise ConfigError(str(e)) from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_files(cfg: TrainConfig) -> None:
+    """Directories the config names exist and hold what is read from them (before anything is built)."""
+    m = cfg.model
+    if m.checkpoint is not None:
+        ck = Path(m.checkpoint)
+        if not (ck / "config.json").is_file():
+            raise ConfigError(f"model.checkpoint: {ck} is not a Hugging Face model directory (no config.json); "
+                              "save one with model.save_pretrained(dir)")
+    tok = m.tokenizer or m.checkpoint
+    if tok is not None and not any((Path(tok) / f).is_file() for f in _TOKENIZER_FILES):
+        key = "model.tokenizer" if m.tokenizer else "model.checkpoint"
+        raise ConfigError(f"{key}: {tok} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save it with "
+                          "tokenizer.save_pretrained(dir) or point model.tokenizer at the tokenizer's directory")
 
 
 def describe() -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
 
-__all__ = ["pick_device", "collective_backend", "npu_available"]
+__all__ = ["pick_device", "collective_backend", "npu_available", "torch_dtype", "compute_context"]
 
 
 def npu_available() -> bool:
@@ -34,3 +35,20 @@ def pick_device(requested: str = "auto") -> torch.device:
 def collective_backend(device: torch.device) -> str:
     """The torch.distributed backend for a device type: gloo (cpu), nccl (cuda), hccl (npu)."""
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16`` (the config's dtype names)."""
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"dtype {name!r}: not a torch dtype (float32 | bfloat16 | float16)")
+    return dt
+
+
+def compute_context(device: torch.device, dtype: torch.dtype, param_dtype: torch.dtype):
+    """Mixed precision for a forward whose parameters are ``param_dtype``: ``torch.autocast`` to
+    ``dtype`` when they differ (matmuls and activations in bf16, fp32 master weights), else a no-op.
+    Log-probs, entropies and losses are computed in fp32 after it (hyperrl.transforms upcasts)."""
+    if dtype == param_dtype:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -95,6 +95,7 @@ def registries() -> dict[str, Registry]:
     """Config key → the registry its variant names (imports every plug-in package)."""
     from . import transforms as T
     from .envs import ENVIRONMENTS, REWARDS, TOOLS
+    from .rewards import REWARD_FACTORIES
     from .rollout.engines import ENGINES
     from .schedules import SCHEDULES
     from .tasks import TASKS
@@ -102,7 +103,8 @@ def registries() -> dict[str, Registry]:
     return {"task": TASKS, "env": ENVIRONMENTS, "rollout.engine": ENGINES, "algo.advantage": T.ADVANTAGES,
             "algo.objective": T.OBJECTIVES, "algo.agg": T.AGGREGATIONS, "algo.kl.estimator": T.KL_ESTIMATORS,
             "algo.kl.controller": T.KL_CONTROLLERS, "algo.correction": T.CORRECTIONS, "algo.shaping": T.SHAPING,
-            "algo.filter": T.FILTERS, "optim.schedule": SCHEDULES, "rewards": REWARDS, "tools": TOOLS}
+            "algo.filter": T.FILTERS, "optim.schedule": SCHEDULES, "rewards": REWARDS, "rewards[].fn": REWARD_FACTORIES,
+            "tools": TOOLS}
 
 
 def _err(msg: str):
@@ -174,6 +176,9 @@ def resolve(cfg):
                      correction=corr[0].spec() if corr[0] else None, shaping=[s[0].spec() for s in shaping],
                      filter=filt[0].spec() if filt[0] else None)
     d["algo"]["kl"]["controller"] = ctrl.spec()
+    if cfg.rewards and "reward_components" in fadv.needs and "weights" in fadv.params and \
+            d["algo"]["advantage"].get("weights") is None:  # GDPO: the rewards' weights, per component
+        d["algo"]["advantage"]["weights"] = ([1.0] if cfg.env is not None else []) + [r.weight for r in cfg.rewards]
     return type(cfg).model_validate(d)
 
 

@@ -10,7 +10,8 @@ __all__ = ["SamplingParams"]
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature`` > 0; ``top_k`` 0 = off; ``top_p`` 1 = off; generation stops at ``eos_id``
-    or after ``max_new_tokens``. ``seed`` makes sampling reproducible."""
+    (or any of ``stop_ids``, e.g. a chat model's end-of-turn token) or after ``max_new_tokens``.
+    ``seed`` makes sampling reproducible."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -18,6 +19,13 @@ class SamplingParams:
     top_k: int = 0
     eos_id: int | None = None
     seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Every id that ends a response (``eos_id`` first)."""
+        head = () if self.eos_id is None else (self.eos_id,)
+        return head + tuple(i for i in self.stop_ids if i != self.eos_id)
 
     def __post_init__(self):
         if self.temperature <= 0:

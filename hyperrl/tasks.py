@@ -1,7 +1,8 @@
 """Tasks: where prompts, answers and rewards come from, one registry (``TASKS``) of factories
 ``(tokenizer, seed, **hyperparams) -> task``.
 
-A task has ``sample(k, step)``, ``held_out(k)``, ``encode(sample) -> ids``, ``rewards`` (named
+A task has ``sample(k, step)``, ``held_out(k)``, ``encode(sample) -> ids`` (a string prompt as
+is, chat messages through the tokenizer's chat template), ``rewards`` (named
 reward functions ``(response, sample) -> float``; several fill ``reward_components`` ``[B, K]``),
 ``state()`` / ``load_state()`` (its data cursor, for resume).
 
@@ -14,14 +15,16 @@ progress (first learn to emit digits, then the right one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
-from .data import PromptDataset, PromptLoader, Sample, render_chat
+from .data import DataError, PromptDataset, PromptLoader, Sample
 from .envs.rewards import REWARDS, RewardName
 from .registry import Registry
+from .tokenizer import encode_prompt
 
-__all__ = ["TASKS", "register_task", "ModSumTask", "ParquetTask", "make_task"]
+__all__ = ["TASKS", "register_task", "ModSumTask", "FileTask", "ParquetTask", "make_task"]
 
 TASKS: Registry = Registry("task")
 register_task = TASKS.register
@@ -57,7 +60,7 @@ class ModSumTask:
         return self._draw(k, 10**9)
 
     def encode(self, sample: Sample) -> list[int]:
-        return self.tokenizer.encode(sample.prompt, bos=True)
+        return encode_prompt(self.tokenizer, sample.prompt)
 
     def reward(self, response: str, sample: Sample) -> float:
         """The first reward (what evaluation reports)."""
@@ -70,25 +73,59 @@ class ModSumTask:
         pass
 
 
-class ParquetTask:
-    """Prompts from a parquet dataset (resumable cursor), rewards from the ``REWARDS`` registry."""
+class FileTask:
+    """Prompts from data files (parquet / JSONL / JSON) or Python records / an HF ``datasets.Dataset``
+    (resumable shuffled cursor), validation prompts from their own files, rewards from ``REWARDS``.
 
-    def __init__(self, tokenizer, path: str, rewards=("gsm8k_exact",), *, seed: int = 0, batch_size: int = 1):
-        self.tokenizer = tokenizer
-        self.dataset = PromptDataset.from_parquet(path)
-        self.loader = PromptLoader(self.dataset, batch_size, seed=seed)
-        self.rewards = _reward_fns(rewards, "task.rewards")
+    ``max_prompt_length`` > 0 tokenises every prompt once at construction: over-long ones are an
+    ``error`` (naming the file, row and length — before anything is trained or written),
+    ``filter``-ed out (counted: ``filtered``), or ``truncate``-d to their last tokens (the end of a
+    chat prompt holds the generation prompt)."""
+
+    def __init__(self, tokenizer, train, val=None, rewards=("gsm8k_exact",), *, seed: int = 0,
+                 prompt_key: str = "prompt", max_prompt_length: int = 0, overlong_prompts: str = "error"):
+        if overlong_prompts not in ("error", "filter", "truncate"):
+            raise ValueError(f"overlong_prompts={overlong_prompts!r}: choose error | filter | truncate")
+        self.tokenizer, self.rewards = tokenizer, _reward_fns(rewards, "task.rewards")
+        self.max_len, self.overlong, self._ids, self.filtered = max_prompt_length, overlong_prompts, {}, 0
+        self.dataset = self._bounded(_dataset(train, prompt_key), "train")
+        self.val = self._bounded(_dataset(val, prompt_key), "val") if val else None
+        self.loader = PromptLoader(self.dataset, 1, seed=seed)
+
+    def _bounded(self, ds: PromptDataset, which: str) -> PromptDataset:
+        if not self.max_len:
+            return ds
+        keep = []
+        for s in ds.samples:
+            ids = encode_prompt(self.tokenizer, s.prompt)
+            if len(ids) > self.max_len:
+                if self.overlong == "error":
+                    raise DataError(f"{s.source}: prompt of {len(ids)} tokens > data.max_prompt_length="
+                                    f"{self.max_len} ({which}); raise it, or set data.overlong_prompts to filter or "
+                                    "truncate")
+                if self.overlong == "filter":
+                    self.filtered += 1
+                    continue
+                ids = ids[-self.max_len:]
+            self._ids[s.source] = ids
+            keep.append(s)
+        return PromptDataset(keep, ds.skipped)
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """The next ``k`` rows of the resumable cursor (refill rounds read on)."""
         return self.loader.next_batch(k)
 
     def held_out(self, k: int) -> list[Sample]:
-        return [self.dataset[i % len(self.dataset)] for i in range(k)]
+        """The first ``k`` validation rows (all of them when fewer) — never training rows."""
+        if self.val is None:
+            raise ValueError("evaluation needs validation data: set data.val_files (or task.val_files), or "
+                             "run.eval_every=0")
+        return self.val.samples[: min(k, len(self.val))]
 
     def encode(self, sample: Sample) -> list[int]:
-        text = sample.prompt if isinstance(sample.prompt, str) else render_chat(sample.prompt)
-        return self.tokenizer.encode(text, bos=True)
+        """A string prompt as is; chat messages through the tokenizer's chat template."""
+        ids = self._ids.get(sample.source)
+        return list(ids) if ids is not None else encode_prompt(self.tokenizer, sample.prompt)
 
     def reward(self, response: str, sample: Sample) -> float:
         return float(self.rewards[0][1](response, sample))
@@ -105,6 +142,18 @@ class ParquetTask:
             self.loader.state = CursorState(**state["cursor"])
 
 
+ParquetTask = FileTask  # the earlier name
+
+
+def _dataset(src, prompt_key: str) -> PromptDataset:
+    """Paths (a str or a list) → files; a PromptDataset as is; anything else iterable → records."""
+    if isinstance(src, PromptDataset):
+        return src
+    if isinstance(src, str) or (isinstance(src, list | tuple) and all(isinstance(x, str) for x in src)):
+        return PromptDataset.from_files(src, prompt_key=prompt_key)
+    return PromptDataset.from_records(src, where=type(src).__name__, prompt_key=prompt_key)
+
+
 @register_task("modsum", produces=("reward",))
 def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
            rewards: tuple[RewardName, ...] = ("first_char_exact",)) -> ModSumTask:
@@ -115,9 +164,21 @@ def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
 
 
 @register_task("parquet", produces=("reward",))
-def parquet(tokenizer, seed: int, *, path: str, rewards: tuple[RewardName, ...] = ("gsm8k_exact",)) -> ParquetTask:
-    """Prompts from a verl-style parquet file (``prompt``, ``reward_model.ground_truth`` …)."""
-    return ParquetTask(tokenizer, path, rewards, seed=seed)
+def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
+            rewards: tuple[RewardName, ...] = ("gsm8k_exact",)) -> FileTask:
+    """Prompts from a verl-style parquet file (``prompt``, ``reward_model.ground_truth`` …);
+    evaluation on ``val_path``."""
+    return FileTask(tokenizer, path, val_path, rewards, seed=seed)
+
+
+@register_task("files", produces=("reward",))
+def files(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
+          rewards: tuple[RewardName, ...] = ("gsm8k_exact",), prompt_key: str = "prompt", max_prompt_length: int = 0,
+          overlong_prompts: Literal["error", "filter", "truncate"] = "error") -> FileTask:
+    """Prompts from parquet / JSONL / JSON files (verl's columns), validation from ``val_files``;
+    what ``data.train_files`` / ``data.val_files`` build."""
+    return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, seed=seed, prompt_key=prompt_key,
+                    max_prompt_length=max_prompt_length, overlong_prompts=overlong_prompts)
 
 
 def make_task(spec, tokenizer, seed: int):

@@ -16,75 +16,113 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
+from .device import pick_device, torch_dtype
 from .recipes import build_pipeline
+from .rewards import build_rewards
 from .rollout import tiny_qwen3
-from .rollout.engines import ENGINES
+from .rollout.engines import ENGINES, EngineContext
 from .tasks import make_task
-from .tokenizer import CharTokenizer
-from .trainer import SyncTrainer, write_jsonl
+from .tokenizer import char_tokenizer, check_vocab, load_tokenizer
+from .trainer import SyncTrainer, write_completions, write_jsonl
 
-__all__ = ["build_trainer", "train", "plot_rewards", "init_distributed"]
+__all__ = ["build_trainer", "build_tokenizer", "build_policy", "train", "plot_rewards", "init_distributed"]
 
 
-def _tiny(cfg: TrainConfig, tok: CharTokenizer, seed: int):
+def _tiny(cfg: TrainConfig, tok, seed: int):
     m = cfg.model
-    return tiny_qwen3(tok.vocab_size, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                      head_dim=m.head_dim, intermediate=m.intermediate, seed=seed)
+    return tiny_qwen3(len(tok), hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                      head_dim=m.head_dim, intermediate=m.intermediate, seed=seed, pad_id=tok.pad_token_id,
+                      bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)
+
+
+def build_tokenizer(cfg: TrainConfig):
+    """The model's own tokenizer (``model.tokenizer``, else the checkpoint's directory), or the
+    embedded character tokenizer for the random-init default."""
+    src = cfg.model.tokenizer or cfg.model.checkpoint
+    return load_tokenizer(src) if src else char_tokenizer()
+
+
+def build_policy(cfg: TrainConfig, tok, *, seed_offset: int = 0):
+    """The causal LM: ``model.checkpoint`` (local HF directory) or a tiny random Qwen3 sized to the
+    tokenizer, in ``model.param_dtype``. A tokenizer with ids the model cannot embed is an error."""
+    m, dt = cfg.model, torch_dtype(cfg.model.param_dtype)
+    if m.checkpoint:
+        from transformers import AutoModelForCausalLM
+
+        policy = AutoModelForCausalLM.from_pretrained(m.checkpoint, dtype=dt)
+        check_vocab(tok, policy.config.vocab_size, "model.checkpoint")
+    else:
+        policy = _tiny(cfg, tok, cfg.run.seed + seed_offset).to(dt)
+    return policy
+
+
+def _critic(cfg: TrainConfig, tok, hidden: int):
+    """The critic: the checkpoint's backbone (verl initialises the critic from the actor's model) or
+    a tiny random one, with a zero-initialised value head."""
+    from .trainer import ValueModel
+
+    backbone = build_policy(cfg, tok, seed_offset=1).model
+    return ValueModel(backbone, hidden).to(torch_dtype(cfg.model.param_dtype))
 
 
 def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`):
-    the pipeline first (what it needs decides the rest), then the policy, the engine, a reference
-    model when the pipeline needs ``ref_logprobs``, a critic when it needs ``values``, the task and
-    the environment."""
+    the pipeline first (what it needs decides the rest), then the tokenizer, the policy on
+    ``run.device``, the engine, a reference model when the pipeline needs ``ref_logprobs``, a
+    critic when it needs ``values``, the task and the environment. Every module, buffer and (once
+    the trainer makes it) optimizer state lives on the device: fp32 master weights
+    (``model.param_dtype``), compute in ``model.dtype``."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     pipeline = build_pipeline(cfg.algo)
-    tok = CharTokenizer()
-    m = cfg.model
-    if m.checkpoint:
-        from transformers import AutoModelForCausalLM
-
-        policy = AutoModelForCausalLM.from_pretrained(m.checkpoint, torch_dtype=torch.float32)
-        if policy.config.vocab_size < tok.vocab_size:
-            raise ValueError(f"model.checkpoint: vocab {policy.config.vocab_size} < tokenizer {tok.vocab_size}")
-    else:
-        policy = _tiny(cfg, tok, cfg.run.seed)
+    device, m = pick_device(cfg.run.device), cfg.model
+    dtype = torch_dtype(m.dtype)
+    tok = build_tokenizer(cfg)
+    policy = build_policy(cfg, tok).to(device)
     policy.train()
     eng = cfg.rollout.engine
-    engine = ENGINES.build(eng.name, **eng.args)(policy, cfg.run.device, cfg.run.seed, cfg.run.out_dir)
-    reference = copy.deepcopy(policy).eval() if "ref_logprobs" in pipeline.needs else None
-    critic = None
-    if "values" in pipeline.needs:
-        from .trainer import ValueModel
-
-        critic = ValueModel(_tiny(cfg, tok, cfg.run.seed + 1).model, policy.config.hidden_size)
+    ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
+                        tokenizer=tok)
+    engine = ENGINES.build(eng.name, **eng.args)(ctx)
+    reference = None
+    if "ref_logprobs" in pipeline.needs:  # frozen: kept in the compute dtype (no optimizer, no master copy)
+        reference = copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+    critic = _critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
+    if m.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        policy = _fully_shard(policy, policy.model.layers)
+        policy = _fully_shard(policy, policy.model.layers, device, dtype)
         if critic is not None:
-            critic = _fully_shard(critic, critic.backbone.layers)
+            critic = _fully_shard(critic, critic.backbone.layers, device, dtype)
+    if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
+        policy.compile(backend=m.compile, dynamic=True)
     task = make_task(cfg.task, tok, cfg.run.seed)
     make_env = None
     if cfg.env is not None:
         from .envs import ENVIRONMENTS
 
         make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
+    rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
-                       reference=reference, critic=critic, make_env=make_env)
+                       reference=reference, critic=critic, make_env=make_env, rewards=rewards)
 
 
-def _fully_shard(module, layers):
-    """FSDP2 over all ranks (gloo on CPU, NCCL/HCCL on devices): each decoder layer, then the root.
-    FSDP averages gradients over ranks; the trainer scales each loss by the world size so the
-    result is the *sum* the global token normaliser expects (gloo has no PREMUL_SUM for a divide
-    factor of 1), keeping accumulation exact."""
+def _fully_shard(module, layers, device: torch.device, dtype: torch.dtype):
+    """FSDP2 over all ranks on a device mesh of the run's device type (gloo on CPU, NCCL/HCCL on
+    devices): each decoder layer, then the root. Mixed precision by FSDP2's
+    ``MixedPrecisionPolicy``: parameters all-gathered and computed in ``dtype``, gradients
+    reduced in fp32 (the sharded master weights and the optimizer state stay in
+    ``model.param_dtype``). FSDP averages gradients over ranks; the trainer scales each loss by the
+    world size so the result is the *sum* the global token normaliser expects (gloo has no
+    PREMUL_SUM for a divide factor of 1), keeping accumulation exact."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),), mesh_dim_names=("fsdp",))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
     return module
 
 
@@ -139,6 +177,10 @@ def _tensorboard(out: Path):
             for k, v in metrics.items():
                 if isinstance(v, int | float) and k != "step":
                     writer.add_scalar(k, v, metrics["step"])
+        elif event == "completions":
+            text = "\n\n".join(f"**reward {r['reward']:.3f}** (adv {r['advantage']:+.3f})  \n`{r['prompt']}` → "
+                                f"`{r['completion']}`" for r in metrics["rows"])
+            writer.add_text("completions", text, metrics["step"])
 
     return hook
 
@@ -154,6 +196,10 @@ def _wandb(cfg: TrainConfig):
     def hook(event, trainer, metrics):
         if event in ("step", "eval"):
             run.log({k: v for k, v in metrics.items() if isinstance(v, int | float)}, step=metrics["step"])
+        elif event == "completions" and metrics["rows"]:
+            cols = list(metrics["rows"][0])
+            run.log({"completions": wandb.Table(columns=cols, data=[[r[c] for c in cols] for r in metrics["rows"]])},
+                    step=metrics["step"])
 
     return hook
 
@@ -191,24 +237,29 @@ def init_distributed(device: str = "cpu") -> int:
 def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra_hooks=()) -> dict:
     rank = init_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "metrics.jsonl"
+    trainer = build_trainer(cfg)  # first: bad data, tokenizers or rewards fail before anything is written
+    out.mkdir(parents=True, exist_ok=True)
     hooks = list(extra_hooks)
     if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         hooks.append(write_jsonl(jsonl))
+        if cfg.run.log_completions:
+            hooks.append(write_completions(out / "completions.jsonl"))
         tb = _tensorboard(out)
         if tb:
             hooks.append(tb)
         if cfg.run.wandb_project:
             hooks.append(_wandb(cfg))
-    trainer = build_trainer(cfg, hooks)
+    trainer.hooks.extend(hooks)
     if resume and trainer.resume():
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
         if rank == 0:
             _truncate_log(jsonl, trainer.step_idx)
-    elif jsonl.exists() and rank == 0:
-        jsonl.unlink()
+            _truncate_log(out / "completions.jsonl", trainer.step_idx)
+    elif rank == 0:
+        for f in (jsonl, out / "completions.jsonl"):
+            f.unlink(missing_ok=True)
     bar = None
     progress = progress and rank == 0
     if progress:
@@ -228,9 +279,13 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         bar.close()
     if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
         last_eval = trainer.evaluate()
-    trainer.save()
+    ckpt = trainer.save()
     if rank == 0:
         plot_rewards(jsonl, out / "reward_curve.png")
+        if cfg.run.export:
+            from .export import export_hf
+
+            export_hf(ckpt, out / "hf")
     summary = {"out_dir": str(out), "steps": trainer.step_idx, "seconds": time.perf_counter() - t0,
                "final_eval_reward": last_eval["eval_reward_mean"] if last_eval else None,
                "policy_version": trainer.version}

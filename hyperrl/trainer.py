@@ -10,7 +10,7 @@
 
 The trainer holds the run's mutable state (step, version, counters, KL coefficient) and imports
 no ``torch.distributed``. Users observe through hooks ``hook(event, trainer, metrics)``; events:
-``"step"``, ``"eval"``, ``"checkpoint"``.
+``"step"``, ``"eval"``, ``"checkpoint"``, ``"completions"`` (``run.log_completions``).
 """
 
 from __future__ import annotations
@@ -27,15 +27,18 @@ from tensordict import TensorDict
 from . import transforms as T
 from .checkpointer import Checkpointer
 from .config import TrainConfig
+from .device import compute_context, torch_dtype
 from .forward import policy_logprobs
 from .learner import Learner, Optimized, map_micro_batches
 from .parallel import LocalParallel, make_parallel
 from .recipes import Pipeline, build_pipeline
+from .rewards import Reward, RewardSet
 from .sampling import SamplingParams
 from .sharding.publisher import Publisher
+from .tokenizer import decode_response
 from .trajectory import cat_batches
 
-__all__ = ["SyncTrainer", "GateError", "ValueModel", "write_jsonl"]
+__all__ = ["SyncTrainer", "GateError", "ValueModel", "write_jsonl", "write_completions"]
 
 
 class GateError(RuntimeError):
@@ -73,8 +76,10 @@ class _Timer:
 
 class SyncTrainer:
     def __init__(self, cfg: TrainConfig, *, policy, engine, tokenizer, task, pipeline: Pipeline | None = None,
-                 hooks=(), reference=None, critic=None, make_env=None, parallel: LocalParallel | None = None):
+                 hooks=(), reference=None, critic=None, make_env=None, parallel: LocalParallel | None = None,
+                 rewards: RewardSet | None = None):
         self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
+        self._rewards = rewards  # the config's ``rewards:``; None = the task's (or the environment's)
         self.pipeline = pipeline or build_pipeline(cfg.algo)
         needs = self.pipeline.needs
         if "ref_logprobs" in needs and reference is None:
@@ -83,6 +88,8 @@ class SyncTrainer:
             raise ValueError(f"algo.advantage={cfg.algo.advantage.name!r} needs a critic's values (pass "
                              "critic=ValueModel(...); hyperrl train builds one)")
         self.reference, self.critic, self.make_env = reference, critic, make_env
+        self.device = next(policy.parameters()).device
+        self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
         self.hooks = list(hooks)
         self.parallel = parallel or make_parallel()
         o, a = cfg.optim, cfg.algo
@@ -94,10 +101,16 @@ class SyncTrainer:
                                min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
                                parallel=self.parallel)
         self.publisher = Publisher(policy, engine, rank=self.parallel.rank, world=self.parallel.world)
-        self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel)
+        self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel,
+                                         keep_last_k=cfg.run.keep_last_k)
         self.kl_controller = self.pipeline.kl_controller(self.pipeline.kl_coef)  # (init, update) pair
         self.kl_state = self.kl_controller.init()
         self.step_idx, self.version = 0, engine.policy_version
+        self._reward_extra: dict[str, float] = {}  # a verl dict reward's extra keys, per step
+        # a chat model may end a turn with a token besides eos_token (generation_config lists them all)
+        gen_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+        self._stop_ids = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else
+                                                ([gen_eos] if gen_eos is not None else [])))
         self.samples_seen = self.tokens_seen = 0
 
     # ------------------------------------------------------------------ the step, top to bottom
@@ -105,6 +118,7 @@ class SyncTrainer:
         """One synchronous RL step; returns its metrics (averaged over data-parallel ranks)."""
         timer = _Timer()
         batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
+        batch = batch.to(self.device)
         gate, losses = {}, {"update_skipped": 1.0}
         if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
             with timer("logprob"):
@@ -114,6 +128,8 @@ class SyncTrainer:
                 losses = self.update(batch)
             with timer("publish"):
                 self.publish()
+        if self.cfg.run.log_completions and self.parallel.rank == 0:
+            self._emit("completions", {"step": self.step_idx + 1, "rows": self._completions(batch)})
         self.step_idx += 1
         return self._report(batch, timer, {**info, **gate, **losses})
 
@@ -121,7 +137,7 @@ class SyncTrainer:
     def _sampling(self, step: int, seed_offset: int = 0, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature or r.temperature,
-                              top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_id,
+                              top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_token_id, stop_ids=self._stop_ids,
                               seed=self.cfg.run.seed * 7919 + step + seed_offset)
 
     def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0) -> TensorDict:
@@ -133,18 +149,45 @@ class SyncTrainer:
             return batch
         return self.engine.generate([self.task.encode(s) for s in samples], sampling, n, group_offset=group_offset)
 
-    def rewards(self, batch: TensorDict, samples) -> TensorDict:
-        """``reward_components`` ``[B, K]`` (one column per task reward; the environment's episode
-        reward in multi-turn runs) and ``reward`` = their sum ``[B]``. ``samples[g]`` is group g's."""
+    @property
+    def reward_set(self) -> RewardSet | None:
+        """The rewards scored on each completion: the config's ``rewards:``, else the task's named
+        rewards (hyperrl style); None in a multi-turn run without configured rewards (the
+        environment's episode reward alone)."""
+        if self._rewards is not None:
+            return self._rewards
         if self.make_env is not None:
-            comps = batch["reward"][:, None]
-        else:
-            fns = self.task.rewards
-            rows = zip(batch["tokens"].tolist(), batch["action_mask"].tolist(), batch["group_id"].tolist())
-            texts = [(self.tok.decode([t for t, a in zip(toks, act) if a]), samples[g]) for toks, act, g in rows]
-            comps = torch.tensor([[float(fn(text, s)) for _, fn in fns] for text, s in texts],
-                                 dtype=torch.float32).reshape(len(texts), len(fns))
-        return batch.copy().set("reward_components", comps).set("reward", comps.sum(-1))
+            return None
+        return RewardSet(tuple(Reward(name, fn, "hyperrl") for name, fn in self.task.rewards))
+
+    @property
+    def reward_names(self) -> tuple[str, ...]:
+        rs = self.reward_set
+        return (("env",) if self.make_env is not None else ()) + (rs.names if rs is not None else ())
+
+    def rewards(self, batch: TensorDict, samples) -> TensorDict:
+        """``reward_components`` ``[B, K]`` (the environment's episode reward first in multi-turn
+        runs, then one column per reward; 0 where a reward does not apply, ``reward_applicable``
+        says where it does) and ``reward`` = their weighted sum ``[B]``. ``samples[g]`` is group g's."""
+        ids = [[t for t, a in zip(toks, act) if a] for toks, act in zip(batch["tokens"].tolist(),
+                                                                       batch["action_mask"].tolist())]
+        rows = [samples[g] for g in batch["group_id"].tolist()]
+        comps, app, weights = [], [], []
+        if self.make_env is not None:
+            comps.append(batch["reward"].float()[:, None])
+            app.append(torch.ones(len(ids), 1, dtype=torch.bool))
+            weights.append(torch.ones(1))
+        rs = self.reward_set
+        if rs is not None:
+            texts = [decode_response(self.tok, i) for i in ids]
+            c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
+            comps.append(c)
+            app.append(a)
+            weights.append(rs.weights)
+            self._reward_extra.update(extra)
+        comps, app = torch.cat(comps, -1), torch.cat(app, -1)
+        total = (comps * torch.cat(weights)).sum(-1)
+        return batch.copy().set("reward_components", comps).set("reward_applicable", app).set("reward", total)
 
     def collect(self, timer: _Timer) -> tuple[TensorDict, dict]:
         """This rank's share of ``prompts_per_step`` groups, rewarded and shaped. With a filter the
@@ -194,7 +237,7 @@ class SyncTrainer:
         ``old_logprobs`` (checked by the gate), ``ref_logprobs``."""
         out, needs = batch.copy(), self.pipeline.needs
         if self.critic is not None:
-            out.set("values", self._no_grad(self.critic, batch))
+            out.set("values", self._no_grad(self._values, batch))
         if "baseline_reward" in needs:
             out.set("baseline_reward", self._greedy_baseline(batch))
         if self._single_pass():
@@ -228,9 +271,20 @@ class SyncTrainer:
         by_group = dict(zip(groups, greedy.tolist()))
         return torch.tensor([by_group[g] for g in batch["group_id"].tolist()], dtype=torch.float32)
 
+    def _amp(self):
+        """Mixed precision of every trainer forward (``model.dtype`` over ``model.param_dtype``)."""
+        return compute_context(self.device, *self._dtypes)
+
     def _logprobs(self, model, batch: TensorDict):
-        return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=self.cfg.optim.shared_prefix,
-                               agree=self.parallel.agree_forward())
+        # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
+        shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
+        with self._amp():
+            return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
+                                   agree=self.parallel.agree_forward())
+
+    def _values(self, batch: TensorDict) -> torch.Tensor:
+        with self._amp():
+            return self.critic(batch).float()
 
     # ------------------------------------------------------------------ update, publish
     def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
@@ -245,7 +299,7 @@ class SyncTrainer:
             out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
         if self.critic is not None:
             c = self.cfg.algo.critic
-            out = out + T.critic_loss(part, self.critic(part), clip=c.value_clip, agg=p.agg, normalizer=norm,
+            out = out + T.critic_loss(part, self._values(part), clip=c.value_clip, agg=p.agg, normalizer=norm,
                                       coef=c.value_coef)
         return out
 
@@ -289,20 +343,55 @@ class SyncTrainer:
                "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
                "response_len_mean": float(m.sum(-1).float().mean())}
         comps = batch["reward_components"] if "reward_components" in batch.keys() else None
-        if comps is not None and comps.shape[1] > 1:
-            out.update({f"reward_{name}_mean": float(comps[:, k].mean())
-                        for k, (name, _) in enumerate(self.task.rewards)})
+        if comps is not None and comps.shape[1] > 1:  # each reward over the rows it applies to
+            app = batch["reward_applicable"]
+            for k, name in enumerate(self.reward_names):
+                if bool(app[:, k].any()):
+                    out[f"reward_{name}_mean"] = float(comps[:, k][app[:, k]].mean())
+                out[f"reward_{name}_applicable_frac"] = float(app[:, k].float().mean())
+        out.update(self._reward_extra)
+        self._reward_extra = {}
         return out
 
     @torch.no_grad()
     def evaluate(self) -> dict:
+        """Held-out evaluation that runs what training runs — the task's validation prompts, the
+        environment (multi-turn) and the configured rewards — with ``run.eval_n`` samples per
+        prompt: ``eval_reward_mean`` (mean@k), ``eval_pass_at_k`` (the mean over prompts of the best
+        sample's reward: pass@k for 0/1 rewards), each reward's mean."""
+        k = self.cfg.run.eval_n
         samples = self.task.held_out(self.cfg.run.eval_prompts)
-        batch = self.engine.generate([self.task.encode(s) for s in samples], self._sampling(0, seed_offset=10**6), 1)
-        rewards = [self.task.reward(self.tok.decode(batch["tokens"][i][batch["action_mask"][i]].tolist()), s)
-                   for i, s in enumerate(samples)]
-        metrics = {"step": self.step_idx, "eval_reward_mean": sum(rewards) / len(rewards)}
+        batch = self.rewards(self._generate(samples, self._sampling(0, seed_offset=10**6), k), dict(enumerate(samples)))
+        self._reward_extra = {}
+        r, g = batch["reward"], batch["group_id"]
+        best = torch.full((len(samples),), float("-inf")).scatter_reduce(0, g, r, "amax")
+        metrics = {"step": self.step_idx, "eval_reward_mean": float(r.mean()), "eval_pass_at_k": float(best.mean()),
+                   "eval_n": k, "eval_response_len_mean": float(batch["action_mask"].sum(-1).float().mean())}
+        comps, app = batch["reward_components"], batch["reward_applicable"]
+        if comps.shape[1] > 1:
+            for j, name in enumerate(self.reward_names):
+                if bool(app[:, j].any()):
+                    metrics[f"eval_reward_{name}_mean"] = float(comps[:, j][app[:, j]].mean())
         self._emit("eval", metrics)
         return metrics
+
+    def _completions(self, batch: TensorDict) -> list[dict]:
+        """``run.log_completions`` rows of this step: prompt and completion text (everything after the
+        prompt, observations included), reward, each reward component, the mean advantage."""
+        k = min(self.cfg.run.log_completions, batch.batch_size[0])
+        rows = []
+        for i in range(k):
+            act, n = batch["action_mask"][i], int(batch["attention_mask"][i].sum())
+            p = int(act.int().argmax()) if bool(act.any()) else n
+            toks = batch["tokens"][i].tolist()
+            adv = batch["advantages"][i][act] if "advantages" in batch.keys() else torch.zeros(1)
+            rows.append({"prompt": decode_response(self.tok, toks[:p]),
+                         "completion": decode_response(self.tok, toks[p:n]), "reward": float(batch["reward"][i]),
+                         "group_id": int(batch["group_id"][i]),
+                         "advantage": float(adv.float().mean()) if adv.numel() else 0.0,
+                         **{f"reward_{name}": float(batch["reward_components"][i, j])
+                            for j, name in enumerate(self.reward_names)}})
+        return rows
 
     # ------------------------------------------------------------------ checkpoint / resume
     def _parts(self) -> dict[str, tuple]:
@@ -343,6 +432,19 @@ class SyncTrainer:
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:
             h(event, self, metrics)
+
+
+def write_completions(path: Path):
+    """A hook appending each step's logged completions (``run.log_completions``) to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def hook(event, trainer, metrics):
+        if event == "completions":
+            with path.open("a") as f:
+                for row in metrics["rows"]:
+                    f.write(json.dumps({"step": metrics["step"], **row}) + "\n")
+
+    return hook
 
 
 def write_jsonl(path: Path):

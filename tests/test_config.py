@@ -76,7 +76,7 @@ def test_dict_and_list_values(tmp_path):
                  "task: {name: modsum, rewards: [first_char_exact, starts_with_digit]}\n"
                  "algo: {shaping: [{name: clip, lo: -1, hi: 1}, {name: overlong, buffer: 1}]}\n")
     cfg = load_config(y, ["--rollout.max_new_tokens=4"])
-    assert cfg.env.args == {"invalid_reward": -0.5, "max_calls_per_turn": 1}
+    assert cfg.env.args == {"invalid_reward": -0.5, "max_calls_per_turn": 1, "format": "hyperrl"}
     assert cfg.task.args["rewards"] == ("first_char_exact", "starts_with_digit")
     assert [s.name for s in cfg.algo.shaping] == ["clip", "overlong"]
     assert cfg.algo.shaping[1].args == {"max_len": 4, "buffer": 1}  # the response budget filled in

@@ -30,6 +30,7 @@ _KINDS = {
     "algo.filter": ("--algo.filter={}", ["--rollout.max_generation_batches=2"]),
     "optim.schedule": ("--optim.schedule={}", ["--optim.warmup_steps=1"]),
     "rewards": ("--task.rewards=[{}]", []),
+    "rewards[].fn": ("--rewards=[{{fn: {}}}]", []),
     "task": ("--task={}", []),
     "env": ("--env={}", []),
     "rollout.engine": ("--rollout.engine={}", []),
@@ -37,7 +38,22 @@ _KINDS = {
 _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: given, or the load must fail naming it
     ("task", "parquet"): ["--task.path=tests/data/gsm8k_tiny.parquet"],
     ("env", "search_r1"): ["--env.corpus={corpus}"],
+    ("task", "files"): ["--task.train_files=[tests/data/gsm8k_tiny.parquet]"],
+    ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
+
+
+def _reward_model_dir(path):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from hyperrl.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64, num_labels=1, pad_token_id=0)
+    Qwen3ForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
 
 
 def _cases():
@@ -69,11 +85,15 @@ def _step(tmp_path, overrides):
 def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, kind, name, override, extra):
     need = _RUNTIME_INPUTS.get((kind, name))
     if need is not None:  # without its input the load must fail naming the dotted key
-        with pytest.raises(ConfigError, match=rf"{kind}\.\w+: .*'{name}' needs"):
+        key = r"rewards\[0\]\.kwargs" if kind == "rewards[].fn" else kind.replace(".", r"\.")
+        with pytest.raises(ConfigError, match=rf"{key}\.\w+: .*'{name}' needs"):
             load_config(None, [override])
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text("\n".join(json.dumps({"text": t}) for t in ("paris is in france", "rome is in italy")))
-        extra = extra + [x.format(corpus=corpus) for x in need]
+        rm = _reward_model_dir(tmp_path / "rm") if kind == "rewards[].fn" else None
+        extra = extra + [x.format(corpus=corpus, rm=rm) for x in need]
+        if kind == "rewards[].fn":
+            override = extra.pop()
     if (kind, name) == ("rollout.engine", "vllm") and _REG[kind].factory(name).requires:
         import importlib.util
 

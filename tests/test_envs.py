@@ -22,11 +22,11 @@ from hyperrl.envs import (
     stack_episodes,
 )
 from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
-from hyperrl.tokenizer import CharTokenizer
+from hyperrl.tokenizer import char_tokenizer
 from hyperrl.transforms import sequence_logprobs
 
 DATA = Path(__file__).parent / "data"
-TOK = CharTokenizer()
+TOK = char_tokenizer()
 
 
 def test_gsm8k_extraction():
@@ -101,7 +101,7 @@ def test_multi_turn_masks_token_by_token():
             assert (batch["action_mask"][row, s:e] == (kind == "action")).all()
             if kind == "observation":  # encoded once, truncated to max_obs_tokens, log-prob 0
                 turn = b.segments.index((kind, s, e)) // 2
-                assert batch["tokens"][row, s:e].tolist() == TOK.encode(f"<obs{turn}>")[:4]
+                assert batch["tokens"][row, s:e].tolist() == TOK.encode(f"<obs{turn}>", add_special_tokens=False)[:4]
                 assert (batch["rollout_logprobs"][row, s:e] == 0).all()
         assert not batch["action_mask"][row, len(b.tokens):].any()
     # the whole multi-turn context scores the same under a fresh forward pass
@@ -147,12 +147,12 @@ def test_agent_program_user_owned_loop():
     eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=6))
 
     def program(engine, sample):  # the user owns the loop: two turns with a fixed observation
-        b = EpisodeBuilder(TOK.encode(sample.prompt, bos=True))
+        b = EpisodeBuilder(TOK.encode(sample.prompt))
         for _ in range(2):
             out = engine.generate([b.tokens], SamplingParams(max_new_tokens=4, seed=0))
             m = out["action_mask"][0]
             b.add_action(out["tokens"][0][m].tolist(), out["rollout_logprobs"][0][m].tolist())
-            b.add_observation(TOK.encode("ok"))
+            b.add_observation(TOK.encode("ok", add_special_tokens=False))
         return b.row(reward=0.5, group_id=0, version=engine.policy_version)
 
     assert isinstance(program, AgentProgram)

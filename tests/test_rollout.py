@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from hyperrl.rollout import SamplingParams, TransformersEngine, WeightPublishError, filter_logits, tiny_qwen3
-from hyperrl.tokenizer import CharTokenizer
+from hyperrl.tokenizer import char_tokenizer
 from hyperrl.trajectory import validate
 from hyperrl.transforms import sequence_logprobs
 
-TOK = CharTokenizer()
+TOK = char_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +22,8 @@ def _fresh_logprobs(model, batch, temperature):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
 def test_logprobs_match_fresh_forward(engine, temperature):
-    prompts = [TOK.encode("1+2=", bos=True), TOK.encode("13+24=", bos=True), TOK.encode("7", bos=True)]
-    sp = SamplingParams(max_new_tokens=12, temperature=temperature, eos_id=TOK.eos_id, seed=3)
+    prompts = [TOK.encode("1+2="), TOK.encode("13+24="), TOK.encode("7")]
+    sp = SamplingParams(max_new_tokens=12, temperature=temperature, eos_id=TOK.eos_token_id, seed=3)
     b = engine.generate(prompts, sp, n=4, group_offset=10)
     validate(b, single_version=True)
     assert b["group_id"].tolist() == [g for g in (10, 11, 12) for _ in range(4)]
@@ -36,18 +36,18 @@ def test_logprobs_match_fresh_forward(engine, temperature):
 
 
 def test_eos_is_an_action_and_stops(engine):
-    sp = SamplingParams(max_new_tokens=40, temperature=1.0, eos_id=TOK.eos_id, seed=0)
-    b = engine.generate([TOK.encode("5", bos=True)] * 16, sp)
+    sp = SamplingParams(max_new_tokens=40, temperature=1.0, eos_id=TOK.eos_token_id, seed=0)
+    b = engine.generate([TOK.encode("5")] * 16, sp)
     for row in range(16):
         acts = b["tokens"][row][b["action_mask"][row]].tolist()
-        if TOK.eos_id in acts:
-            assert acts.index(TOK.eos_id) == len(acts) - 1  # EOS included once, nothing after
+        if TOK.eos_token_id in acts:
+            assert acts.index(TOK.eos_token_id) == len(acts) - 1  # EOS included once, nothing after
 
 
 def test_seeded_sampling_is_reproducible(engine):
-    sp = SamplingParams(max_new_tokens=6, seed=5, eos_id=TOK.eos_id)
-    a = engine.generate([TOK.encode("9", bos=True)], sp, n=3)
-    b = engine.generate([TOK.encode("9", bos=True)], sp, n=3)
+    sp = SamplingParams(max_new_tokens=6, seed=5, eos_id=TOK.eos_token_id)
+    a = engine.generate([TOK.encode("9")], sp, n=3)
+    b = engine.generate([TOK.encode("9")], sp, n=3)
     assert torch.equal(a["tokens"], b["tokens"])
 
 
@@ -60,7 +60,7 @@ def test_top_k_top_p_logprobs_are_of_the_sampled_distribution():
     z = filter_logits(logits, 1.0, top_k=0, top_p=0.7)
     assert torch.isinf(z[0, 2:]).all() and torch.isfinite(z[0, :2]).all()
     eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=1))
-    b = eng.generate([TOK.encode("1", bos=True)] * 8, SamplingParams(max_new_tokens=8, top_k=5, top_p=0.9, seed=0))
+    b = eng.generate([TOK.encode("1")] * 8, SamplingParams(max_new_tokens=8, top_k=5, top_p=0.9, seed=0))
     # returned log-probs are renormalised over the kept set, so ≥ the untruncated ones
     fresh = _fresh_logprobs(eng.model, b, 1.0)
     m = b["action_mask"]
@@ -104,7 +104,7 @@ def test_load_weights_transaction_and_fault_mid_publication():
     with pytest.raises(WeightPublishError, match="greater than the serving version 1"):
         eng.load_weights(new, version=1)
     # after publishing V+1, sampled-token log-probs match a forward pass of V+1's weights
-    b = eng.generate([TOK.encode("2+2=", bos=True)], SamplingParams(max_new_tokens=8, seed=1), n=4)
+    b = eng.generate([TOK.encode("2+2=")], SamplingParams(max_new_tokens=8, seed=1), n=4)
     assert b["policy_version"].tolist() == [1] * 4
     d = (_fresh_logprobs(eng.model, b, 1.0) - b["rollout_logprobs"])[b["action_mask"]].abs().max()
     assert float(d) < 1e-5

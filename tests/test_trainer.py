@@ -247,14 +247,83 @@ def test_reference_kl_term(tmp_path):
     assert "loss_kl" in m[-1] and m[-1]["kl"] >= 0 and m[0]["kl"] < 1e-6  # starts at the reference
 
 
-def test_local_hf_checkpoint_directory(tmp_path):
+def test_local_hf_checkpoint_trains_with_its_own_tokenizer(tmp_path):
+    from tests.hf_fixtures import qwen3_checkpoint
+
+    ckpt = qwen3_checkpoint(tmp_path / "hf", seed=5)
+    tr = build_trainer(_cfg(tmp_path / "run", f"--model.checkpoint={ckpt}", "--rollout.max_new_tokens=4"))
+    assert len(tr.tok) == 380 and tr.tok.convert_ids_to_tokens(tr.tok.eos_token_id) == "<|im_end|>"
+    sample = tr.task.sample(1, 0)[0]
+    assert tr.task.encode(sample) == tr.tok.encode(sample.prompt)  # the BPE's ids, not characters
+    m = tr.step()
+    assert m["policy_version"] == 1 and tr._sampling(0).eos_id == tr.tok.eos_token_id
+
+
+def test_a_checkpoint_without_a_tokenizer_or_with_a_larger_one_is_refused(tmp_path):
     from hyperrl.rollout import tiny_qwen3
-    from hyperrl.tokenizer import CharTokenizer
+    from hyperrl.tokenizer import TokenizerError
+    from tests.hf_fixtures import bpe_tokenizer
 
     ckpt = tmp_path / "hf"
-    tiny_qwen3(CharTokenizer().vocab_size, hidden=64, intermediate=128, seed=5).save_pretrained(ckpt)
-    tr = build_trainer(_cfg(tmp_path / "run", f"--model.checkpoint={ckpt}"))
-    assert tr.step()["policy_version"] == 1
+    tiny_qwen3(92, hidden=64, intermediate=128).save_pretrained(ckpt)
+    with pytest.raises(ConfigError, match=r"model.checkpoint: .* has no tokenizer"):
+        _cfg(tmp_path / "run", f"--model.checkpoint={ckpt}")
+    bpe_tokenizer().save_pretrained(ckpt)  # 380 tokens for a 92-row embedding: ids would index past it
+    with pytest.raises(TokenizerError, match="380 tokens but the model's vocabulary is 92"):
+        build_trainer(_cfg(tmp_path / "run", f"--model.checkpoint={ckpt}"))
+
+
+def _placement(tr):
+    """(device, dtype) of every parameter, buffer and optimizer state, by owner."""
+    out = {}
+    mods = {"policy": tr.policy, "engine": tr.engine.model, "reference": tr.reference, "critic": tr.critic}
+    for owner, mod in mods.items():
+        if mod is not None:
+            out[owner] = {(t.device.type, t.dtype) for t in [*mod.parameters(), *mod.buffers()]
+                          if t.is_floating_point()}
+    for name, part in tr.learner.modules.items():
+        out[f"{name}_optim"] = {(v.device.type, v.dtype) for st in part.optimizer.state.values()
+                                for k, v in st.items() if torch.is_tensor(v) and k != "step"}
+    return out
+
+
+def test_everything_is_on_the_configured_device_and_dtype_bf16(tmp_path):
+    # bf16 compute over fp32 master weights (a pair the CPU supports): after a PPO step with a KL
+    # reference, trainable weights and their optimizer state are fp32; the engine's and the
+    # reference's weights bf16; the policy's activations bf16; log-probs and losses fp32.
+    tr = build_trainer(_cfg(tmp_path, "--algo.recipe=ppo", "--algo.kl.coef=0.01", "--model.dtype=bfloat16",
+                            "--rollout.max_new_tokens=2"))
+    seen = set()
+    # autocast: matmul outputs bf16 (the residual stream stays fp32 by type promotion)
+    tr.policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, a, out: seen.add(out.dtype))
+    m = tr.step()
+    fp32, bf16 = {("cpu", torch.float32)}, {("cpu", torch.bfloat16)}
+    assert _placement(tr) == {"policy": fp32, "engine": bf16, "reference": bf16, "critic": fp32,
+                              "policy_optim": fp32, "critic_optim": fp32}
+    assert seen == {torch.bfloat16} and torch.isfinite(torch.tensor(m["loss_policy"]))
+    from hyperrl.trainer import _Timer
+
+    lp, ent = tr._logprobs(tr.policy, tr.collect(_Timer())[0])
+    assert lp.dtype == ent.dtype == torch.float32
+
+
+def test_bf16_parameters_put_the_optimizer_state_in_bf16_too(tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--model.dtype=bfloat16", "--model.param_dtype=bfloat16"))
+    tr.step()
+    bf16 = {("cpu", torch.bfloat16)}
+    assert _placement(tr) == {"policy": bf16, "engine": bf16, "policy_optim": bf16}
+
+
+def test_gradient_checkpointing_and_compile_train_to_the_same_losses(tmp_path):
+    # checkpointing recomputes the same forward; compile (eager backend: tracing only) runs the same
+    # ops; the first step's losses match the plain run (shared-prefix off in all three, as
+    # checkpointing implies it)
+    base = ("--rollout.max_new_tokens=3", "--optim.shared_prefix=false")
+    runs = [build_trainer(_cfg(tmp_path / str(i), *base, *extra)).step()
+            for i, extra in enumerate([(), ("--model.gradient_checkpointing=true",), ("--model.compile=eager",)])]
+    for r in runs[1:]:
+        assert r["loss_policy"] == pytest.approx(runs[0]["loss_policy"], rel=1e-5, abs=1e-7)
+        assert r["reward_mean"] == runs[0]["reward_mean"]
 
 
 def test_dynamic_sampling_refills_the_batch_to_the_configured_groups(tmp_path):

@@ -21,9 +21,9 @@ def test_trl_grpo_trainer_with_hyperrl_loss_trains(tmp_path):
     from benchmarks.e2e import hf_char_tokenizer
     from hyperrl.rollout import tiny_qwen3
     from hyperrl.tasks import ModSumTask
-    from hyperrl.tokenizer import CharTokenizer
+    from hyperrl.tokenizer import char_tokenizer
 
-    tok = CharTokenizer()
+    tok = char_tokenizer()
     task = ModSumTask(tok, max_operand=1)
     samples = [s for step in range(40) for s in task.sample(16, step)]
     ds = Dataset.from_dict({"prompt": ["<bos>" + s.prompt for s in samples], "answer": [s.answer for s in samples]})
@@ -39,7 +39,7 @@ def test_trl_grpo_trainer_with_hyperrl_loss_trains(tmp_path):
                       use_cpu=True, save_strategy="no", shuffle_dataset=False, logging_steps=100,
                       lr_scheduler_type="constant")
     trainer = HyperRLGRPOTrainer(model=tiny_qwen3(tok.vocab_size, hidden=64, intermediate=128), reward_funcs=reward,
-                                 args=args, train_dataset=ds, processing_class=hf_char_tokenizer(tok))
+                                 args=args, train_dataset=ds, processing_class=hf_char_tokenizer())
     trainer.train()
     assert len(rewards) >= 40
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

@@ -1,4 +1,5 @@
-"""Parquet prompt datasets (verl's column conventions) and a resumable, deterministic loader.
+"""Prompt datasets — parquet, JSONL / JSON, or records / an HF ``datasets.Dataset`` from Python —
+with verl's column conventions, and a resumable, deterministic loader.
 
 Columns (names configurable): ``prompt`` — a string or a chat message list
 (``[{"role": ..., "content": ...}]``); the answer comes from ``reward_model.ground_truth`` when
@@ -65,30 +66,83 @@ class PromptDataset:
         return self.samples[i]
 
     @staticmethod
-    def from_parquet(paths, *, prompt_key: str = "prompt", ground_truth_key: str = "reward_model.ground_truth",
-                     extra_key: str = "extra_info", answer_key: str = "answer", bad_rows: str = "error",
-                     require_answer: bool = True) -> PromptDataset:
+    def from_parquet(paths, **kw) -> PromptDataset:
+        """Rows of parquet files (see :meth:`from_files`)."""
+        return PromptDataset.from_files(paths, **kw)
+
+    @staticmethod
+    def from_files(paths, *, prompt_key: str = "prompt", ground_truth_key: str = "reward_model.ground_truth",
+                   extra_key: str = "extra_info", answer_key: str = "answer", bad_rows: str = "error",
+                   require_answer: bool = True) -> PromptDataset:
+        """Rows of ``.parquet``, ``.jsonl`` and ``.json`` (a list of objects) files, in order."""
         if bad_rows not in ("error", "skip"):
             raise ValueError(f"bad_rows={bad_rows!r}; choose 'error' or 'skip'")
         paths = [paths] if isinstance(paths, str | Path) else list(paths)
+        if not paths:
+            raise DataError("no data files given")
         samples, skipped = [], 0
         for path in paths:
             path = Path(path)
-            if not path.exists():
-                raise DataError(f"{path}: no such file")
-            table = pq.read_table(path)
-            if prompt_key not in table.column_names:
-                raise DataError(f"{path}: column {prompt_key!r} missing (columns: {table.column_names}); "
-                                f"set prompt_key")
-            for i, row in enumerate(table.to_pylist()):
-                try:
-                    samples.append(_sample(row, f"{path}:{i}", prompt_key, ground_truth_key, extra_key, answer_key,
-                                           require_answer))
-                except DataError:
-                    if bad_rows == "error":
-                        raise
-                    skipped += 1
+            rows = _read_rows(path)
+            if rows and prompt_key not in rows[0]:
+                raise DataError(f"{path}: column {prompt_key!r} missing (columns: {sorted(rows[0])}); set prompt_key")
+            got, bad = _samples(rows, str(path), prompt_key, ground_truth_key, extra_key, answer_key, require_answer,
+                                bad_rows)
+            samples += got
+            skipped += bad
         return PromptDataset(samples, skipped)
+
+    @staticmethod
+    def from_records(records, *, where: str = "records", prompt_key: str = "prompt",
+                     ground_truth_key: str = "reward_model.ground_truth", extra_key: str = "extra_info",
+                     answer_key: str = "answer", require_answer: bool = True) -> PromptDataset:
+        """Rows from Python: a list of dicts or an HF ``datasets.Dataset`` (iterates as dicts)."""
+        rows = [dict(r) for r in records]
+        got, _ = _samples(rows, where, prompt_key, ground_truth_key, extra_key, answer_key, require_answer, "error")
+        return PromptDataset(got)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    import json
+
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        text = path.read_text()
+        if suffix == ".json":
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: expected a JSON list of objects, got {type(rows).__name__}")
+            return rows
+        rows = []
+        for i, line in enumerate(text.splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
+        return rows
+    raise DataError(f"{path}: unsupported data file type {suffix!r} (parquet, jsonl, json)")
+
+
+def _samples(rows, where, prompt_key, gt_key, extra_key, answer_key, require_answer, bad_rows):
+    out, skipped = [], 0
+    for i, row in enumerate(rows):
+        try:
+            if not isinstance(row, dict):
+                raise DataError(f"{where}:{i}: a row must be an object, got {type(row).__name__}")
+            out.append(_sample(row, f"{where}:{i}", prompt_key, gt_key, extra_key, answer_key, require_answer))
+        except DataError:
+            if bad_rows == "error":
+                raise
+            skipped += 1
+    return out, skipped
 
 
 def _sample(row, where, prompt_key, gt_key, extra_key, answer_key, require_answer) -> Sample:

@@ -3,8 +3,13 @@
 Token-first: the policy's tokens go into the trajectory exactly as sampled (the environment only
 *reads* their decoded text); observation / tool tokens are encoded once by the tokenizer and
 appended as context with action mask 0 and log-prob 0 — never part of the loss, never
-re-tokenised between turns. Limits: ``max_turns``, ``max_obs_tokens`` (observations are
-truncated), ``max_episode_tokens`` (the episode stops when its budget is spent).
+re-tokenised between turns. An environment that speaks chat (``reset`` returns messages, ``step``
+returns ``tool``-role messages, ``env.tools`` lists the tool schemas) gets its prompt and every
+observation from the model's chat template (:func:`hyperrl.tokenizer.observation_ids`: the
+template's own separators at each assistant → tool → assistant boundary); a text observation is
+appended as its tokens. Limits: ``max_turns``, ``max_obs_tokens`` (text observations are
+truncated; a chat observation that does not fit ends the episode, since a cut would drop the
+next generation prompt), ``max_episode_tokens`` (the episode stops when its budget is spent).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from tensordict import TensorDict
 
 from ..registry import Registry
 from ..sampling import SamplingParams
+from ..tokenizer import decode_response, encode_prompt, encode_text, observation_ids
 from ..trajectory import stack_episodes
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
@@ -24,7 +30,7 @@ __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", 
 
 @dataclass(frozen=True)
 class StepResult:
-    observation: str  # text appended as context (mask 0); "" for none
+    observation: str | list  # text appended as context (mask 0), or tool-role messages; "" / [] for none
     reward: float
     done: bool
     info: dict = field(default_factory=dict)
@@ -32,8 +38,8 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
-    def reset(self, sample: Any) -> str:
-        """Start an episode; returns the initial prompt text."""
+    def reset(self, sample: Any) -> str | list:
+        """Start an episode; returns the initial prompt text or chat messages."""
 
     def step(self, action: str) -> StepResult:
         """React to the policy's decoded action text."""
@@ -104,13 +110,16 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
     the sum of step rewards. Returns the trajectory batch and the builders (their ``segments``
     record exactly which tokens came from where).
     """
-    envs, builders, rewards, groups = [], [], [], []
+
+    envs, builders, rewards, groups, chats = [], [], [], [], []
     for i, s in enumerate(samples):
         for _ in range(n):
             env = make_env()
-            prompt_ids = tokenizer.encode(env.reset(s), bos=True)
+            first = env.reset(s)
+            tools = getattr(env, "tools", None)
             envs.append(env)
-            builders.append(EpisodeBuilder(prompt_ids))
+            builders.append(EpisodeBuilder(encode_prompt(tokenizer, first, tools=tools)))
+            chats.append(list(first) if isinstance(first, list) else None)  # the conversation so far
             rewards.append(0.0)
             groups.append(group_offset + i)
     active = [len(b) < limits.max_episode_tokens for b in builders]
@@ -122,7 +131,7 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
         budget = min(limits.max_episode_tokens - len(builders[i]) for i in idx)
         sp = SamplingParams(max_new_tokens=max(1, min(sampling.max_new_tokens, budget)),
                             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            eos_id=sampling.eos_id,
+                            eos_id=sampling.eos_id, stop_ids=sampling.stop_ids,
                             seed=None if sampling.seed is None else sampling.seed + turn)
         out = engine.generate([builders[i].tokens for i in idx], sp, 1)
         for row, i in enumerate(idx):
@@ -131,12 +140,26 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             lps = out["rollout_logprobs"][row][m].tolist()
             b = builders[i]
             b.add_action(ids, lps)
-            res = envs[i].step(tokenizer.decode(ids))
+            text = decode_response(tokenizer, ids)
+            res = envs[i].step(text)
             rewards[i] += float(res.reward)
-            room = limits.max_episode_tokens - len(b)
-            if res.observation and not res.done and room > 0:
-                obs = tokenizer.encode(res.observation)[: min(limits.max_obs_tokens, room)]
-                b.add_observation(obs)
-            active[i] = not res.done and len(b) < limits.max_episode_tokens
+            room = min(limits.max_obs_tokens, limits.max_episode_tokens - len(b))
+            done = res.done
+            if res.observation and not done and room > 0:
+                if isinstance(res.observation, str):  # text: truncated to the budget
+                    b.add_observation(encode_text(tokenizer, res.observation)[:room])
+                elif chats[i] is None:
+                    raise TypeError(f"{type(envs[i]).__name__}.step returned chat messages but reset returned text; "
+                                    "a chat environment's reset must return messages")
+                else:  # chat: the template's tokens whole (a cut would drop the generation prompt), or stop
+                    chats[i].append({"role": "assistant", "content": text})
+                    obs = observation_ids(tokenizer, chats[i], ids, res.observation, tools=getattr(envs[i], "tools",
+                                                                                                    None))
+                    chats[i].extend(res.observation)
+                    if len(obs) <= room:
+                        b.add_observation(obs)
+                    else:
+                        done = True
+            active[i] = not done and len(b) < limits.max_episode_tokens
     rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
-    return stack_episodes(rows, getattr(engine, "pad_id", 0)), builders
+    return stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0)), builders

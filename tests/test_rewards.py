@@ -1,0 +1,165 @@
+"""Rewards as users write them: TRL-style and verl-style functions from a file, weighted, routed by
+data_source, batched; math-verify; a reward model; bad rewards named."""
+
+import textwrap
+
+import pytest
+import torch
+
+from hyperrl.config import ConfigError, load_config
+from hyperrl.data import Sample
+from hyperrl.rewards import RewardError, build_rewards
+from hyperrl.train import build_trainer
+
+USER_REWARDS = '''
+calls = []
+
+def accuracy(prompts, completions, completion_ids, answer, **kw):
+    calls.append(len(completions))  # TRL calls once per batch
+    return [float(c.startswith(a)) for c, a in zip(completions, answer)]
+
+def only_long(prompts, completions, **kw):
+    return [None if len(c) < 2 else 0.5 for c in completions]  # None: not applicable
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "length": len(solution_str)}
+
+def plain(data_source, solution_str, ground_truth, extra_info=None):
+    return 2.0
+
+def short(prompts, completions, **kw):
+    return [1.0]
+
+def text(prompts, completions, **kw):
+    return ["yes" for _ in completions]
+
+def nan(prompts, completions, **kw):
+    return [float("nan") for _ in completions]
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    f = tmp_path / "my_rewards.py"
+    f.write_text(USER_REWARDS)
+    return f
+
+
+def _specs(tmp_path, rewards: str, *extra):
+    y = tmp_path / "c.yaml"
+    y.write_text(textwrap.dedent(rewards))
+    return load_config(y, [f"--run.out_dir={tmp_path / 'run'}", *extra])
+
+
+SAMPLES = [Sample("1+2=", "3", "a", {"data_source": "math"}), Sample("hi", "ok", "b", {"data_source": "chat"}),
+           Sample("4+4=", "8", "c", {"data_source": "math"})]
+
+
+def test_trl_and_verl_functions_from_a_file_weighted_and_routed(tmp_path, user_file):
+    cfg = _specs(tmp_path, f"""
+        rewards:
+          - {{fn: "{user_file}:accuracy", style: trl, weight: 2.0}}
+          - {{fn: "{user_file}:only_long", style: trl}}
+          - {{fn: "{user_file}:compute_score", style: verl, data_source: chat, name: exact}}
+    """)
+    rs = build_rewards(cfg.rewards)
+    texts = ["3", "ok", "80"]
+    comps, app, metrics = rs.score([s.prompt for s in SAMPLES], texts, [[1], [2, 3], [4, 5]], SAMPLES)
+    # accuracy: 1, 0 ("ok" does not start with "ok"? it does: 1), 1 ("80" starts with "8");
+    # only_long: None, 0.5, 0.5; exact (chat rows only): -, 1 ("ok" == "ok"), -
+    assert comps.tolist() == [[1.0, 0.0, 0.0], [1.0, 0.5, 1.0], [1.0, 0.5, 0.0]]
+    assert app.tolist() == [[True, False, False], [True, True, True], [True, True, False]]
+    assert rs.total(comps).tolist() == [2.0, 3.5, 2.5]  # Σ w·r: 2·1, 2·1 + 0.5 + 1, 2·1 + 0.5
+    assert metrics == {"reward_exact_length_mean": 2.0}  # the verl dict's extra key, over its rows
+    assert rs.names == ("accuracy", "only_long", "exact")
+
+
+def test_a_trl_reward_is_called_once_per_batch_with_the_columns(tmp_path, user_file):
+    cfg = _specs(tmp_path, f'rewards: [{{fn: "{user_file}:accuracy", style: trl}}]')
+    rs = build_rewards(cfg.rewards)
+    rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+    mod = rs.rewards[0].fn.__globals__
+    assert mod["calls"] == [3]
+
+
+def test_chat_prompts_give_trl_chat_completions(tmp_path):
+    f = tmp_path / "chat_rewards.py"
+    f.write_text("def kind(prompts, completions, **kw):\n"
+                 "    return [float(isinstance(c, list) and c[0]['role'] == 'assistant') for c in completions]\n")
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:kind", style: trl}}]').rewards)
+    chat = Sample([{"role": "user", "content": "hi"}], "ok", "x", {})
+    comps, _, _ = rs.score([chat.prompt, "plain"], ["a", "b"], [[1], [2]], [chat, SAMPLES[0]])
+    assert comps[:, 0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("fn, match", [("short", "returned 1 values for 3 completions"),
+                                       ("text", "row 0 returned str 'yes'; expected a number"),
+                                       ("nan", "row 0 returned nan; rewards must be finite")])
+def test_bad_reward_values_name_the_reward_and_row(tmp_path, user_file, fn, match):
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{user_file}:{fn}", style: trl}}]').rewards)
+    with pytest.raises(RewardError, match=f"reward '{fn}'.*{match}" if "values" not in match else match):
+        rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+
+
+def test_reward_files_that_cannot_be_used_fail_at_load(tmp_path, user_file):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    cases = [(f'rewards: [{{fn: "{tmp_path}/missing.py:f", style: trl}}]', r"rewards\[0\].fn: .*missing.py does not"),
+             (f'rewards: [{{fn: "{broken}:f", style: trl}}]', r"rewards\[0\].fn: importing .*broken.py failed: "
+                                                               "ModuleNotFoundError"),
+             (f'rewards: [{{fn: "{user_file}:nope", style: trl}}]', r"has no function 'nope' \(it defines"),
+             (f'rewards: [{{fn: "{user_file}:accuracy"}}]', r"rewards\[0\]: .* with a style"),
+             ('rewards: [not_a_reward]', r"rewards\[0\].fn: 'not_a_reward' is neither"),
+             ('rewards: [{fn: reward_model}]', r"rewards\[0\].kwargs.path: .* needs 'path'")]
+    for text, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            _specs(tmp_path, text)
+
+
+def test_math_verify_reward_checks_equivalence(tmp_path):
+    rs = build_rewards(_specs(tmp_path, "rewards: [math_verify]").rewards)
+    samples = [Sample("q", "1/2", "a", {}), Sample("q", "\\frac{1}{2}", "b", {}), Sample("q", "3", "c", {})]
+    comps, _, _ = rs.score(["q"] * 3, ["so \\boxed{0.5}", "the answer is $0.5$", "\\boxed{4}"], [[1]] * 3, samples)
+    assert comps[:, 0].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_reward_model_scores_batches_like_one_forward(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from tests.hf_fixtures import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    torch.manual_seed(0)
+    rm = Qwen3ForSequenceClassification(Qwen3Config(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                                    intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tok.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    texts = ["The answer is 42.", "no", "Tom has 3 apples"]
+    scores = {}
+    for bs in (1, 16):
+        rs = build_rewards(_specs(tmp_path, f"rewards: [{{fn: reward_model, kwargs: {{path: {tmp_path / 'rm'}, "
+                                            f"batch_size: {bs}}}}}]").rewards)
+        scores[bs] = rs.score(["Q: "] * 3, texts, [[1]] * 3, SAMPLES)[0][:, 0]
+    rm.eval()
+    with torch.no_grad():
+        ref = [float(rm(**tok("Q: " + t, return_tensors="pt")).logits[0, 0]) for t in texts]
+    assert torch.allclose(scores[1], torch.tensor(ref), atol=1e-5)
+    assert torch.allclose(scores[16], scores[1], atol=1e-5)  # padded batches score the same
+
+
+def test_configured_rewards_drive_a_training_step_and_gdpo_weights(tmp_path, user_file):
+    rewards = f"""
+        rewards:
+          - {{fn: "{user_file}:accuracy", style: trl, weight: 1.0}}
+          - {{fn: starts_with_digit, weight: 0.5}}
+    """
+    tiny = ["--rollout.prompts_per_step=8", "--rollout.n=4", "--model.hidden=32", "--model.intermediate=64",
+            "--run.threads=1"]
+    tr = build_trainer(_specs(tmp_path, rewards, *tiny))
+    m = tr.step()
+    assert {"reward_accuracy_mean", "reward_starts_with_digit_mean"} <= set(m)
+    assert m["reward_mean"] == pytest.approx(m["reward_accuracy_mean"] + 0.5 * m["reward_starts_with_digit_mean"])
+    gdpo = _specs(tmp_path, rewards, "--algo.recipe=gdpo", *tiny)
+    assert gdpo.algo.advantage.args["weights"] == [1.0, 0.5]  # the rewards' weights, one per component
