@@ -86,7 +86,7 @@ def _train(args, overrides: list[str]) -> int:
         return 0
     print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out reward "
           f"{summary['final_eval_reward']}, outputs in {summary['out_dir']}/ (metrics.jsonl, reward_curve.png, "
-          f"checkpoints/)")
+          f"checkpoints/{', hf/' if summary.get('export') else ''})")
     return 0
 
 

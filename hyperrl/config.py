@@ -23,8 +23,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["Variant", "RewardSpec", "DataConfig", "ModelConfig", "RolloutConfig", "KLConfig", "CriticConfig",
-           "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_config", "ConfigError", "describe"]
+__all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig",
+           "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_config", "ConfigError",
+           "describe"]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,17 @@ class Variant(_Frozen):
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+class LoraConfig(_Frozen):
+    r: int = Field(8, ge=1, description="LoRA rank")
+    alpha: int = Field(16, ge=1, description="LoRA alpha (scale alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (training forwards only)")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"],
+                                      description="module names that get adapters")
+    train_modules: list[str] = Field(default_factory=list, description="module paths trained fully besides the "
+                                     "adapters (e.g. model.norm, model.embed_tokens); saved in checkpoints too")
+
+
 class ModelConfig(_Frozen):
     hidden: int = Field(128, description="tiny Qwen3: hidden size (random init; ignored with checkpoint)")
     layers: int = Field(2, description="tiny Qwen3: decoder layers")
@@ -77,6 +89,8 @@ class ModelConfig(_Frozen):
                                          "optim.shared_prefix=false: checkpointed layers drop the KV cache)")
     compile: str = Field("", description="torch.compile backend for the trainer's policy forward ('' = off; "
                          "'inductor', or 'eager' / 'aot_eager' to check tracing)")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (PEFT) instead of every weight: "
+                                    "{r, alpha, dropout, target_modules}; the reference is the base (no copy)")
 
 
 class RolloutConfig(_Frozen):

@@ -39,10 +39,14 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model = build_policy(cfg, tok)
     weights = consolidate(ck, "model")
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    if cfg.model.lora is not None:  # the checkpoint holds the adapters: every trainable tensor, nothing else
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in weights]
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
         raise ExportError(f"{ck}: model weights do not match the run's model (missing {sorted(missing)[:3]}, "
                           f"unexpected {sorted(unexpected)[:3]})")
+    if cfg.model.lora is not None:
+        model = model.merge_and_unload()  # a plain HF model with W + ΔW
     model = model.to(torch_dtype(cfg.model.dtype))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id

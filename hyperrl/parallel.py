@@ -63,6 +63,10 @@ class LocalParallel:
     def mean_metrics(self, metrics: dict) -> dict:
         return metrics
 
+    def sum_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Numbers summed over ranks (a key some ranks lack counts as 0 there)."""
+        return dict(sums)
+
     def barrier(self) -> None:
         pass
 
@@ -115,6 +119,14 @@ class TorchDataParallel(LocalParallel):
         t = torch.tensor([[mine.get(k, 0.0), float(k in mine)] for k in keys], dtype=torch.float64)
         self._dist.all_reduce(t)
         return {**metrics, **{k: s / c for k, (s, c) in zip(keys, t.tolist()) if c}}
+
+    def sum_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        names: list = [None] * self.world
+        self._dist.all_gather_object(names, sorted(sums))
+        keys = sorted(set().union(*names))
+        t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        self._dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
 
     def barrier(self) -> None:
         self._dist.barrier()

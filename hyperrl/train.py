@@ -42,9 +42,10 @@ def build_tokenizer(cfg: TrainConfig):
     return load_tokenizer(src) if src else char_tokenizer()
 
 
-def build_policy(cfg: TrainConfig, tok, *, seed_offset: int = 0):
+def build_policy(cfg: TrainConfig, tok, *, seed_offset: int = 0, lora: bool = True):
     """The causal LM: ``model.checkpoint`` (local HF directory) or a tiny random Qwen3 sized to the
-    tokenizer, in ``model.param_dtype``. A tokenizer with ids the model cannot embed is an error."""
+    tokenizer, in ``model.param_dtype``, with ``model.lora`` adapters when configured (and
+    ``lora``). A tokenizer with ids the model cannot embed is an error."""
     m, dt = cfg.model, torch_dtype(cfg.model.param_dtype)
     if m.checkpoint:
         from transformers import AutoModelForCausalLM
@@ -53,6 +54,10 @@ def build_policy(cfg: TrainConfig, tok, *, seed_offset: int = 0):
         check_vocab(tok, policy.config.vocab_size, "model.checkpoint")
     else:
         policy = _tiny(cfg, tok, cfg.run.seed + seed_offset).to(dt)
+    if lora and m.lora is not None:
+        from .lora import apply_lora
+
+        policy = apply_lora(policy, **m.lora.model_dump())
     return policy
 
 
@@ -61,7 +66,7 @@ def _critic(cfg: TrainConfig, tok, hidden: int):
     a tiny random one, with a zero-initialised value head."""
     from .trainer import ValueModel
 
-    backbone = build_policy(cfg, tok, seed_offset=1).model
+    backbone = build_policy(cfg, tok, seed_offset=1, lora=False).model
     return ValueModel(backbone, hidden).to(torch_dtype(cfg.model.param_dtype))
 
 
@@ -78,14 +83,23 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     device, m = pick_device(cfg.run.device), cfg.model
     dtype = torch_dtype(m.dtype)
     tok = build_tokenizer(cfg)
-    policy = build_policy(cfg, tok).to(device)
+    policy = build_policy(cfg, tok, lora=False).to(device)
     policy.train()
     eng = cfg.rollout.engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
                         tokenizer=tok)
-    engine = ENGINES.build(eng.name, **eng.args)(ctx)
+    engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
     reference = None
-    if "ref_logprobs" in pipeline.needs:  # frozen: kept in the compute dtype (no optimizer, no master copy)
+    if m.lora is not None:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise NotImplementedError("model.lora under torchrun (FSDP2) is not supported yet; run LoRA in one "
+                                      "process, or train every weight")
+        from .lora import AdapterDisabled, apply_lora
+
+        policy = apply_lora(policy, **m.lora.model_dump())
+        if "ref_logprobs" in pipeline.needs:  # the base itself: adapters disabled, no copy
+            reference = AdapterDisabled(policy)
+    elif "ref_logprobs" in pipeline.needs:  # frozen: kept in the compute dtype (no optimizer, no master copy)
         reference = copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
     critic = _critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
     if m.gradient_checkpointing:
@@ -288,5 +302,5 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
             export_hf(ckpt, out / "hf")
     summary = {"out_dir": str(out), "steps": trainer.step_idx, "seconds": time.perf_counter() - t0,
                "final_eval_reward": last_eval["eval_reward_mean"] if last_eval else None,
-               "policy_version": trainer.version}
+               "policy_version": trainer.version, "export": str(out / "hf") if cfg.run.export else None}
     return summary

@@ -30,6 +30,7 @@ from .config import TrainConfig
 from .device import compute_context, torch_dtype
 from .forward import policy_logprobs
 from .learner import Learner, Optimized, map_micro_batches
+from .lora import MergedView, TrainableView, is_lora, trainable_parameters
 from .parallel import LocalParallel, make_parallel
 from .recipes import Pipeline, build_pipeline
 from .rewards import Reward, RewardSet
@@ -63,6 +64,17 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(v, (1, 0))
 
 
+@contextmanager
+def _eval_mode(module: torch.nn.Module):
+    """``module.eval()`` inside, its previous mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was)
+
+
 class _Timer:
     def __init__(self):
         self.t: dict[str, float] = {}
@@ -93,14 +105,16 @@ class SyncTrainer:
         self.hooks = list(hooks)
         self.parallel = parallel or make_parallel()
         o, a = cfg.optim, cfg.algo
-        parts = {"policy": Optimized(policy, torch.optim.AdamW(policy.parameters(), lr=o.lr, betas=o.betas,
+        self.lora = is_lora(policy)  # adapters train; publication merges them; checkpoints hold them only
+        parts = {"policy": Optimized(policy, torch.optim.AdamW(trainable_parameters(policy), lr=o.lr, betas=o.betas,
                                                                weight_decay=o.weight_decay), o.lr)}
         if critic is not None:
             parts["critic"] = Optimized(critic, torch.optim.AdamW(critic.parameters(), lr=a.critic.lr), a.critic.lr)
         self.learner = Learner(parts, grad_clip=o.grad_clip, schedule=o.schedule, warmup=o.warmup_steps,
                                min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
                                parallel=self.parallel)
-        self.publisher = Publisher(policy, engine, rank=self.parallel.rank, world=self.parallel.world)
+        self._published = MergedView(policy) if self.lora else policy  # what the engine receives, by HF name
+        self.publisher = Publisher(self._published, engine, rank=self.parallel.rank, world=self.parallel.world)
         self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel,
                                          keep_last_k=cfg.run.keep_last_k)
         self.kl_controller = self.pipeline.kl_controller(self.pipeline.kl_coef)  # (init, update) pair
@@ -242,7 +256,8 @@ class SyncTrainer:
             out.set("baseline_reward", self._greedy_baseline(batch))
         if self._single_pass():
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
-        lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
+        with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
+            lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
         thr = self.cfg.algo.gate_threshold
         if thr is not None and float(mm["mismatch_max_abs"]) > thr:
@@ -251,7 +266,8 @@ class SyncTrainer:
                             f"refused, still serving version {self.version}")
         out.set("old_logprobs", lp)
         if self.reference is not None:
-            out.set("ref_logprobs", self._no_grad(lambda rows: self._logprobs(self.reference, rows), batch)[0])
+            with _eval_mode(self.policy):
+                out.set("ref_logprobs", self._no_grad(lambda rows: self._logprobs(self.reference, rows), batch)[0])
         return out, {k: float(v) for k, v in mm.items()}
 
     def _no_grad(self, fn, batch: TensorDict):
@@ -317,7 +333,7 @@ class SyncTrainer:
     def publish(self) -> None:
         """Publish the policy as version V+1 (all-or-nothing): a refused publication raises
         ``WeightPublishError``; the engine still serves V and the run fails closed."""
-        self.publisher.publish(self.policy, self.version + 1)
+        self.publisher.publish(self._published, self.version + 1)
         self.version += 1
 
     # ------------------------------------------------------------------ report, evaluate
@@ -358,20 +374,34 @@ class SyncTrainer:
         """Held-out evaluation that runs what training runs — the task's validation prompts, the
         environment (multi-turn) and the configured rewards — with ``run.eval_n`` samples per
         prompt: ``eval_reward_mean`` (mean@k), ``eval_pass_at_k`` (the mean over prompts of the best
-        sample's reward: pass@k for 0/1 rewards), each reward's mean."""
+        sample's reward: pass@k for 0/1 rewards), each reward's mean. Data parallel: each rank
+        evaluates its share of the prompts and the sums are all-reduced (exact means)."""
         k = self.cfg.run.eval_n
-        samples = self.task.held_out(self.cfg.run.eval_prompts)
-        batch = self.rewards(self._generate(samples, self._sampling(0, seed_offset=10**6), k), dict(enumerate(samples)))
-        self._reward_extra = {}
-        r, g = batch["reward"], batch["group_id"]
-        best = torch.full((len(samples),), float("-inf")).scatter_reduce(0, g, r, "amax")
-        metrics = {"step": self.step_idx, "eval_reward_mean": float(r.mean()), "eval_pass_at_k": float(best.mean()),
-                   "eval_n": k, "eval_response_len_mean": float(batch["action_mask"].sum(-1).float().mean())}
-        comps, app = batch["reward_components"], batch["reward_applicable"]
-        if comps.shape[1] > 1:
-            for j, name in enumerate(self.reward_names):
-                if bool(app[:, j].any()):
-                    metrics[f"eval_reward_{name}_mean"] = float(comps[:, j][app[:, j]].mean())
+        samples = self.parallel.shard(self.task.held_out(self.cfg.run.eval_prompts))
+        sums: dict[str, float] = {}
+        if samples:
+            batch = self._generate(samples, self._sampling(0, seed_offset=10**6), k)
+            batch = self.rewards(batch, dict(enumerate(samples)))
+            self._reward_extra = {}
+            r, g = batch["reward"], batch["group_id"]
+            best = torch.full((len(samples),), float("-inf")).scatter_reduce(0, g, r, "amax")
+            sums = {"rows": r.numel(), "prompts": len(samples), "reward": float(r.sum()), "best": float(best.sum()),
+                    "len": float(batch["action_mask"].sum())}
+            comps, app = batch["reward_components"], batch["reward_applicable"]
+            if comps.shape[1] > 1:
+                for j, name in enumerate(self.reward_names):
+                    sums[f"r/{name}"] = float(comps[:, j][app[:, j]].sum())
+                    sums[f"n/{name}"] = float(app[:, j].sum())
+        sums = self.parallel.sum_metrics(sums)
+        rows, prompts = sums.get("rows", 0.0), sums.get("prompts", 0.0)
+        if not rows:
+            raise ValueError("evaluation: the task returned no held-out prompts (check run.eval_prompts and the "
+                             "validation data)")
+        metrics = {"step": self.step_idx, "eval_reward_mean": sums["reward"] / rows,
+                   "eval_pass_at_k": sums["best"] / prompts, "eval_n": k, "eval_response_len_mean": sums["len"] / rows}
+        for key in sorted(sums):
+            if key.startswith("r/") and sums[f"n/{key[2:]}"]:
+                metrics[f"eval_reward_{key[2:]}_mean"] = sums[key] / sums[f"n/{key[2:]}"]
         self._emit("eval", metrics)
         return metrics
 
@@ -396,7 +426,8 @@ class SyncTrainer:
     # ------------------------------------------------------------------ checkpoint / resume
     def _parts(self) -> dict[str, tuple]:
         """Checkpoint part name → (module, its optimizer part name, optimizer)."""
-        mods = {"model": (self.policy, "optim", self.learner.modules["policy"].optimizer)}
+        policy = TrainableView(self.policy) if self.lora else self.policy
+        mods = {"model": (policy, "optim", self.learner.modules["policy"].optimizer)}
         if self.critic is not None:
             mods["critic"] = (self.critic, "critic_optim", self.learner.modules["critic"].optimizer)
         return mods
@@ -425,7 +456,7 @@ class SyncTrainer:
         self.task.load_state(st.get("task", {}))
         # versions only grow: an engine already past the checkpoint's version gets the next one
         target = st["version"] if self.engine.policy_version < st["version"] else self.engine.policy_version + 1
-        self.publisher.publish(self.policy, target)  # refit before the first generation
+        self.publisher.publish(self._published, target)  # refit before the first generation
         self.version = target
         return True
 

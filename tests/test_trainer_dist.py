@@ -160,3 +160,37 @@ def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # rank 0 alone logs; the resumed run appends
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]  # the engine was refitted to version 3
+
+
+def _bf16_worker(rank, world, out_dir):
+    from hyperrl.config import load_config
+    from hyperrl.sharding.dtensor import local
+    from hyperrl.train import build_trainer
+
+    cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4",
+                             "--model.hidden=64", "--model.intermediate=128", "--model.dtype=bfloat16",
+                             "--rollout.max_new_tokens=2", "--run.eval_prompts=3", "--run.eval_n=2"])
+    tr = build_trainer(cfg)
+    seen = set()
+    tr.policy.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.add(out.dtype))
+    metrics = [tr.step() for _ in range(2)]
+    states = {v.dtype for st in tr.learner.modules["policy"].optimizer.state.values() for k, v in st.items()
+              if torch.is_tensor(v) and k != "step"}
+    return {"param_dtypes": sorted({str(local(p).dtype) for p in tr.policy.parameters()}),
+            "optim_dtypes": sorted(str(d) for d in states), "compute": sorted(str(d) for d in seen),
+            "engine": sorted({str(p.dtype) for p in tr.engine.model.parameters()}),
+            "loss_finite": all(abs(m["loss_policy"]) < 1e3 for m in metrics), "version": tr.engine.policy_version,
+            "eval": tr.evaluate(), "share": len(tr.parallel.shard(tr.task.held_out(3)))}
+
+
+def test_fsdp2_mixed_precision_bf16_compute_over_fp32_shards(tmp_path):
+    # FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on gloo: the sharded master
+    # weights and AdamW state stay fp32, the layers compute in bf16, the engine serves bf16
+    res = run_gloo(_bf16_worker, 2, str(tmp_path))
+    for r in res.values() if isinstance(res, dict) else res:
+        assert r["param_dtypes"] == ["torch.float32"] and r["optim_dtypes"] == ["torch.float32"]
+        assert r["compute"] == ["torch.bfloat16"] and r["engine"] == ["torch.bfloat16"]
+        assert r["loss_finite"] and r["version"] == 2
+    # evaluation is sharded (2 + 1 of the 3 held-out prompts) and its sums all-reduced: equal metrics
+    a, b = (res[0], res[1])
+    assert (a["share"], b["share"]) == (2, 1) and a["eval"] == b["eval"]

@@ -68,3 +68,9 @@ def test_sync_trainer_on_vllm_publishes_every_step_and_learns(trainer_report):
     assert r["final_diff"] < 1e-5  # the last publication is what vLLM serves
     first, last = sum(r["rewards"][:20]) / 20, sum(r["rewards"][-20:]) / 20
     assert last > first + 0.08, (first, last)
+
+
+def test_vllm_loads_the_export_with_its_tokenizer():
+    r = _run_check("check_vllm_export.py")
+    assert r["diff"] < 1e-4  # vLLM serves the trained weights the export holds
+    assert r["decoded_prompt"] == r["expected_prompt"]  # and the run's tokenizer
