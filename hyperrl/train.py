@@ -87,7 +87,7 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     policy.train()
     eng = cfg.rollout.engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
-                        tokenizer=tok)
+                        tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None)
     engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
     reference = None
     if m.lora is not None:

@@ -113,7 +113,9 @@ class SyncTrainer:
         self.learner = Learner(parts, grad_clip=o.grad_clip, schedule=o.schedule, warmup=o.warmup_steps,
                                min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
                                parallel=self.parallel)
-        self._published = MergedView(policy) if self.lora else policy  # what the engine receives, by HF name
+        # what the engine receives: the adapters (an engine serving LoRA), or full weights by HF name
+        self._adapters_only = self.lora and getattr(engine, "accepts_lora", False)
+        self._published = MergedView(policy) if self.lora else policy
         self.publisher = Publisher(self._published, engine, rank=self.parallel.rank, world=self.parallel.world)
         self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel,
                                          keep_last_k=cfg.run.keep_last_k)
@@ -333,8 +335,14 @@ class SyncTrainer:
     def publish(self) -> None:
         """Publish the policy as version V+1 (all-or-nothing): a refused publication raises
         ``WeightPublishError``; the engine still serves V and the run fails closed."""
-        self.publisher.publish(self._published, self.version + 1)
+        self._publish_as(self.version + 1)
         self.version += 1
+
+    def _publish_as(self, version: int) -> None:
+        if self._adapters_only:
+            self.engine.load_lora(self.policy, version)
+        else:
+            self.publisher.publish(self._published, version)
 
     # ------------------------------------------------------------------ report, evaluate
     def _report(self, batch: TensorDict, timer: _Timer, extra: dict) -> dict:
@@ -456,7 +464,7 @@ class SyncTrainer:
         self.task.load_state(st.get("task", {}))
         # versions only grow: an engine already past the checkpoint's version gets the next one
         target = st["version"] if self.engine.policy_version < st["version"] else self.engine.policy_version + 1
-        self.publisher.publish(self._published, target)  # refit before the first generation
+        self._publish_as(target)  # refit before the first generation
         self.version = target
         return True
 

@@ -74,3 +74,10 @@ def test_vllm_loads_the_export_with_its_tokenizer():
     r = _run_check("check_vllm_export.py")
     assert r["diff"] < 1e-4  # vLLM serves the trained weights the export holds
     assert r["decoded_prompt"] == r["expected_prompt"]  # and the run's tokenizer
+
+
+def test_vllm_serves_published_lora_adapters():
+    r = _run_check("check_vllm_lora.py")
+    assert r["versions"] == list(range(1, 9)) and r["lora_B_max"] > 0.01  # the adapters really changed
+    assert r["mismatch_max"] < 1e-4  # and vLLM's log-probs follow them step by step
+    assert r["bad"] == "WeightPublishError" and r["served"] == 8

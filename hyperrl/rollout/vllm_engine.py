@@ -28,7 +28,8 @@ __all__ = ["VLLMEngine"]
 
 class VLLMEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
-                 kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, **engine_kwargs):
+                 kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
+                 **engine_kwargs):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from safetensors import safe_open
         from vllm import LLM
@@ -47,6 +48,10 @@ class VLLMEngine:
         # a tied model's state_dict also lists lm_head.weight; the checkpoint (and vLLM) do not
         self._aliases = {"lm_head.weight"} if cfg.get("tie_word_embeddings") and "lm_head.weight" not in \
             self._shapes else set()
+        self.accepts_lora, self._lora = lora_rank is not None, None
+        if lora_rank is not None:  # vLLM's supported ranks: the smallest that holds the adapters
+            engine_kwargs.update(enable_lora=True, max_loras=1,
+                                 max_lora_rank=next(x for x in (8, 16, 32, 64, 128, 256, 320, 512) if x >= lora_rank))
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
@@ -66,7 +71,8 @@ class VLLMEngine:
         sp = VSP(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                  max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
                  stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
+                                 lora_request=self._lora)
         rows = []
         for i, (p, out) in enumerate(zip(prompts, outs)):
             for c in out.outputs:
@@ -76,6 +82,41 @@ class VLLMEngine:
                                  logprobs=[0.0] * len(p) + lps, reward=0.0, group_id=group_offset + i,
                                  version=self._version))
         return stack_episodes(rows, self.pad_id)
+
+    def load_lora(self, peft_model, version: int) -> None:
+        """Serve ``peft_model``'s adapters over the frozen base as ``version`` (vLLM's LoRA path: the
+        adapters are written to a fresh directory and loaded under a new LoRA id). Checked before the
+        switch — newer version, finite tensors — and proven by a one-token generation after it; a
+        failure restores the previous adapters (version V keeps serving) and raises."""
+        from safetensors.torch import load_file
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        if not self.accepts_lora:
+            raise WeightPublishError("this vLLM engine was started without LoRA (rollout.engine.lora_adapters)")
+        if version <= self._version:
+            raise WeightPublishError(f"version {version}: must be greater than the serving version {self._version}")
+        path = Path(self._tmp.name) / f"lora_v{version}"
+        peft_model.save_pretrained(path)
+        bad = [k for k, v in load_file(path / "adapter_model.safetensors").items() if not torch.isfinite(v).all()]
+        if bad:
+            raise WeightPublishError(f"{bad[0]}: contains NaN/inf; refusing version {version} (still serving "
+                                     f"{self._version})")
+        previous, self._lora = self._lora, LoRARequest(f"v{version}", version, str(path))
+        try:
+            self.llm.generate([TokensPrompt(prompt_token_ids=[self.pad_id])], VSP(max_tokens=1, detokenize=False),
+                              use_tqdm=False, lora_request=self._lora)
+        except Exception as e:  # noqa: BLE001 - vLLM failed to load the adapters: keep serving V
+            self._lora = previous
+            raise WeightPublishError(f"vLLM could not load the adapters of version {version}: {e!r}; still serving "
+                                     f"version {self._version}") from e
+        if previous is not None:
+            import shutil
+
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        self._version = version
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
                      *, partial: bool = False) -> None:
