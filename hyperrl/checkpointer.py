@@ -57,8 +57,8 @@ class Checkpointer:
         return path
 
     def prune(self) -> list[Path]:
-        """Delete complete checkpoints older than the newest ``keep_last_k`` (never an incomplete
-        one that is not older than every kept one, and never the newest); returns what was deleted."""
+        """Delete the complete checkpoints older than the newest ``keep_last_k`` complete ones
+        (incomplete ``.tmp`` directories are left alone: ``latest`` skips them); returns what went."""
         import shutil
 
         done = sorted((c for c in self.root.glob("step_*") if c.is_dir() and (c / MARKER).exists()),

@@ -164,7 +164,7 @@ class RewardSet:
         return (comps * self.weights).sum(-1)
 
 
-def _style_of(fn: Callable, where: str) -> str:
+def _style_of(fn: Callable) -> str:
     """Infer TRL vs verl vs hyperrl from a registered function's signature (registered names only)."""
     params = inspect.signature(fn).parameters
     if "completions" in params:
@@ -196,7 +196,7 @@ def build_rewards(specs, where: str = "rewards") -> RewardSet:
             kwargs, style = {}, style or "trl"
         elif ref in REWARDS:
             fn, name = REWARDS.get(ref), ref
-            style = style or _style_of(fn, key)
+            style = style or _style_of(fn)
         else:
             raise RewardError(f"{key}.fn: {ref!r} is neither 'file.py:function' nor a registered reward "
                               f"({sorted(REWARDS.names() + REWARD_FACTORIES.names())})")
