@@ -360,32 +360,14 @@ def _data_task(d: dict, *, explicit_task: bool) -> dict:
 
 
 def _check_rewards(cfg: TrainConfig) -> None:
-    """Every reward resolves (files import, names are registered, factory hyperparameters check)
-    — without building a reward model."""
-    from .envs.rewards import REWARDS
+    """Every reward resolves (:func:`hyperrl.rewards.check_rewards`) — without building a reward model."""
     from .registry import HyperparameterError
-    from .rewards import REWARD_FACTORIES, RewardError, load_function
+    from .rewards import RewardError, check_rewards
 
-    for i, r in enumerate(cfg.rewards):
-        key = f"rewards[{i}]"
-        try:
-            if ".py" in r.fn:
-                if ":" not in r.fn or r.style is None:
-                    raise RewardError(f"{key}: a function from a file is 'path/to/file.py:name' with a style "
-                                      "(trl | verl | hyperrl)")
-                load_function(r.fn, f"{key}.fn")
-            elif r.fn in REWARD_FACTORIES:
-                f = REWARD_FACTORIES.factory(r.fn)
-                f.check(r.kwargs, f"{key}.kwargs")
-                f.check_requirements(f"{key}.fn")
-            elif r.fn not in REWARDS:
-                raise RewardError(f"{key}.fn: {r.fn!r} is neither 'file.py:function' nor a registered reward "
-                                  f"({sorted(REWARDS.names() + REWARD_FACTORIES.names())})")
-        except (RewardError, HyperparameterError) as e:
-            raise ConfigError(str(e)) from None
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    try:
+        check_rewards(cfg.rewards)
+    except (RewardError, HyperparameterError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_files(cfg: TrainConfig) -> None:
@@ -396,10 +378,12 @@ def _check_files(cfg: TrainConfig) -> None:
         if not (ck / "config.json").is_file():
             raise ConfigError(f"model.checkpoint: {ck} is not a Hugging Face model directory (no config.json); "
                               "save one with model.save_pretrained(dir)")
+    from .tokenizer import TOKENIZER_FILES
+
     tok = m.tokenizer or m.checkpoint
-    if tok is not None and not any((Path(tok) / f).is_file() for f in _TOKENIZER_FILES):
+    if tok is not None and not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
         key = "model.tokenizer" if m.tokenizer else "model.checkpoint"
-        raise ConfigError(f"{key}: {tok} has no tokenizer ({', '.join(_TOKENIZER_FILES)}); save it with "
+        raise ConfigError(f"{key}: {tok} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it with "
                           "tokenizer.save_pretrained(dir) or point model.tokenizer at the tokenizer's directory")
 
 

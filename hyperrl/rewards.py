@@ -36,7 +36,7 @@ import torch
 from .registry import Registry
 
 __all__ = ["REWARD_FACTORIES", "register_reward_factory", "Reward", "RewardSet", "RewardError", "load_function",
-           "build_rewards"]
+           "build_rewards", "check_rewards"]
 
 REWARD_FACTORIES: Registry = Registry("reward factory")
 register_reward_factory = REWARD_FACTORIES.register
@@ -174,9 +174,21 @@ def _style_of(fn: Callable) -> str:
     return "hyperrl"
 
 
+def check_rewards(specs, where: str = "rewards") -> None:
+    """Load time: every spec resolves — files import, names are registered, factory
+    hyperparameters and requirements check, names are distinct — without building reward models."""
+    _resolve(specs, where, build=False)
+
+
 def build_rewards(specs, where: str = "rewards") -> RewardSet:
     """Resolve the config's reward specs into a :class:`RewardSet` (imports files, builds reward
     models). Raises :class:`RewardError` naming ``rewards[i]``."""
+    return RewardSet(tuple(_resolve(specs, where, build=True)))
+
+
+def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
+    """The one walk over reward specs (``build=False``: a factory is checked, not called; its
+    ``Reward.fn`` is None)."""
     from .envs.rewards import REWARDS
 
     out, seen = [], set()
@@ -192,7 +204,10 @@ def build_rewards(specs, where: str = "rewards") -> RewardSet:
                                   "ground_truth, extra_info) or hyperrl (response, sample)")
             fn, name = load_function(ref, f"{key}.fn"), ref.rpartition(":")[2]
         elif ref in REWARD_FACTORIES:
-            fn, name = REWARD_FACTORIES.build(ref, **kwargs)(), ref
+            f = REWARD_FACTORIES.factory(ref)
+            f.check(kwargs, f"{key}.kwargs")
+            f.check_requirements(f"{key}.fn")
+            fn, name = (REWARD_FACTORIES.build(ref, **kwargs)() if build else None), ref
             kwargs, style = {}, style or "trl"
         elif ref in REWARDS:
             fn, name = REWARDS.get(ref), ref
@@ -207,7 +222,7 @@ def build_rewards(specs, where: str = "rewards") -> RewardSet:
         ds = spec.data_source
         sources = None if ds is None else ((ds,) if isinstance(ds, str) else tuple(ds))
         out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs))
-    return RewardSet(tuple(out))
+    return out
 
 
 # ----------------------------------------------------------------------------- built-in factories

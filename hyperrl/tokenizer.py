@@ -20,8 +20,10 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-__all__ = ["DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer", "encode_prompt",
-           "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
+__all__ = ["TOKENIZER_FILES", "DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer",
+           "encode_prompt", "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
 
 DEFAULT_ALPHABET = string.digits + string.ascii_letters + " +-*/=()?.,:;#$%<>[]{}_'\"!\n"
 
@@ -62,9 +64,8 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     p = Path(path)
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not p.is_dir() or not any((p / f).exists() for f in files):
-        raise TokenizerError(f"{p}: no tokenizer files ({', '.join(files)}); save the tokenizer with "
+    if not p.is_dir() or not any((p / f).exists() for f in TOKENIZER_FILES):
+        raise TokenizerError(f"{p}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer with "
                              "tokenizer.save_pretrained(dir) or set model.tokenizer to its directory")
     tok = AutoTokenizer.from_pretrained(str(p))
     if tok.eos_token_id is None:

@@ -108,7 +108,7 @@ def test_reward_files_that_cannot_be_used_fail_at_load(tmp_path, user_file):
              (f'rewards: [{{fn: "{broken}:f", style: trl}}]', r"rewards\[0\].fn: importing .*broken.py failed: "
                                                                "ModuleNotFoundError"),
              (f'rewards: [{{fn: "{user_file}:nope", style: trl}}]', r"has no function 'nope' \(it defines"),
-             (f'rewards: [{{fn: "{user_file}:accuracy"}}]', r"rewards\[0\]: .* with a style"),
+             (f'rewards: [{{fn: "{user_file}:accuracy"}}]', r"rewards\[0\].style: .* calling convention"),
              ('rewards: [not_a_reward]', r"rewards\[0\].fn: 'not_a_reward' is neither"),
              ('rewards: [{fn: reward_model}]', r"rewards\[0\].kwargs.path: .* needs 'path'")]
     for text, match in cases:
