@@ -116,6 +116,7 @@ class Learner:
         for part in self.modules.values():
             for g in part.optimizer.param_groups:
                 g["lr"] = part.lr * m
+            self.parallel.sync_grads(part.module.parameters())
             norms.append(self.parallel.clip_grad_norm(part.module.parameters(), self.grad_clip))
             part.optimizer.step()
             part.optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,8 @@ the loop:
 * **row agreement**: a step is skipped on every rank when any rank has no rows;
 * **loss scale**: FSDP averages gradients over ranks, so each loss is multiplied by the world size
   to give the sum the global normaliser expects (gloo has no PREMUL_SUM for a factor of 1);
+* **replicated modules** (a LoRA policy's frozen base is not sharded): parameters broadcast from
+  rank 0 at setup, plain (non-DTensor) gradients all-reduced before clipping;
 * **gradient norm** over sharded (DTensor) gradients; **metric reduction** (mean over the ranks
   that report a key).
 
@@ -54,6 +56,13 @@ class LocalParallel:
     def agree_forward(self):
         """A function ``(use_shared, S) -> (use_shared, S)`` agreeing the forward path, or None."""
         return None
+
+    def replicate(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` with the same parameters and buffers on every rank (rank 0's)."""
+        return module
+
+    def sync_grads(self, params) -> None:
+        """Reduce the gradients of replicated (non-DTensor) ``params`` over ranks."""
 
     def clip_grad_norm(self, params, max_norm: float) -> float:
         """Clip the gradients of ``params`` to a global norm; returns the norm before clipping."""
@@ -102,6 +111,34 @@ class TorchDataParallel(LocalParallel):
             return not bool(t[0]), int(t[1])
 
         return agree
+
+    @torch.no_grad()
+    def replicate(self, module: torch.nn.Module) -> torch.nn.Module:
+        for t in [*module.parameters(), *module.buffers()]:
+            self._dist.broadcast(t.data, src=0)
+        return module
+
+    @torch.no_grad()
+    def sync_grads(self, params) -> None:
+        """Σ over ranks ÷ world of each replicated gradient, in one coalesced all-reduce. Each rank's
+        loss carries ``loss_scale = world`` (what FSDP's average needs), so the result is the sum of
+        the ranks' gradients under the global normaliser — the same gradient FSDP computes. DTensor
+        gradients (FSDP already reduced them) are left alone. Our own rather than DDP: DDP wraps the
+        module (renaming every parameter and owning the forward), and a few MB of adapters need no
+        bucketing or overlap."""
+        from torch.distributed.tensor import DTensor
+
+        ps = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
+        if not ps:
+            return
+        for p in ps:  # a parameter unused on this rank still joins the sum (with zeros)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1).float() for p in ps])
+        self._dist.all_reduce(flat)
+        flat /= self.world
+        for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+            p.grad.copy_(g.view_as(p.grad))
 
     def clip_grad_norm(self, params, max_norm: float) -> float:
         from torch.distributed.tensor import DTensor

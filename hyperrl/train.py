@@ -17,6 +17,7 @@ import torch
 
 from .config import TrainConfig
 from .device import pick_device, torch_dtype
+from .parallel import make_parallel
 from .recipes import build_pipeline
 from .rewards import build_rewards
 from .rollout import tiny_qwen3
@@ -91,9 +92,6 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
     reference = None
     if m.lora is not None:
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise NotImplementedError("model.lora under torchrun (FSDP2) is not supported yet; run LoRA in one "
-                                      "process, or train every weight")
         from .lora import AdapterDisabled, apply_lora
 
         policy = apply_lora(policy, **m.lora.model_dump())
@@ -105,7 +103,10 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        policy = _fully_shard(policy, policy.model.layers, device, dtype)
+        if m.lora is None:
+            policy = _fully_shard(policy, policy.model.layers, device, dtype)
+        else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
+            make_parallel().replicate(policy)
         if critic is not None:
             critic = _fully_shard(critic, critic.backbone.layers, device, dtype)
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
