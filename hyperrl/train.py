@@ -109,6 +109,9 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
             make_parallel().replicate(policy)
         if critic is not None:
             critic = _fully_shard(critic, critic.backbone.layers, device, dtype)
+    if m.compile and getattr(engine, "shared", False):
+        raise ValueError("model.compile with rollout.engine.share_weights: the engine would decode through the "
+                         "compiled training forward; set share_weights: false")
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
         policy.compile(backend=m.compile, dynamic=True)
     task = make_task(cfg.task, tok, cfg.run.seed)

@@ -116,7 +116,8 @@ class SyncTrainer:
         # what the engine receives: the adapters (an engine serving LoRA), or full weights by HF name
         self._adapters_only = self.lora and getattr(engine, "accepts_lora", False)
         self._published = MergedView(policy) if self.lora else policy
-        self.publisher = Publisher(self._published, engine, rank=self.parallel.rank, world=self.parallel.world)
+        self.publisher = Publisher.for_engine(self._published, engine, rank=self.parallel.rank,
+                                              world=self.parallel.world)
         self.checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", self.parallel,
                                          keep_last_k=cfg.run.keep_last_k)
         self.kl_controller = self.pipeline.kl_controller(self.pipeline.kl_coef)  # (init, update) pair

@@ -16,7 +16,7 @@ from hyperrl.learner import Learner, Optimized
 from hyperrl.parallel import LocalParallel
 from hyperrl.recipes import build_pipeline
 from hyperrl.rollout import TransformersEngine, WeightPublishError, tiny_qwen3
-from hyperrl.sharding.publisher import Publisher
+from hyperrl.sharding.publisher import IdentityExecutor, Publisher
 from hyperrl.trajectory import cat_batches, make_trajectory
 
 from .dist_helpers import run_gloo
@@ -138,7 +138,8 @@ def test_local_parallel_is_the_identity():
 def test_publisher_hands_views_and_keeps_v_on_failure():
     policy = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=1)
     engine = TransformersEngine(copy.deepcopy(policy))
-    pub = Publisher(policy, engine)
+    pub = Publisher.for_engine(policy, engine)
+    assert isinstance(pub.executor, IdentityExecutor)
     sent = pub.gather(policy)
     assert all(sent[k].data_ptr() == p.data_ptr() for k, p in policy.named_parameters())  # no staging copy
     with torch.no_grad():
@@ -151,6 +152,39 @@ def test_publisher_hands_views_and_keeps_v_on_failure():
     with pytest.raises(WeightPublishError, match="NaN"):
         pub.publish(policy, 2)
     assert engine.policy_version == 1 and torch.isfinite(next(engine.model.parameters())).all()
+
+
+def test_publisher_casts_at_the_source_and_fails_closed_when_the_executor_dies():
+    policy = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=1)
+    engine = TransformersEngine(copy.deepcopy(policy).to(torch.bfloat16))
+    pub = Publisher.for_engine(policy, engine)
+    assert {pl.dtype for pl in pub.src.values()} == {torch.bfloat16}  # the wire carries the engine's dtype
+    assert pub.plan.stats().local_bytes == sum(p.numel() * 2 for p in policy.parameters())
+    before = engine.state_dict()
+
+    class Dying:
+        def __call__(self, plan, rank, shards):
+            raise ConnectionError("peer 3 went away")
+
+    pub.executor = Dying()
+    with pytest.raises(WeightPublishError, match="failed in Dying.*peer 3 went away.*still serving version 0"):
+        pub.publish(policy, 1)
+    assert engine.policy_version == 0 and engine._txn is None  # aborted: the next publication may begin
+    assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+    pub.executor = IdentityExecutor()
+    pub.publish(policy, 1)
+    assert engine.policy_version == 1
+    assert all(torch.equal(engine.model.state_dict()[k], v.to(torch.bfloat16)) for k, v in policy.state_dict().items())
+
+
+def test_layouts_that_do_not_match_are_refused_at_construction_with_names():
+    from hyperrl.sharding import LayoutError
+
+    policy = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=1)
+    other = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=64, seed=1)
+    with pytest.raises(LayoutError, match=r"shape mismatch: .*model.layers.0.mlp.down_proj.weight: source \[16, 32\] "
+                                          r"vs destination \[16, 64\]"):
+        Publisher.for_engine(policy, TransformersEngine(other))
 
 
 def test_checkpointer_round_trips_module_and_optimizer(tmp_path):

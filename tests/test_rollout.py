@@ -108,3 +108,55 @@ def test_load_weights_transaction_and_fault_mid_publication():
     assert b["policy_version"].tolist() == [1] * 4
     d = (_fresh_logprobs(eng.model, b, 1.0) - b["rollout_logprobs"])[b["action_mask"]].abs().max()
     assert float(d) < 1e-5
+
+
+def test_staged_transaction_begin_stage_commit():
+    eng = TransformersEngine(tiny_qwen3(TOK.vocab_size, seed=2))
+    v0 = eng.state_dict()
+    new = {k: v + 0.01 for k, v in v0.items() if k != "lm_head.weight"}  # tied: the alias is filled
+    names = list(new)
+    with pytest.raises(WeightPublishError, match="without begin"):
+        eng.stage(new)
+    eng.begin(1)
+    with pytest.raises(WeightPublishError, match="still being staged"):
+        eng.begin(2)
+    eng.stage({k: new[k] for k in names[:3]})  # pieces arrive in several calls
+    assert eng.policy_version == 0 and all(torch.equal(eng.model.state_dict()[k], v) for k, v in v0.items())
+    with pytest.raises(WeightPublishError, match="staged twice"):
+        eng.stage({names[0]: new[names[0]]})
+    assert eng._txn is None  # a refused piece aborts the publication
+    eng.begin(1)
+    eng.stage({k: new[k] for k in names[:3]})
+    eng.stage({k: new[k] for k in names[3:]})
+    eng.commit()
+    assert eng.policy_version == 1
+    assert torch.equal(eng.model.state_dict()["lm_head.weight"], new["model.embed_tokens.weight"])
+    eng.begin(2)
+    eng.stage({names[0]: new[names[0]]})
+    eng.abort()
+    with pytest.raises(WeightPublishError, match="without begin"):
+        eng.commit()
+    assert eng.policy_version == 1
+
+
+def test_shared_engine_serves_the_policy_itself_and_fails_closed():
+    policy = tiny_qwen3(TOK.vocab_size, seed=2)
+    policy.train()
+    eng = TransformersEngine(policy, shared=True)
+    assert eng.model is policy
+    eng.generate([TOK.encode("2+2=")], SamplingParams(max_new_tokens=4, seed=1), n=2)
+    assert policy.training  # the generation ran in eval mode and restored train mode
+    with torch.no_grad():
+        next(policy.parameters()).add_(0.5)  # the optimizer's in-place update
+    eng.load_weights(dict(policy.named_parameters()), version=1)  # a checked version bump, no copy
+    b = eng.generate([TOK.encode("2+2=")], SamplingParams(max_new_tokens=4, seed=1), n=2)
+    assert b["policy_version"].tolist() == [1, 1]
+    d = (_fresh_logprobs(policy, b, 1.0) - b["rollout_logprobs"])[b["action_mask"]].abs().max()
+    assert float(d) < 1e-5
+    with torch.no_grad():
+        next(policy.parameters()).fill_(float("nan"))
+    with pytest.raises(WeightPublishError, match="NaN"):
+        eng.load_weights(dict(policy.named_parameters()), version=2)
+    assert eng.policy_version == 1
+    with pytest.raises(WeightPublishError, match="fails closed"):  # V's weights are gone: no generation
+        eng.generate([TOK.encode("2+2=")], SamplingParams(max_new_tokens=4, seed=1))

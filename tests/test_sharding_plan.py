@@ -279,3 +279,37 @@ def test_unknown_source_axis_names_the_tensor():
 
     with pytest.raises(SpecError, match=r"model.norm.weight: spec axis 'tp' is not a mesh axis \['fsdp'\]"):
         Layout({"model.norm.weight": Placement((8,), torch.float32, Spec.shard(1, d0="tp"), Mesh.of(fsdp=2))})
+
+
+def test_fan_out_is_a_tree_that_spreads_the_forwards():
+    # 2 trainer ranks → 8 rollout replicas (tp 2 × dp 8): each region leaves the source once and is
+    # forwarded down a binary tree — ⌊log2 8⌋ = 3 forwarding phases for a region that 8 ranks read,
+    # 4 for the kv rows every one of the 16 ranks reads (n_kv = 1 < tp: replicated)
+    src, dst = _plan_for("qwen3-tiny", dict(fsdp=2), dict(tp=2, dp=8, offset=2))
+    plan = reshard_plan(src, dst, fan_out=True)
+    verify(plan)
+    full = random_state(src, seed=3)
+    got, want = simulate(plan, full), expected_destination(dst, full)
+    assert all(torch.equal(got[r][n], t) for r, ps in want.items() for n, t in ps.items())
+    s = plan.stats()
+    assert s.egress_bytes == s.src_min_bytes and s.wire_bytes == s.recv_min_bytes
+    assert {t.phase for t in plan} == {0, 1, 2, 3, 4}
+    assert s.max_out <= 1.05 * s.max_out_bound, (s.max_out, s.max_out_bound)
+    # no destination rank forwards more than twice what it received (a star's root forwards 7×)
+    sent, got_b = {}, {}
+    for t in plan:
+        if not t.local:
+            sent[t.src_rank] = sent.get(t.src_rank, 0) + t.nbytes
+            got_b[t.dst_rank] = got_b.get(t.dst_rank, 0) + t.nbytes
+    assert all(sent.get(r, 0) <= 2 * got_b[r] for r in got_b)
+    # a forward scheduled in the same phase as the data it forwards arrives is refused by verify
+    ts = plan.transfers()
+    i = next(k for k, t in enumerate(ts) if t.phase == 2)
+    early = ts[:i] + [ts[i]._replace(phase=1)] + ts[i + 1:]
+
+    class Fixed(Plan):
+        def __iter__(self):
+            return iter(early)
+
+    with pytest.raises(PlanError, match="before it received it"):
+        verify(Fixed(plan.src, plan.dst, [], True))

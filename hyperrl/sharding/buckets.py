@@ -52,12 +52,12 @@ def _narrow(t: Transfer, d: int, start: int, length: int, row: int) -> Transfer:
 
 def bucketize(transfers: list[Transfer], max_bytes: int) -> list[list[Transfer]]:
     """Group transfers into buckets so that no rank stages more than ``max_bytes`` to send or to
-    receive in one bucket. First-fit decreasing; oversized transfers are split first; phase-1
-    forwards go in buckets after every phase-0 bucket (their data must have arrived)."""
+    receive in one bucket. First-fit decreasing; oversized transfers are split first; the forwards
+    of fan-out phase k go in buckets after every bucket of phase k − 1 (their data must have arrived)."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes={max_bytes}: must be > 0")
     out: list[list[Transfer]] = []
-    for phase in (0, 1):
+    for phase in sorted({t.phase for t in transfers}):
         items = [p for t in transfers if t.phase == phase for p in split_transfer(t, max_bytes)]
         items.sort(key=lambda t: (-t.nbytes, t.src_rank, t.dst_rank, t.tensor, t.dst_slice.offsets))
         buckets: list[list[Transfer]] = []

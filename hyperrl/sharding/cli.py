@@ -7,20 +7,27 @@ import time
 
 import torch
 
-from .models import MODELS, parse_parallel, rollout_layout, trainer_layout
+from .models import MODELS, from_hf_config, parse_parallel, rollout_layout, trainer_layout
 from .plan import reshard_plan
+from .timing import parse_links, predict
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan trainer -> rollout weight resharding and print its statistics")
-    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--model", required=True,
+                   help=f"one of {', '.join(sorted(MODELS))}, or an HF config.json (or the directory holding it)")
     p.add_argument("--trainer", default="fsdp=8", help="trainer parallelism, e.g. fsdp=64,ep=16 (axes fsdp, tp, ep)")
     p.add_argument("--rollout", default="tp=8", help="rollout parallelism, e.g. tp=8,dp=32[,ep=256] (axes tp, dp, ep)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
     p.add_argument("--colocated", action="store_true", help="rollout ranks overlap the trainer's (default: disjoint)")
-    p.add_argument("--fan-out", action="store_true", help="destination replicas forward among themselves")
+    p.add_argument("--fan-out", nargs="?", const="on", default="off", choices=["on", "off", "auto"],
+                   help="destination replicas forward among themselves (auto: whichever the time model finds faster; "
+                        "needs --bandwidth)")
+    p.add_argument("--bandwidth", help="per-rank link bandwidths for the time model, e.g. intra=400GB/s,inter=50GB/s")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node for the time model (default 8)")
+    p.add_argument("--latency", default="0", help="per-message latency for the time model, e.g. 5us (default 0)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -38,7 +45,11 @@ def run(args) -> int:
         raise SystemExit(f"error: {e}") from None
     _check_axes("trainer", tr, {"fsdp", "tp", "ep"})
     _check_axes("rollout", ro, {"tp", "dp", "ep"})
-    cfg, dtype = MODELS[args.model], DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
+    try:
+        cfg = MODELS[args.model] if args.model in MODELS else from_hf_config(args.model)
+    except ValueError as e:
+        raise SystemExit(f"error: --model: {e}") from None
     t0 = time.perf_counter()
     try:
         src = trainer_layout(cfg, fsdp=tr.get("fsdp", 1), tp=tr.get("tp", 1), ep=tr.get("ep", 1), dtype=dtype)
@@ -47,20 +58,35 @@ def run(args) -> int:
                              expert_placement=args.expert_placement, dtype=dtype, offset=offset)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    links = None
+    if args.bandwidth:
+        try:
+            links = parse_links(args.bandwidth, ranks_per_node=args.gpus_per_node, latency=args.latency)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+    elif args.fan_out == "auto":
+        raise SystemExit("error: --fan-out auto compares predicted times: give --bandwidth intra=…,inter=…")
+    fan_out = {"on": True, "off": False, "auto": "auto"}[args.fan_out]
     t1 = time.perf_counter()
-    plan = reshard_plan(src, dst, fan_out=args.fan_out)
+    plan = reshard_plan(src, dst, fan_out=fan_out, links=links)
     t2 = time.perf_counter()
     stats = plan.stats()
     t3 = time.perf_counter()
     info = {"model": cfg.name, "trainer": tr, "rollout": ro, "source_tensors": len(src), "destination_params": len(dst),
             "trainer_ranks": len(src.ranks()), "rollout_ranks": len(dst.ranks()), "groups": len(plan.groups),
             "layout_s": round(t1 - t0, 3), "plan_s": round(t2 - t1, 3), "stats_s": round(t3 - t2, 3),
-            **stats._asdict()}
+            "fan_out": plan.fan_out, **stats._asdict()}
+    if links is not None:
+        pred = predict(plan, links)
+        info |= {"predicted_s": pred.seconds, "predicted_phase_s": list(pred.phase_seconds),
+                 "slowest_rank": pred.slowest_rank}
     if args.json:
         print(json.dumps(info, indent=2))
     else:
         print(f"{cfg.name}: trainer {args.trainer} ({info['trainer_ranks']} ranks) -> rollout {args.rollout} "
-              f"({info['rollout_ranks']} ranks), {len(src):,} tensors -> {len(dst):,} params, fan_out={args.fan_out}")
+              f"({info['rollout_ranks']} ranks), {len(src):,} tensors -> {len(dst):,} params, fan_out={plan.fan_out}")
         print(f"planned in {t2 - t1:.2f} s ({len(plan.groups)} geometry groups; layouts {t1 - t0:.2f} s)")
         print(stats.table())
+        if links is not None:
+            print(pred)
     return 0

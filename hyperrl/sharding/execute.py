@@ -33,19 +33,22 @@ def execute_direct(plan: Plan, rank: int, src: dict[str, torch.Tensor], dst: dic
         for t in bucket:
             if t.local and t.src_rank == rank and t.dst_rank == rank:
                 source = src[t.tensor] if t.phase == 0 else dst[t.param]
-                _view(dst[t.param], t.dst_slice).copy_(_view(source, t.src_slice).reshape(t.dst_slice.sizes))
+                _view(dst[t.param], t.dst_slice).copy_(_view(source, t.src_slice))  # broadcasts a leading 1
                 copied += t.nbytes
                 continue
             if t.src_rank == rank:
                 source = src[t.tensor] if t.phase == 0 else dst[t.param]
-                buf = _view(source, t.src_slice).contiguous()
+                buf = _view(source, t.src_slice).contiguous()  # a copy only when the slice is strided
                 ops.append(dist.P2POp(dist.isend, buf, t.dst_rank, group=group))
                 sent += t.nbytes
             if t.dst_rank == rank:
                 target = _view(dst[t.param], t.dst_slice)
-                buf = torch.empty(t.src_slice.sizes, dtype=target.dtype, device=target.device)
-                ops.append(dist.P2POp(dist.irecv, buf, t.src_rank, group=group))
-                pending.append((target, buf))
+                if target.is_contiguous():  # receive in place: no staging buffer, no unpacking copy
+                    ops.append(dist.P2POp(dist.irecv, target, t.src_rank, group=group))
+                else:
+                    buf = torch.empty(t.src_slice.sizes, dtype=target.dtype, device=target.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, t.src_rank, group=group))
+                    pending.append((target, buf))
                 recvd += t.nbytes
         if ops:
             for req in dist.batch_isend_irecv(ops):
@@ -61,15 +64,12 @@ def _view(t: torch.Tensor, box) -> torch.Tensor:
 
 def execute_full_gather(src_layout: Layout, dst_layout: DstLayout, rank: int, src: dict[str, torch.Tensor],
                         dst: dict[str, torch.Tensor], *, max_bytes: int = 128 << 20, group=None) -> dict[str, int]:
-    """Baseline: gather full tensors, send them whole, slice on the destination (see module doc)."""
-    readers: dict[str, set[int]] = {}
-    for p in dst_layout.params.values():
-        for pos, (_, c) in enumerate(p.mesh.coords()):
-            for part in p.parts:
-                rb = part.rule.box(part.shape, p.mesh, c)
-                for b in part.blocks:
-                    if rb.intersect(b.virtual_box()) is not None:
-                        readers.setdefault(b.src, set()).add(p.mesh.ranks[pos])
+    """Baseline: gather full tensors, send them whole, slice on the destination (see module doc).
+    Who reads what comes from the destination's demands — the planner's own description of the
+    destination — not from a second walk over its parts."""
+    demands = dst_layout.demands()
+    readers = {n: {dst_layout.params[d.param].mesh.ranks[pc.dst_pos] for d in ds for pc in d.pattern}
+               for n, ds in demands.items()}
     names = sorted(readers)
     buckets, cur, size = [], [], 0
     for n in names:
@@ -125,7 +125,7 @@ def execute_full_gather(src_layout: Layout, dst_layout: DstLayout, rank: int, sr
                     recvd += pl.nbytes
         _run(ops, pending)
         # 3) slice locally, then acknowledge the bucket before the next one is released
-        _slice_into(dst_layout, rank, fulls, dst)
+        _slice_into(dst_layout, demands, rank, fulls, dst)
         dist.barrier(group=group)
     return {"sent": sent, "received": recvd}
 
@@ -138,27 +138,19 @@ def _run(ops, pending) -> None:
         target.copy_(buf)
 
 
-def _slice_into(dst_layout: DstLayout, rank: int, fulls: dict[str, torch.Tensor], dst: dict[str, torch.Tensor]):
-    for pname, p in dst_layout.params.items():
-        if rank not in p.mesh.ranks:
-            continue
-        pos = p.mesh.ranks.index(rank)
-        c = dict(list(p.mesh.coords())[pos][1])
-        for j, part in enumerate(p.parts):
-            rb = part.rule.box(part.shape, p.mesh, c)
-            off = p.cat_offset(pos, j) if len(p.parts) > 1 else 0
-            for b in part.blocks:
-                if b.src not in fulls:
+def _slice_into(dst_layout: DstLayout, demands, rank: int, fulls: dict[str, torch.Tensor],
+                dst: dict[str, torch.Tensor]) -> None:
+    """Each demanded piece of this rank's destination params, cut from the full tensors at hand."""
+    for name, full in fulls.items():
+        for d in demands.get(name, ()):
+            p = dst_layout.params[d.param]
+            if rank not in p.mesh.ranks:
+                continue
+            pos = p.mesh.ranks.index(rank)
+            for pc in d.pattern:
+                if pc.dst_pos != pos:
                     continue
-                inter = rb.intersect(b.virtual_box())
-                if inter is None:
-                    continue
-                local = list(inter.relative_to(rb).offsets)
-                if len(p.parts) > 1:
-                    local[p.cat_dim] += off
-                src_box = inter.relative_to(b.virtual_box())
-                piece = fulls[b.src]
-                if b.stacked:
-                    piece = piece.unsqueeze(0)
-                region = tuple(slice(o, o + s) for o, s in zip(local, inter.sizes))
-                dst[pname][region].copy_(piece[src_box.slices()])
+                off = tuple(o + s for o, s in zip(pc.dst_offset, d.shift))
+                sizes = (1,) * (len(off) - len(pc.src_box.sizes)) + tuple(pc.src_box.sizes)
+                region = tuple(slice(o, o + n) for o, n in zip(off, sizes))
+                dst[d.param][region].copy_(full[pc.src_box.slices()])

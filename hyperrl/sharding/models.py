@@ -1,4 +1,6 @@
-"""Model layouts from config numbers (no weights): Qwen3 dense, Qwen3-MoE, DeepSeek-V3 (MLA).
+"""Model layouts from config numbers (no weights): Qwen2 / Qwen3 / Llama dense, Qwen2-MoE /
+Qwen3-MoE, DeepSeek-V3 (MLA) — from the table ``MODELS`` or an HF ``config.json``
+(:func:`from_hf_config`).
 
 ``trainer_layout(cfg, fsdp=, tp=, ep=)`` is the HF state dict as FSDP2 (+ TP, + EP) would
 shard it with DTensor: dense tensors are sharded on dim 0 over ``fsdp × ep`` (after TP on dim 0
@@ -23,7 +25,8 @@ from .layout import ChunkRule, DstLayout, DstParam, HeadReplicaRule, Layout, Par
 from .mesh import Mesh
 from .spec import Spec
 
-__all__ = ["ModelConfig", "MODELS", "trainer_layout", "rollout_layout", "hf_tensor_shapes", "parse_parallel"]
+__all__ = ["ModelConfig", "MODELS", "trainer_layout", "rollout_layout", "hf_tensor_shapes", "parse_parallel",
+           "from_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,15 @@ class ModelConfig:
     first_dense: int = 0  # leading dense layers in an MoE model
     shared_experts: int = 0
     mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, nope, rope, v
+    qk_norm: bool = True  # Qwen3's q_norm / k_norm (Qwen2, Llama: none)
+    qkv_bias: bool = False  # Qwen2's q/k/v biases
+    shared_intermediate: int = 0  # a single shared expert of this width (Qwen2-MoE: mlp.shared_expert + its gate)
+    sparse_step: int = 1  # Qwen-MoE decoder_sparse_step: layer i is MoE when (i + 1) % step == 0
+    dense_layers: tuple[int, ...] = ()  # Qwen-MoE mlp_only_layers
 
     def is_moe(self, layer: int) -> bool:
-        return self.experts > 0 and layer >= self.first_dense
+        return (self.experts > 0 and layer >= self.first_dense and layer not in self.dense_layers
+                and (layer + 1) % self.sparse_step == 0)
 
 
 MODELS = {
@@ -74,12 +83,14 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.kv_b_proj.weight": (cfg.heads * (nope + v), kvl),
                     p + "self_attn.o_proj.weight": (H, cfg.heads * v)}
         else:
-            hd = cfg.head_dim
-            out |= {p + "self_attn.q_proj.weight": (cfg.heads * hd, H),
-                    p + "self_attn.k_proj.weight": (cfg.kv_heads * hd, H),
-                    p + "self_attn.v_proj.weight": (cfg.kv_heads * hd, H),
-                    p + "self_attn.o_proj.weight": (H, cfg.heads * hd),
-                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+            hd, a = cfg.head_dim, p + "self_attn."
+            for n, rows in (("q_proj", cfg.heads * hd), ("k_proj", cfg.kv_heads * hd), ("v_proj", cfg.kv_heads * hd)):
+                out[a + n + ".weight"] = (rows, H)
+                if cfg.qkv_bias:
+                    out[a + n + ".bias"] = (rows,)
+            out[a + "o_proj.weight"] = (H, cfg.heads * hd)
+            if cfg.qk_norm:
+                out |= {a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
         if cfg.is_moe(i):
             E, I = cfg.experts, cfg.expert_intermediate
             out[p + "mlp.gate.weight"] = (E, H)
@@ -90,6 +101,12 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 out |= {p + "mlp.shared_experts.gate_proj.weight": (SI, H),
                         p + "mlp.shared_experts.up_proj.weight": (SI, H),
                         p + "mlp.shared_experts.down_proj.weight": (H, SI)}
+            if cfg.shared_intermediate:
+                SI = cfg.shared_intermediate
+                out |= {p + "mlp.shared_expert.gate_proj.weight": (SI, H),
+                        p + "mlp.shared_expert.up_proj.weight": (SI, H),
+                        p + "mlp.shared_expert.down_proj.weight": (H, SI),
+                        p + "mlp.shared_expert_gate.weight": (1, H)}
             for e in range(E):
                 q = f"{p}mlp.experts.{e}."
                 out |= {q + "gate_proj.weight": (I, H), q + "up_proj.weight": (I, H), q + "down_proj.weight": (H, I)}
@@ -104,7 +121,8 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
-_REPLICATED_2D = ("mlp.gate.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight")
+_REPLICATED_2D = ("mlp.gate.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight", "shared_expert_gate.weight")
+_COLUMN_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
 
 
 def _dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -130,7 +148,9 @@ def trainer_layout(cfg: ModelConfig, *, fsdp: int, tp: int = 1, ep: int = 1, dty
                 Spec.shard(2, d0=("tp", "fsdp"))
             out[name] = Placement(shape, dtype, spec, m)
             continue
-        if len(shape) == 1 or name.endswith(_REPLICATED_2D):
+        if name.endswith(_COLUMN_BIAS):  # a column-parallel layer's bias: TP on its rows, like the weight
+            spec = Spec.shard(1, d0=("tp", "fsdp", "ep"))
+        elif len(shape) == 1 or name.endswith(_REPLICATED_2D):
             spec = Spec.shard(len(shape), d0=("fsdp", "ep"))
         elif name.endswith(_ROW_PARALLEL):
             spec = Spec.shard(2, d0=("fsdp", "ep"), d1="tp")
@@ -179,8 +199,12 @@ def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, exper
             kv = HeadReplicaRule("tp", cfg.kv_heads, cfg.head_dim)
             add(a + "qkv_proj.weight", [plain(a + "q_proj.weight", col), plain(a + "k_proj.weight", kv),
                                         plain(a + "v_proj.weight", kv)])
-            for n in ("q_norm.weight", "k_norm.weight"):
-                add(a + n, [plain(a + n)])
+            if cfg.qkv_bias:
+                add(a + "qkv_proj.bias", [plain(a + "q_proj.bias", ChunkRule(Spec.shard(1, d0="tp"))),
+                                          plain(a + "k_proj.bias", kv), plain(a + "v_proj.bias", kv)])
+            if cfg.qk_norm:
+                for n in ("q_norm.weight", "k_norm.weight"):
+                    add(a + n, [plain(a + n)])
         add(a + "o_proj.weight", [plain(a + "o_proj.weight", row)])
         m = p + "mlp."
         if cfg.is_moe(i):
@@ -191,6 +215,11 @@ def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, exper
                 s = m + "shared_experts."
                 add(s + "gate_up_proj.weight", [plain(s + "gate_proj.weight", col), plain(s + "up_proj.weight", col)])
                 add(s + "down_proj.weight", [plain(s + "down_proj.weight", row)])
+            if cfg.shared_intermediate:
+                s = m + "shared_expert."
+                add(s + "gate_up_proj.weight", [plain(s + "gate_proj.weight", col), plain(s + "up_proj.weight", col)])
+                add(s + "down_proj.weight", [plain(s + "down_proj.weight", row)])
+                add(m + "shared_expert_gate.weight", [plain(m + "shared_expert_gate.weight")])
             E, I, H = cfg.experts, cfg.expert_intermediate, cfg.hidden
             if ep > 1:
                 order = list(range(E)) if expert_placement == "linear" else \
@@ -227,3 +256,62 @@ def parse_parallel(text: str) -> dict[str, int]:
             raise ValueError(f"{text!r}: size of {k!r} must be a positive integer, got {v!r}")
         out[k.strip()] = int(v)
     return out
+
+
+_DENSE = ("qwen2", "qwen3", "llama", "mistral")
+_MOE = ("qwen2_moe", "qwen3_moe")
+_MLA = ("deepseek_v3",)
+
+
+def from_hf_config(source) -> ModelConfig:
+    """A :class:`ModelConfig` from an HF ``config.json`` (a path to the file or its directory,
+    or the parsed dict): Qwen2 / Qwen3 / Llama / Mistral dense, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3
+    (MLA). An unsupported ``model_type`` or a missing field is an error naming it."""
+    import json
+    from pathlib import Path
+
+    if isinstance(source, dict):
+        c, where = source, "config"
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"{source}: no such file (expected an HF config.json or a directory holding one)")
+        c, where = json.loads(path.read_text()), str(path)
+    kind = c.get("model_type")
+    if kind not in _DENSE + _MOE + _MLA:
+        raise ValueError(f"{where}: model_type {kind!r} is not modelled; supported: {', '.join(_DENSE + _MOE + _MLA)}")
+
+    def need(key, *aliases):  # aliases: names other releases write for the same number
+        for k in (key, *aliases):
+            if c.get(k) is not None:
+                return int(c[k])
+        raise ValueError(f"{where}: {key!r} is missing ({kind} needs it)")
+
+    H, heads = need("hidden_size"), need("num_attention_heads")
+    common = dict(name=c.get("_name_or_path") or Path(where).parent.name or kind, hidden=H,
+                  layers=need("num_hidden_layers"), heads=heads,
+                  kv_heads=int(c.get("num_key_value_heads") or heads),
+                  head_dim=int(c.get("head_dim") or H // heads), intermediate=need("intermediate_size"),
+                  vocab=need("vocab_size"), tied=bool(c.get("tie_word_embeddings", False)))
+    if kind in _MLA:
+        if c.get("q_lora_rank") is None:
+            raise ValueError(f"{where}: q_lora_rank is null (DeepSeek-V2-Lite style q_proj) — not modelled")
+        mla = tuple(need(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                      "v_head_dim"))
+        return ModelConfig(**common, experts=need("n_routed_experts", "num_local_experts"),
+                           expert_intermediate=need("moe_intermediate_size"),
+                           first_dense=int(c.get("first_k_dense_replace", 0)),
+                           shared_experts=int(c.get("n_shared_experts") or 0), mla=mla, qk_norm=False)
+    qwen = kind.startswith("qwen")
+    flags = dict(qk_norm=kind.startswith("qwen3"), qkv_bias=kind.startswith("qwen2"))
+    if kind in _MOE:
+        return ModelConfig(**common, experts=need("num_experts", "num_local_experts"),
+                           expert_intermediate=need("moe_intermediate_size"),
+                           shared_intermediate=int(c.get("shared_expert_intermediate_size") or 0),
+                           sparse_step=int(c.get("decoder_sparse_step") or 1),
+                           dense_layers=tuple(int(i) for i in c.get("mlp_only_layers") or ()), **flags)
+    for key in ("attention_bias", "mlp_bias"):
+        if not qwen and c.get(key):
+            raise ValueError(f"{where}: {key}=true (biases on o_proj / the MLP) is not modelled")
+    return ModelConfig(**common, **flags)

@@ -32,7 +32,7 @@ class Transfer(NamedTuple):
     param: str  # destination parameter
     dst_slice: Box  # in the receiver's local `param`
     nbytes: int
-    phase: int  # 0: from the source; 1: forwarded by a destination replica (fan-out)
+    phase: int  # 0: from the source; k ≥ 1: forwarded by a destination replica at depth k of a fan-out tree
     local: bool  # sender and receiver are the same physical rank: a local copy
 
     def __str__(self) -> str:
@@ -122,6 +122,16 @@ def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
     return _Geometry(piece, src_lo, lo, size, holders, sender, key.reshape(-1), size.prod(1))
 
 
+class _Tree(NamedTuple):
+    """Per entry of a group's geometry: received from the source (``is_leader``) or forwarded by
+    the destination of ``parent`` (a piece index) in ``phase``; ``sender`` the physical rank."""
+
+    is_leader: np.ndarray
+    parent: np.ndarray
+    phase: np.ndarray
+    sender: np.ndarray
+
+
 @dataclass
 class _Group:
     geo: _Geometry
@@ -132,6 +142,8 @@ class _Group:
     dst_ranks: tuple[int, ...]
     fan_out: bool
     members: list = field(default_factory=list)  # [(tensor name, Demand)]
+    offsets: list = field(default_factory=list)  # the tree of each member (fan-out; empty: tree 0 for all)
+    ranks_per_node: int = 0  # > 0: among source replicas, prefer one on the receiver's node
 
     def __post_init__(self):
         g = self.geo
@@ -140,19 +152,90 @@ class _Group:
         dst_pos = np.array([p.dst_pos for p in self.pattern], np.int64)
         self.dst_rank = dst_r[dst_pos[g.piece]]
         self.is_local = (src_r[g.holders] == self.dst_rank[:, None]).any(1)
+        self._src_r, self._dst_r, self._dst_pos = src_r, dst_r, dst_pos
+        self._src_sender = src_r[g.sender]
+        if self.ranks_per_node and g.holders.shape[1] > 1 and g.piece.size:
+            # replicas on the receiver's node first (stable), rotating among them with the piece
+            held = src_r[g.holders]
+            near = (held // self.ranks_per_node) == (self.dst_rank // self.ranks_per_node)[:, None]
+            n_near = near.sum(1)
+            order = np.argsort(~near, axis=1, kind="stable")
+            pick = np.where(n_near > 0, g.piece % np.maximum(n_near, 1), g.piece % held.shape[1])
+            self._src_sender = held[np.arange(held.shape[0]), order[np.arange(held.shape[0]), pick]]
+        self._trees: dict[int, _Tree] = {}
+        E = g.piece.size
+        if self.fan_out and E:  # the region index of each entry, and each region's requesters in piece order
+            first = np.lexsort((g.piece, g.key))
+            key_sorted = g.key[first]
+            self._starts = np.flatnonzero(np.r_[True, key_sorted[1:] != key_sorted[:-1]])
+            self._counts = np.diff(np.r_[self._starts, E])
+            self._j = np.empty(E, np.int64)
+            self._j[first] = np.arange(E) - np.repeat(self._starts, self._counts)
+            self._c = np.empty(E, np.int64)
+            self._c[first] = np.repeat(self._counts, self._counts)
+            self._first = first
+            self._start = np.empty(E, np.int64)
+            self._start[first] = np.repeat(self._starts, self._counts)
+        self.rotations = int(self._counts.max()) if self.fan_out and E else 1
+
+    def tree(self, member: int) -> _Tree:
+        """Who sends each entry to member ``member`` (see :class:`_Tree`): one of ``rotations``
+        trees, chosen per member by :func:`_assign_trees` so that forwarding work spreads."""
+        return self.tree_at(self.offsets[member] if self.offsets else 0)
+
+    def tree_at(self, t: int) -> _Tree:
+        hit = self._trees.get(t)
+        if hit is None:
+            hit = self._trees[t] = self._build_tree(t)
+        return hit
+
+    def _build_tree(self, offset: int) -> _Tree:
         # which piece receives each region from the source: every piece without fan-out; with it,
-        # the first requester already holding the region (colocated), else the first requester
-        if self.fan_out and g.piece.size:
-            order = np.lexsort((np.arange(g.piece.size), ~self.is_local, g.key))
-            first = np.ones(order.size, bool)
-            first[1:] = g.key[order][1:] != g.key[order][:-1]
-            lead_entry = np.empty(int(g.key.max()) + 1, np.int64)
-            lead_entry[g.key[order][first]] = order[first]
-            self.leader = g.piece[lead_entry[g.key]]
+        # the requesters of a region form a binary tree — a requester already holding the region
+        # (colocated) at the root, the rest in an order rotated by region and member, so that the
+        # root and the inner (forwarding) nodes change from region to region and tensor to tensor —
+        # and node i receives from node (i − 1) // 2 in phase ⌊log2(i + 1)⌋: every rank forwards
+        # at most twice what it receives, and each region leaves the source once
+        g = self.geo
+        E = g.piece.size
+        parent, phase = g.piece.copy(), np.zeros(E, np.int64)
+        if self.fan_out and E:
+            rot = (self._j + g.key + offset) % self._c
+            if not self.is_local.any():  # the tree order is the rotation itself: node i = rot, no sort
+                i = rot
+                inner = i > 0
+                # the entry of the same region at node (i − 1) // 2: j = (node − key − offset) mod c
+                pj = ((i[inner] - 1) // 2 - g.key[inner] - offset) % self._c[inner]
+                parent[inner] = g.piece[self._first[self._start[inner] + pj]]
+            else:
+                order = np.lexsort((rot, ~self.is_local, g.key))
+                starts, counts = self._starts, self._counts
+                i = np.empty(E, np.int64)
+                i[order] = np.arange(E) - np.repeat(starts, counts)  # node index within its region's tree
+                start_of = np.empty(E, np.int64)
+                start_of[order] = np.repeat(starts, counts)
+                inner = i > 0
+                parent[inner] = g.piece[order[start_of[inner] + (i[inner] - 1) // 2]]
+            phase[inner] = np.frexp(i[inner] + 1)[1] - 1  # ⌊log2(i + 1)⌋, exact
+            is_leader = i == 0
+            phase[self.is_local] = 0
         else:
-            self.leader = g.piece
-        self.is_leader = self.leader == g.piece
-        self.sender_rank = np.where(self.is_leader, src_r[g.sender], dst_r[dst_pos[self.leader]])
+            is_leader = np.ones(E, bool)
+        sender = np.where(is_leader, self._src_sender, self._dst_r[self._dst_pos[parent]])
+        return _Tree(is_leader, parent, phase, sender)
+
+    def member_counts(self) -> list[tuple[_Tree, int]]:
+        """Each tree in use with the number of members using it."""
+        if not self.offsets:
+            return [(self.tree_at(0), len(self.members))]
+        counts = np.bincount(np.asarray(self.offsets, np.int64), minlength=self.rotations)
+        return [(self.tree_at(int(t)), int(k)) for t, k in enumerate(counts) if k]
+
+    def out_bytes(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(ranks, bytes)`` sent per physical rank by one member under tree ``t``."""
+        remote = ~self.is_local
+        r, b = _sum_by(self.tree_at(t).sender[remote], self.geo.numel[remote] * self.itemsize)
+        return np.asarray(r, np.int64), np.asarray(b, np.int64)
 
     def __len__(self) -> int:
         return int(self.geo.piece.size)
@@ -172,6 +255,9 @@ class PlanStats(NamedTuple):
     max_out: int
     mean_out: float
     full_gather_bytes: int  # what gather-full-tensor + broadcast delivers to destination ranks
+    busiest_out_rank: int  # the rank sending the most bytes (-1: nothing crosses ranks)
+    max_out_bound: float  # what the busiest rank is compared with: the larger of the sources' mean egress and
+    #                       the forwarding replicas' mean forwards (no split of that traffic has a smaller max)
 
     def table(self) -> str:
         rows = [
@@ -180,13 +266,16 @@ class PlanStats(NamedTuple):
             ("local copies", self.local_bytes), ("fan-out forwards", self.forward_bytes),
             ("max in / rank", self.max_in), ("mean in / rank", self.mean_in),
             ("max out / rank", self.max_out), ("mean out / rank", self.mean_out),
+            ("busiest rank's bound", self.max_out_bound),
             ("full-gather + broadcast", self.full_gather_bytes),
         ]
         lines = [f"{k:<24} {_human(v):>14}" for k, v in rows]
         lines += [f"{'messages':<24} {self.messages:>12,}", f"{'transfers (incl. local)':<24} {self.transfers:>12,}",
                   f"{'wire / B_recv_min':<24} {self.wire_bytes / max(self.recv_min_bytes, 1):>12.3f}",
                   f"{'egress / B_src_min':<24} {self.egress_bytes / max(self.src_min_bytes, 1):>12.3f}",
-                  f"{'full-gather / wire':<24} {self.full_gather_bytes / max(self.wire_bytes, 1):>12.2f}"]
+                  f"{'full-gather / wire':<24} {self.full_gather_bytes / max(self.wire_bytes, 1):>12.2f}",
+                  f"{'busiest rank':<24} {self.busiest_out_rank:>12}",
+                  f"{'max out / bound':<24} {self.max_out / max(self.max_out_bound, 1):>12.3f}"]
         return "\n".join(lines)
 
 
@@ -205,8 +294,8 @@ class Plan:
 
     def __iter__(self):
         for g in self.groups:
-            for tensor, demand in g.members:
-                yield from _materialise(g, tensor, demand)
+            for k, (tensor, demand) in enumerate(g.members):
+                yield from _materialise(g, g.tree(k), tensor, demand)
 
     def transfers(self) -> list[Transfer]:
         return list(self)
@@ -228,12 +317,13 @@ class Plan:
             remote = ~g.is_local
             msgs += int(remote.sum()) * m
             wire += int(nb[remote].sum()) * m
-            egress += int(nb[remote & g.is_leader].sum()) * m
-            fwd += int(nb[remote & ~g.is_leader].sum()) * m
+            for tree, k in g.member_counts():
+                egress += int(nb[remote & tree.is_leader].sum()) * k
+                fwd += int(nb[remote & ~tree.is_leader].sum()) * k
+                for r, b in zip(*_sum_by(tree.sender[remote], nb[remote])):
+                    outb[r] += b * k
             for r, b in zip(*_sum_by(g.dst_rank[remote], nb[remote])):
                 inb[r] += b * m
-            for r, b in zip(*_sum_by(g.sender_rank[remote], nb[remote])):
-                outb[r] += b * m
             # unique regions that some requester lacks and no requester holds locally
             held = np.zeros(int(geo.key.max()) + 1 if geo.key.size else 0, bool)
             held[geo.key[g.is_local]] = True
@@ -243,12 +333,14 @@ class Plan:
             region_bytes[geo.key] = nb
             src_min += int(region_bytes[need & ~held].sum()) * m
             full += len({p.dst_pos for p in g.pattern}) * g.tensor_nbytes * m
-        ranks_in = self.dst.ranks()
-        ranks_out = self.src.ranks() | (ranks_in if self.fan_out else set())
+        ranks_in, ranks_src = self.dst.ranks(), self.src.ranks()
+        ranks_out = ranks_src | (ranks_in if self.fan_out else set())
+        busiest = max(outb, key=lambda r: (outb[r], -r)) if outb else -1
+        bound = max(egress / max(len(ranks_src), 1), fwd / max(len(ranks_in), 1))
         return PlanStats(
             wire, needed - local, egress, src_min, local, fwd, msgs, transfers,
             max(inb.values(), default=0), sum(inb.values()) / max(len(ranks_in), 1),
-            max(outb.values(), default=0), sum(outb.values()) / max(len(ranks_out), 1), full,
+            max(outb.values(), default=0), sum(outb.values()) / max(len(ranks_out), 1), full, busiest, bound,
         )
 
     def traffic(self) -> tuple[list[int], list[int], np.ndarray]:
@@ -257,9 +349,10 @@ class Plan:
         pairs: dict[tuple[int, int], int] = defaultdict(int)
         for g in self.groups:
             remote = ~g.is_local
-            nb = g.geo.numel[remote] * g.itemsize * len(g.members)
-            for (a, b), v in zip(zip(g.sender_rank[remote].tolist(), g.dst_rank[remote].tolist()), nb.tolist()):
-                pairs[(a, b)] += v
+            for tree, k in g.member_counts():
+                nb = g.geo.numel[remote] * g.itemsize * k
+                for (a, b), v in zip(zip(tree.sender[remote].tolist(), g.dst_rank[remote].tolist()), nb.tolist()):
+                    pairs[(a, b)] += v
         senders = sorted({a for a, _ in pairs})
         receivers = sorted({b for _, b in pairs})
         si, ri = {r: i for i, r in enumerate(senders)}, {r: i for i, r in enumerate(receivers)}
@@ -280,9 +373,14 @@ class Plan:
         return "\n".join(lines)
 
     def buckets(self, max_bytes: int) -> list[list[Transfer]]:
+        """Transfers packed under a per-rank staging cap (computed once per cap: a publisher
+        executes the same plan every version)."""
         from .buckets import bucketize
 
-        return bucketize(self.transfers(), max_bytes)
+        cache = self.__dict__.setdefault("_buckets", {})
+        if max_bytes not in cache:
+            cache[max_bytes] = bucketize(self.transfers(), max_bytes)
+        return cache[max_bytes]
 
 
 def _sum_by(keys: np.ndarray, values: np.ndarray):
@@ -292,13 +390,14 @@ def _sum_by(keys: np.ndarray, values: np.ndarray):
     return u.tolist(), np.bincount(inv.reshape(-1), weights=values).astype(np.int64).tolist()
 
 
-def _materialise(g: _Group, tensor: str, demand: Demand):
+def _materialise(g: _Group, tree: _Tree, tensor: str, demand: Demand):
     pattern, shift = g.pattern, demand.shift
     geo = g.geo
     extra = len(shift) - geo.inter_lo.shape[1]
     rows = zip(geo.piece.tolist(), geo.src_lo.tolist(), geo.inter_lo.tolist(), geo.size.tolist(),
-               g.is_local.tolist(), g.leader.tolist(), g.sender_rank.tolist(), g.dst_rank.tolist(), geo.numel.tolist())
-    for piece_i, src_lo, lo, size, local, leader, sender, dst, numel in rows:
+               g.is_local.tolist(), tree.is_leader.tolist(), tree.parent.tolist(), tree.phase.tolist(),
+               tree.sender.tolist(), g.dst_rank.tolist(), geo.numel.tolist())
+    for piece_i, src_lo, lo, size, local, leader, parent, phase, sender, dst, numel in rows:
         piece = pattern[piece_i]
         sizes = (1,) * extra + tuple(size)
         dst_off = _dst_offset(piece, shift, lo, extra)
@@ -307,11 +406,11 @@ def _materialise(g: _Group, tensor: str, demand: Demand):
         src_slice = Box(tuple(a - b for a, b in zip(lo, src_lo)), tuple(size))
         if local:
             yield Transfer(dst, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, True)
-        elif leader == piece_i:
+        elif leader:
             yield Transfer(sender, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, False)
-        else:
-            lead_off = _dst_offset(pattern[leader], shift, lo, extra)
-            yield Transfer(sender, dst, tensor, Box(lead_off, sizes), demand.param, dst_slice, nb, 1, False)
+        else:  # forwarded from the parent's copy (its local param) in a later phase
+            parent_off = _dst_offset(pattern[parent], shift, lo, extra)
+            yield Transfer(sender, dst, tensor, Box(parent_off, sizes), demand.param, dst_slice, nb, phase, False)
 
 
 def _dst_offset(piece, shift, lo, extra) -> tuple[int, ...]:
@@ -321,7 +420,7 @@ def _dst_offset(piece, shift, lo, extra) -> tuple[int, ...]:
     return tuple(o + s + r for o, s, r in zip(piece.dst_offset, shift, rel))
 
 
-def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool = False) -> Plan:
+def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool | str = False, links=None) -> Plan:
     """Plan moving every tensor of ``src`` into the destination parameters of ``dst``.
 
     Each destination element is received exactly once; elements the receiving physical rank
@@ -329,8 +428,19 @@ def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool = False) -> Plan:
     spreads bytes evenly over replicas. ``fan_out``: a region needed by several destination
     replicas leaves the source once (to the first requester, or to one that holds it locally)
     and is forwarded among them, so source egress falls to the unique bytes ``B_src_min``.
+    ``links`` (:class:`~.timing.Links`): among source replicas prefer one on the receiver's node;
+    with ``fan_out="auto"`` plan both ways and keep the one :func:`~.timing.predict` finds faster.
     Raises :class:`LayoutError` listing mismatched names, shapes and dtypes.
     """
+    if fan_out == "auto":
+        if links is None:
+            raise ValueError("fan_out='auto' needs links= (a timing.Links) to compare the two plans by")
+        from .timing import predict
+
+        plans = [reshard_plan(src, dst, fan_out=f, links=links) for f in (False, True)]
+        return min(plans, key=lambda p: predict(p, links).seconds)
+    if fan_out not in (False, True):
+        raise ValueError(f"fan_out={fan_out!r}: True, False or 'auto'")
     check_compatible(src, dst)
     demands = dst.demands()
     grids: dict = {}
@@ -352,6 +462,36 @@ def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool = False) -> Plan:
             grp = groups.get(k)
             if grp is None:
                 grp = groups[k] = _Group(geo, demand.pattern, pl.nbytes, pl.itemsize, pl.mesh.ranks,
-                                         param.mesh.ranks, fan_out)
+                                         param.mesh.ranks, fan_out,
+                                         ranks_per_node=links.ranks_per_node if links is not None else 0)
             grp.members.append((tensor, demand))
+    if fan_out:
+        _assign_trees(list(groups.values()))
     return Plan(src, dst, list(groups.values()), fan_out)
+
+
+TREES = 8  # fan-out trees per group to choose from (each costs one pass over the group's entries)
+
+
+def _assign_trees(groups: list[_Group]) -> None:
+    """Choose each member's fan-out tree so that the busiest sender stays close to its bound.
+    Largest groups first; a group's members take ``R = min(rotations, TREES)`` trees (rotations
+    spaced evenly) in turn, ``m // R`` each, and the remaining ``m % R`` members go greedily to
+    the tree whose busiest touched rank ends up least loaded (ties: the lower index). Deterministic."""
+    top = max((max(g.src_ranks + g.dst_ranks) for g in groups), default=0)
+    load = np.zeros(top + 1, np.int64)
+    for g in sorted(groups, key=lambda g: (-g.tensor_nbytes * len(g.members), g.src_ranks, g.dst_ranks)):
+        m = len(g.members)
+        R = min(g.rotations, TREES)  # candidate trees, their rotations spaced evenly over the requesters
+        cand = [t * g.rotations // R for t in range(R)]
+        full, rem = divmod(m, R)
+        g.offsets = [cand[k % R] for k in range(full * R)]
+        vecs = [g.out_bytes(t) for t in cand]
+        if full:
+            for ranks, b in vecs:
+                np.add.at(load, ranks, b * full)
+        for _ in range(rem):
+            peaks = [int((load[ranks] + b).max()) if ranks.size else 0 for ranks, b in vecs]
+            best = int(np.argmin(peaks))
+            g.offsets.append(cand[best])
+            np.add.at(load, vecs[best][0], vecs[best][1])

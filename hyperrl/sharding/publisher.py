@@ -1,27 +1,42 @@
-"""The publisher: owns the reshard plan from a trainer's parameters to an engine, and its execution.
+"""The publisher: plans from a trainer's layout into an engine's own layout and executes the plan.
 
-``Publisher(model, engine, rank=, world=)`` reads the source layout from the model's parameters
-(FSDP2 DTensor placements → specs on an ``fsdp`` mesh of ``world`` ranks; plain tensors are
-replicated) and plans into the destination layout (today every rank's engine holds a full
-replica: ``plain_destination``). ``publish(model, version)`` executes the plan — in one process
-the identity plan's whole-tensor views are handed over without a copy; across processes the
-direct-reshard executor moves exactly the planned slices — and hands the result to
-``engine.load_weights(…, version)``, whose staging makes publication all-or-nothing. The
-destination is the seam where an engine's own layout (``engine.layout()``) plugs in.
+``Publisher(src_layout, engine.layout(replicas), executor, engine=engine, rank=rank)`` checks the
+two layouts at construction (names, shapes, dtypes — a floating-point source is cast to the
+destination's dtype *before* it is sent, so the wire carries the engine's bytes) and plans once.
+``publish(model, version)`` runs one engine transaction: ``begin(version)``, the executor's
+pieces for this rank (by engine parameter name, each the rank's local destination shard) into
+``stage``, ``commit()``; an executor failing mid-way aborts the transaction, so version ``V``
+keeps serving. :meth:`Publisher.for_engine` builds the source layout from a model's parameters
+(FSDP2 DTensor placements → specs on an ``fsdp`` mesh of ``world`` ranks; plain tensors
+replicated) and picks the executor.
+
+Executors ``(plan, rank, shards) -> {param: local tensor}``:
+
+* :class:`IdentityExecutor` — one process, the identity plan: whole-tensor views, no copy (the
+  engine's commit copies — or, sharing the weights, copies nothing);
+* :class:`DirectExecutor` — :func:`~.execute.execute_direct` on ``torch.distributed``: exactly the
+  planned slices, bucketed;
+* :class:`FullGatherExecutor` — the baseline: full tensors gathered and sent whole.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from .dtensor import from_placements, is_dtensor, local
-from .execute import execute_direct
-from .layout import Layout, Placement, plain_destination
+from .layout import DstLayout, Layout, LayoutError, Placement
 from .mesh import Mesh
-from .plan import reshard_plan
+from .plan import Plan, reshard_plan
 from .spec import Spec
 
-__all__ = ["Publisher", "source_layout"]
+__all__ = ["Publisher", "WeightPublishError", "source_layout", "cast_to_destination", "IdentityExecutor",
+           "DirectExecutor", "FullGatherExecutor"]
+
+
+class WeightPublishError(RuntimeError):
+    """A publication was refused or failed; the engine still serves the previous version."""
 
 
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
@@ -34,31 +49,109 @@ def source_layout(model: torch.nn.Module, world: int) -> Layout:
     return Layout(out)
 
 
-class Publisher:
-    def __init__(self, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, destination=None):
-        self.engine, self.rank, self.world = engine, rank, world
-        src = source_layout(model, world)
-        dst = destination or plain_destination(
-            {k: (pl.shape, pl.dtype, Spec.replicate(len(pl.shape))) for k, pl in src.items()},
-            Mesh.of(dp=world))
-        self.plan = reshard_plan(src, dst)
+def cast_to_destination(src: Layout, dst: DstLayout) -> Layout:
+    """``src`` with each floating tensor's dtype replaced by the dtype of the destination
+    parameter reading it (publication casts at the source); other dtype differences stay and
+    fail the compatibility check."""
+    want: dict[str, torch.dtype] = {}
+    for p in dst.params.values():
+        for part in p.parts:
+            for b in part.blocks:
+                want[b.src] = p.dtype
+    out = {}
+    for k, pl in src.items():
+        d = want.get(k, pl.dtype)
+        out[k] = replace(pl, dtype=d) if d != pl.dtype and pl.dtype.is_floating_point and d.is_floating_point else pl
+    return Layout(out)
 
-    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's destination tensors, by engine parameter name."""
-        shards = {k: local(p).detach() for k, p in model.named_parameters()}
-        if self.world == 1:  # the identity plan: each transfer is a whole tensor — pass views, copy nothing
-            out = {}
-            for t in self.plan:
-                view = shards[t.tensor][t.src_slice.slices()]
-                if tuple(view.shape) != tuple(shards[t.tensor].shape):
-                    raise RuntimeError(f"{t.param}: a one-process plan must move whole tensors, got {t.src_slice}")
-                out[t.param] = view
-            return out
-        out = {k: torch.empty(tuple(p.shape), dtype=p.dtype) for k, p in model.named_parameters()}
-        execute_direct(self.plan, self.rank, shards, out)
+
+class IdentityExecutor:
+    """One process: each transfer of the identity plan is a whole tensor — pass views, copy nothing."""
+
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in plan:
+            view = shards[t.tensor][t.src_slice.slices()]
+            if tuple(view.shape) != tuple(shards[t.tensor].shape) or t.param in out:
+                raise LayoutError(f"{t.param}: the identity executor moves whole tensors one to one, got {t.src_slice} "
+                                  f"of {t.tensor} (use DirectExecutor)")
+            out[t.param] = view
         return out
 
+
+def _buffers(plan: Plan, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's empty local destination parameters."""
+    out = {}
+    for name, p in plan.dst.params.items():
+        if rank in p.mesh.ranks:
+            out[name] = torch.empty(p.local_shape(p.mesh.ranks.index(rank)), dtype=p.dtype, device=device)
+    return out
+
+
+@dataclass(frozen=True)
+class DirectExecutor:
+    """Exactly the planned slices, point to point, at most ``max_bytes`` staged per rank per bucket."""
+
+    max_bytes: int = 128 << 20
+
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from .execute import execute_direct
+
+        out = _buffers(plan, rank, _device(shards))
+        execute_direct(plan, rank, shards, out, max_bytes=self.max_bytes)
+        return out
+
+
+@dataclass(frozen=True)
+class FullGatherExecutor:
+    """The baseline: each full tensor gathered on one rank and sent whole to every reader."""
+
+    max_bytes: int = 128 << 20
+
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from .execute import execute_full_gather
+
+        out = _buffers(plan, rank, _device(shards))
+        execute_full_gather(plan.src, plan.dst, rank, shards, out, max_bytes=self.max_bytes)
+        return out
+
+
+def _device(shards: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(shards.values())).device if shards else torch.device("cpu")
+
+
+class Publisher:
+    def __init__(self, src: Layout, dst: DstLayout, executor=None, *, engine=None, rank: int = 0,
+                 fan_out: bool = False):
+        self.src, self.dst = cast_to_destination(src, dst), dst
+        self.engine, self.rank = engine, rank
+        self.plan = reshard_plan(self.src, dst, fan_out=fan_out)  # checks compatibility, names listed
+        self.executor = executor or (IdentityExecutor() if len(self.src.ranks() | dst.ranks()) == 1
+                                     else DirectExecutor())
+
+    @classmethod
+    def for_engine(cls, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, executor=None):
+        """Plan from ``model``'s parameters into ``engine.layout(world)`` (one engine replica per rank)."""
+        return cls(source_layout(model, world), engine.layout(world), executor, engine=engine, rank=rank)
+
+    def shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's local source shards, cast to what the destination reads."""
+        return {k: local(p).detach().to(self.src[k].dtype) for k, p in model.named_parameters() if k in self.src}
+
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's destination pieces, by engine parameter name."""
+        return self.executor(self.plan, self.rank, self.shards(model))
+
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Publish ``model`` as ``version`` (all-or-nothing: a refused publication raises
-        ``WeightPublishError`` and the engine keeps serving its version)."""
-        self.engine.load_weights(self.gather(model), version=version)
+        """Publish ``model`` as ``version`` through the engine's transaction (all-or-nothing: a
+        refused or failed publication raises ``WeightPublishError`` and the engine keeps serving
+        its version)."""
+        self.engine.begin(version)
+        try:
+            pieces = self.gather(model)
+        except Exception as e:
+            self.engine.abort()
+            raise WeightPublishError(f"publication of version {version} failed in {type(self.executor).__name__}: "
+                                     f"{e!r}; still serving version {self.engine.policy_version}") from e
+        self.engine.stage(pieces)
+        self.engine.commit()

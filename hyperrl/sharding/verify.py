@@ -67,6 +67,7 @@ def verify(plan: Plan) -> None:
     src_boxes = {name: boxes(pl.spec, pl.mesh, pl.shape, name) for name, pl in src.items()}
     received: dict = defaultdict(list)
     got_from: dict = defaultdict(set)
+    arrived: dict = defaultdict(list)
     forwards = []
     for t in plan:
         key = (t.dst_rank, t.param)
@@ -84,11 +85,14 @@ def verify(plan: Plan) -> None:
         if t.nbytes != t.dst_slice.numel * src[t.tensor].itemsize:
             raise PlanError(f"{t.tensor}: {t.nbytes} bytes for {t.dst_slice.numel} elements ({t})")
         received[key].append(t.dst_slice)
+        arrived[key].append((t.dst_slice, t.phase))
         got_from[key].add(t.tensor)
-    for t in forwards:
-        have = [b for b in received[(t.src_rank, t.param)] if b.intersect(t.src_slice) == t.src_slice]
+    for t in forwards:  # a forward sends what its sender received in an earlier phase
+        have = [b for b, ph in arrived[(t.src_rank, t.param)]
+                if ph < t.phase and b.intersect(t.src_slice) == t.src_slice]
         if not have:
-            raise PlanError(f"{t.param}: rank {t.src_rank} forwards {t.src_slice} it never received ({t})")
+            raise PlanError(f"{t.param}: rank {t.src_rank} forwards {t.src_slice} in phase {t.phase} before it "
+                            f"received it ({t})")
     for key, (_shape, vol, srcs) in needs.items():
         rank, param = key
         missing = sorted(srcs - got_from.get(key, set()))

@@ -8,6 +8,7 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def main():
@@ -39,13 +40,23 @@ def main():
     results["diffs"].append(diff(b))
     results["versions"].append(sorted(set(b["policy_version"].tolist())))
     results["groups"] = b["group_id"].tolist()
-    for v in (1, 2, 3):
+    results["transports"] = []
+    for v, transport in ((1, "shm"), (2, "file"), (3, "shm")):  # the in-memory path, the file path, again
         g = torch.Generator().manual_seed(v)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
+        eng.transport = transport
+        results["transports"].append(transport)
         t0 = time.perf_counter()
-        eng.load_weights(model.state_dict(), version=v)
+        if v == 3:  # staged in pieces: begin → stage × 2 → commit
+            sd = list(model.state_dict().items())
+            eng.begin(v)
+            eng.stage(sd[:5])
+            eng.stage(dict(sd[5:]))
+            eng.commit()
+        else:
+            eng.load_weights(model.state_dict(), version=v)
         results["update_s"].append(time.perf_counter() - t0)
         b = eng.generate(prompts, sp, n=4)
         results["diffs"].append(diff(b))
@@ -58,6 +69,18 @@ def main():
         results["bad_publish"] = type(e).__name__
     results["version_after_bad"] = eng.policy_version
     results["diff_after_bad"] = diff(eng.generate(prompts, sp, n=2))
+    bad = {k: v.clone() for k, v in model.state_dict().items()}
+    bad["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    try:  # a NaN in the last layer: refused while staging, nothing reaches the worker
+        eng.load_weights(bad, version=4)
+        results["nan_publish"] = "accepted"
+    except Exception as e:  # noqa: BLE001
+        results["nan_publish"] = str(e)[:200]
+    results["diff_after_nan"] = diff(eng.generate(prompts, sp, n=2))
+    seg = Path(eng._segment_path)
+    results["segment_existed"] = seg.exists()
+    eng.close()
+    results["segment_removed"] = not seg.exists()
     print("RESULT " + json.dumps(results))
     sys.stdout.flush()
 
