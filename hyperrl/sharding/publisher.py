@@ -40,13 +40,39 @@ class WeightPublishError(RuntimeError):
 
 
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
-    """Each parameter's global shape, dtype and spec on ``Mesh.of(fsdp=world)``."""
-    mesh = Mesh.of(fsdp=world)
-    out = {}
+    """Each parameter's global shape, dtype and spec. A DTensor on its own device mesh (FSDP2's
+    ``fsdp`` axis, or a ``dp × tp`` mesh of FSDP2 over tensor parallelism, strided placements
+    included) keeps that mesh — axis names, sizes and the physical ranks; a plain tensor is
+    replicated on ``Mesh.of(fsdp=world)``."""
+    plain, meshes, out = Mesh.of(fsdp=world), {}, {}
     for k, p in model.named_parameters():
-        spec = from_placements(p.placements, mesh, p.dim()) if is_dtensor(p) else Spec.replicate(p.dim())
-        out[k] = Placement(tuple(p.shape), p.dtype, spec, mesh)
+        if is_dtensor(p):
+            mesh, placements = _global_mesh(p, meshes)
+            out[k] = Placement(tuple(p.shape), p.dtype, from_placements(placements, mesh, p.dim()), mesh)
+        else:
+            out[k] = Placement(tuple(p.shape), p.dtype, Spec.replicate(p.dim()), plain)
     return Layout(out)
+
+
+def _global_mesh(p, meshes: dict):
+    """A DTensor's placements on its *root* device mesh — the same on every rank. (FSDP2 over the
+    ``dp`` axis of a ``dp × tp`` mesh puts a norm weight on rank 0's ``dp`` sub-mesh (0, 2) but on
+    rank 1's (1, 3): planned from the sub-mesh, ranks would plan different things.) Axes of the
+    root mesh the tensor's own mesh lacks are ``Replicate``."""
+    from torch.distributed.tensor import Replicate
+
+    dm = p.device_mesh
+    root = dm._get_root_mesh() if hasattr(dm, "_get_root_mesh") else dm
+    names = root.mesh_dim_names or tuple(f"d{i}" for i in range(root.ndim))
+    mesh = meshes.get(id(root))
+    if mesh is None:
+        mesh = meshes[id(root)] = Mesh(tuple(zip(names, root.mesh.shape)), tuple(root.mesh.flatten().tolist()))
+    if root is dm:
+        return mesh, p.placements
+    own = dict(zip(dm.mesh_dim_names or (), p.placements))
+    if len(own) != dm.ndim or not set(own) <= set(names):
+        raise ValueError(f"a parameter's device mesh {dm.mesh_dim_names} is not a named sub-mesh of {names}")
+    return mesh, tuple(own.get(n, Replicate()) for n in names)
 
 
 def cast_to_destination(src: Layout, dst: DstLayout) -> Layout:

@@ -1,0 +1,39 @@
+"""Parallelism per model family (torchtitan's pattern: one function per family, not in the loop).
+
+``parallelize_qwen3(model, mesh)`` — a 2-D ``("dp", "tp")`` device mesh: tensor parallelism over
+``tp`` for every decoder layer (q/k/v and gate/up column-parallel, o/down row-parallel —
+Megatron's split; HF's Qwen3 attention reshapes with ``-1`` heads, so each rank runs its local
+heads), then FSDP2 over ``dp`` for each layer and the root. Embeddings, norms and the LM head are
+FSDP-sharded over ``dp`` and replicated over ``tp``; the TP-sharded weights become 2-D DTensors
+(``_StridedShard`` on dim 0 under FSDP for the column-parallel ones).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["parallelize_qwen3", "QWEN3_TP_PLAN"]
+
+QWEN3_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+                 "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+                 "mlp.down_proj": "rowwise"}
+
+
+def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
+    """Apply TP over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` in place (see the module doc).
+    Head counts must divide by the TP degree (error names them)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg, tp = model.config, mesh["tp"].size()
+    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor parallelism tp={tp} must divide the model's {what} ({n})")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], {k: styles[v]() for k, v in QWEN3_TP_PLAN.items()})
+        fully_shard(layer, mesh=mesh["dp"], **kw)
+    fully_shard(model, mesh=mesh["dp"], **kw)
+    return model
