@@ -3,8 +3,9 @@
 Meshes and specs are plain frozen data (:mod:`.mesh`, :mod:`.spec`); model layouts say where
 each tensor lives (:mod:`.layout`, :mod:`.models`); :func:`reshard_plan` computes exactly the
 intersections each source rank sends each destination rank; :func:`verify` proves a plan
-covers every destination element once; executors (:mod:`.execute`) run plans on
-``torch.distributed``.
+covers every destination element once; :mod:`.report` describes a plan (bytes, busiest rank,
+traffic) and :mod:`.timing` predicts its time on given links; executors (:mod:`.execute`) run
+plans on ``torch.distributed`` and :mod:`.publisher` runs them into an engine's transaction.
 """
 
 from .layout import (
@@ -22,13 +23,15 @@ from .layout import (
     plain_destination,
 )
 from .mesh import Mesh, MeshError
-from .plan import Plan, PlanStats, Transfer, reshard_plan
+from .plan import Plan, Transfer, reshard_plan
+from .report import PlanStats
 from .spec import Box, Spec, SpecError, boxes, chunk_bounds, dim_intervals, owners
+from .timing import Links, TimePrediction, predict
 from .verify import PlanError, verify
 
 __all__ = [
     "Mesh", "MeshError", "Spec", "SpecError", "Box", "boxes", "owners", "chunk_bounds", "dim_intervals",
     "Placement", "Layout", "DstLayout", "DstParam", "Part", "Block", "ChunkRule", "HeadReplicaRule", "Demand",
     "LayoutError", "check_compatible", "plain_destination",
-    "reshard_plan", "Plan", "PlanStats", "Transfer", "verify", "PlanError",
+    "reshard_plan", "Plan", "PlanStats", "Transfer", "verify", "PlanError", "Links", "TimePrediction", "predict",
 ]
