@@ -43,7 +43,8 @@ def _worker(rank, world):
                       ("full_gather", lambda o: execute_full_gather(src, dst, rank, shards, o))):
         out = {n: torch.zeros(t.shape) for n, t in want.items()}  # padding rows (vocab 100 → 128) are never sent
         counters = run(out)
-        res[name] = {"bad": [n for n, t in want.items() if not torch.equal(out[n], t)], "received": counters["received"]}
+        bad = [n for n, t in want.items() if not torch.equal(out[n], t)]
+        res[name] = {"bad": bad, "received": counters["received"]}
     return res
 
 
