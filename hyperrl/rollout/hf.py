@@ -106,21 +106,17 @@ class TransformersEngine(TransactionalEngine):
         if self.shared:  # the served weights are the trainer's: they no longer equal version V
             self._failed = "a publication was refused while the engine shares the trainer's weights"
 
+    @contextlib.contextmanager
     def _eval(self):
-        """Eval mode for a generation over shared weights, restored after."""
-        if not self.shared or not self.model.training:
-            return contextlib.nullcontext()
-        model = self.model
-
-        @contextlib.contextmanager
-        def ctx():
-            model.eval()
-            try:
-                yield
-            finally:
-                model.train()
-
-        return ctx()
+        """Eval mode for a generation (over shared weights the trainer's train mode is restored after)."""
+        was = self.model.training
+        if was:
+            self.model.eval()
+        try:
+            yield
+        finally:
+            if was:
+                self.model.train()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,

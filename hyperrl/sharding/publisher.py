@@ -115,31 +115,33 @@ def _buffers(plan: Plan, rank: int, device: torch.device) -> dict[str, torch.Ten
 
 
 @dataclass(frozen=True)
-class DirectExecutor:
+class _IntoBuffers:
+    """An executor filling freshly allocated local destination parameters; ``_execute`` moves the data."""
+
+    max_bytes: int = 128 << 20
+
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = _buffers(plan, rank, _device(shards))
+        self._execute(plan, rank, shards, out)
+        return out
+
+
+class DirectExecutor(_IntoBuffers):
     """Exactly the planned slices, point to point, at most ``max_bytes`` staged per rank per bucket."""
 
-    max_bytes: int = 128 << 20
-
-    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _execute(self, plan, rank, shards, out) -> None:
         from .execute import execute_direct
 
-        out = _buffers(plan, rank, _device(shards))
         execute_direct(plan, rank, shards, out, max_bytes=self.max_bytes)
-        return out
 
 
-@dataclass(frozen=True)
-class FullGatherExecutor:
+class FullGatherExecutor(_IntoBuffers):
     """The baseline: each full tensor gathered on one rank and sent whole to every reader."""
 
-    max_bytes: int = 128 << 20
-
-    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _execute(self, plan, rank, shards, out) -> None:
         from .execute import execute_full_gather
 
-        out = _buffers(plan, rank, _device(shards))
         execute_full_gather(plan.src, plan.dst, rank, shards, out, max_bytes=self.max_bytes)
-        return out
 
 
 def _device(shards: dict[str, torch.Tensor]) -> torch.device:
