@@ -4,8 +4,8 @@ Layout of ``<dir>/step_<k>/``: per rank ``r`` (suffix ``.rank<r>`` when the worl
 ``<part>{sfx}.safetensors`` for each tensor part (``model``, ``critic``, …) holding that rank's
 *local shards*, optimizer parts as ``<part>{sfx}.safetensors`` + ``<part>{sfx}.json``,
 ``rng{sfx}.safetensors``; then ``state.json`` (step, version, counters, data cursor, world size),
-``layout.json`` (each sharded tensor's global shape and ``hyperrl.sharding`` spec on the
-``fsdp`` mesh — what :func:`consolidate` needs) and, written last, ``COMPLETE``.
+``layout.json`` (each sharded tensor's global shape, ``hyperrl.sharding`` spec and mesh —
+``fsdp``, or ``dp × tp`` under tensor parallelism — what :func:`consolidate` needs) and, written last, ``COMPLETE``.
 Every rank writes into ``step_<k>.tmp`` and fsyncs; after a barrier rank 0 writes the marker and
 renames: a run killed mid-write leaves only a ``.tmp`` directory, which resume ignores. No rank
 gathers another's shards (saving a large FSDP2 model costs each rank its own shard only).
@@ -189,7 +189,7 @@ def consolidate(path: str | Path, part: str = "model") -> dict[str, torch.Tensor
     if world == 1:
         return load_file(path / f"{part}.safetensors")
     layout = json.loads((path / "layout.json").read_text())
-    mesh = Mesh.of(fsdp=world)
+    default = Mesh.of(fsdp=world)  # checkpoints written before meshes were recorded: FSDP2 over every rank
     shards = [load_file(path / f"{part}{_suffix(r, world)}.safetensors") for r in range(world)]
     out = {}
     for name, local in shards[0].items():
@@ -199,6 +199,7 @@ def consolidate(path: str | Path, part: str = "model") -> dict[str, torch.Tensor
             continue
         full = torch.empty(rec["shape"], dtype=local.dtype)
         spec = Spec(tuple(tuple(d) for d in rec["spec"]))
+        mesh = Mesh(tuple((a, int(n)) for a, n in rec["mesh"]), tuple(rec["ranks"])) if "mesh" in rec else default
         for r, box in boxes(spec, mesh, tuple(rec["shape"]), name).items():
             full[box.slices()].copy_(shards[r][name])
         out[name] = full

@@ -1,7 +1,8 @@
 """The checkpointer: module and optimizer state to and from a sharded checkpoint directory.
 
 Owns the DTensor local/global conversion (each rank writes its local shards and, for sharded
-tensors, their global shape and ``hyperrl.sharding`` spec on the ``fsdp`` mesh; optimizer state
+tensors, their global shape, ``hyperrl.sharding`` spec and root mesh — ``fsdp``, or ``dp × tp``
+under tensor parallelism; optimizer state
 goes back onto DTensor parameters with their placements) and the file format
 (:mod:`hyperrl.checkpoint`: safetensors + JSON, atomic, no pickle).
 """
@@ -23,8 +24,7 @@ from .checkpoint import (
     set_rng_states,
 )
 from .parallel import LocalParallel
-from .sharding import Mesh
-from .sharding.dtensor import from_placements, local
+from .sharding.dtensor import dtensor_spec, local
 
 __all__ = ["Checkpointer", "local"]
 
@@ -40,13 +40,15 @@ class Checkpointer:
 
     def save(self, step: int, parts: dict[str, tuple], state: dict, *, _crash_after: str | None = None) -> Path:
         p = self.parallel
-        mesh, files, layout = Mesh.of(fsdp=p.world), {}, {}
+        files, layout, meshes = {}, {}, {}
         for name, (module, oname, opt) in parts.items():
             sd = module.state_dict()
             files[name] = {k: local(v) for k, v in sd.items()}
-            layout.update({f"{name}/{k}": {"shape": list(v.shape),
-                                           "spec": [list(d) for d in from_placements(v.placements, mesh, v.dim()).dims]}
-                           for k, v in sd.items() if isinstance(v, DTensor)})
+            for k, v in sd.items():
+                if isinstance(v, DTensor):
+                    mesh, spec = dtensor_spec(v, meshes)
+                    layout[f"{name}/{k}"] = {"shape": list(v.shape), "spec": [list(d) for d in spec.dims],
+                                             "mesh": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)}
             o = opt.state_dict()
             files[oname] = {"param_groups": o["param_groups"],
                             "state": {i: {k: local(v) for k, v in st.items()} for i, st in o["state"].items()}}

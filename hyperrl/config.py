@@ -184,6 +184,9 @@ class RunConfig(_Frozen):
     ckpt_every: int = Field(0, ge=0, description="checkpoint every k steps (0 = only at the end)")
     out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
     device: str = Field("cpu", description="cpu | cuda | npu")
+    tp: int = Field(1, ge=1, description="tensor parallelism of the trainer's policy under torchrun: groups of tp "
+                    "consecutive ranks split every decoder layer (Megatron's split, hyperrl.parallelize), FSDP2 "
+                    "over the world / tp data-parallel groups; 1 = FSDP2 over every rank")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 
@@ -340,6 +343,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         raise _pydantic_error(e) from None
     _check_files(cfg)
     _check_rewards(cfg)
+    _check_parallel(cfg)
     from .recipes import resolve
 
     return resolve(cfg)
@@ -357,6 +361,29 @@ def _data_task(d: dict, *, explicit_task: bool) -> dict:
                           "remove task, or drop data.train_files and use the task's own arguments")
     keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "rewards")
     return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
+
+
+def _check_parallel(cfg: TrainConfig) -> None:
+    """Tensor parallelism: what it combines with, and the engine's TP degree (1 or the trainer's)."""
+    import os
+
+    tp, eng = cfg.run.tp, cfg.rollout.engine
+    etp = int(eng.args.get("tp", 1)) if eng.name == "transformers" else 1
+    if etp not in (1, tp):
+        raise ConfigError(f"rollout.engine.tp={etp}: the engine's TP groups must be the trainer's (run.tp={tp}) or "
+                          f"absent (tp: 1, a whole copy per rank) — the ranks of a TP group generate one batch")
+    if tp == 1:
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp or world == 1:
+        raise ConfigError(f"run.tp={tp}: needs torchrun with a multiple of {tp} processes (WORLD_SIZE={world})")
+    for bad, why in ((cfg.model.lora is not None, "model.lora (the adapters' base is replicated, not split)"),
+                     (bool(cfg.model.compile), "model.compile")):
+        if bad:
+            raise ConfigError(f"run.tp={tp} with {why} is not supported; set run.tp=1")
 
 
 def _check_rewards(cfg: TrainConfig) -> None:

@@ -10,12 +10,21 @@ the loop:
 * **forward-path agreement**: the shared-prefix forward only if every rank prefers it, the
   continuation call if any rank needs it;
 * **row agreement**: a step is skipped on every rank when any rank has no rows;
-* **loss scale**: FSDP averages gradients over ranks, so each loss is multiplied by the world size
-  to give the sum the global normaliser expects (gloo has no PREMUL_SUM for a factor of 1);
+* **loss scale**: FSDP averages gradients over ranks, so each loss is multiplied by the
+  data-parallel size to give the sum the global normaliser expects (gloo has no PREMUL_SUM for a
+  factor of 1);
+* **tensor parallelism** (``tp`` consecutive ranks form a TP group): the ranks of a TP group hold
+  one model between them and must see the *same* data, so data is sharded over the ``world / tp``
+  data-parallel groups (``data_rank``, ``data_world``) and sums over data (the normaliser,
+  evaluation counts) are reduced over the data-parallel group only — summed over every rank they
+  would count each row ``tp`` times;
+* **TP-partial gradients**: parameters replicated over TP but applied to each rank's local heads
+  (Qwen3's q/k norms) get their gradients summed over the TP group before clipping;
 * **replicated modules** (a LoRA policy's frozen base is not sharded): parameters broadcast from
   rank 0 at setup, plain (non-DTensor) gradients all-reduced before clipping;
-* **gradient norm** over sharded (DTensor) gradients; **metric reduction** (mean over the ranks
-  that report a key).
+* **gradient norm** over sharded (DTensor) gradients — on several device meshes at once under
+  TP × FSDP (see :meth:`TorchDataParallel.clip_grad_norm`); **metric reduction** (mean over the
+  ranks that report a key).
 
 :class:`LocalParallel` is the identity (one process); :class:`TorchDataParallel` runs the
 rules on an initialised ``torch.distributed`` process group (gloo, NCCL, HCCL).
@@ -31,17 +40,26 @@ __all__ = ["LocalParallel", "TorchDataParallel", "make_parallel"]
 
 
 class LocalParallel:
-    """One process: every rule is the identity."""
+    """One process: every rule is the identity. ``rank`` / ``world`` are the process's;
+    ``data_rank`` / ``data_world`` its data-parallel coordinates (equal without tensor parallelism)."""
 
-    rank, world = 0, 1
+    rank, world, tp = 0, 1, 1
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.tp
 
     @property
     def loss_scale(self) -> float:
-        return float(self.world)
+        return float(self.data_world)
 
     def shard(self, items: list) -> list:
-        """This rank's share of a global list (round-robin)."""
-        return items[self.rank::self.world]
+        """This rank's data-parallel share of a global list (round-robin; a TP group shares one)."""
+        return items[self.data_rank::self.data_world]
 
     def all_have_rows(self, n: int) -> bool:
         return n > 0
@@ -62,7 +80,13 @@ class LocalParallel:
         return module
 
     def sync_grads(self, params) -> None:
-        """Reduce the gradients of replicated (non-DTensor) ``params`` over ranks."""
+        """Reduce the gradients of replicated (non-DTensor) ``params`` over ranks, and sum the
+        TP-partial ones (:meth:`sum_over_tp`) over the TP group."""
+
+    def sum_over_tp(self, params) -> None:
+        """Mark ``params`` as replicated over TP but with per-rank partial gradients."""
+        if params and self.tp == 1:
+            raise ValueError("sum_over_tp: no tensor parallelism here")
 
     def clip_grad_norm(self, params, max_norm: float) -> float:
         """Clip the gradients of ``params`` to a global norm; returns the norm before clipping."""
@@ -81,24 +105,45 @@ class LocalParallel:
 
 
 class TorchDataParallel(LocalParallel):
-    """The rules on the default ``torch.distributed`` process group."""
+    """The rules on the default ``torch.distributed`` process group; ``tp > 1``: TP groups of
+    ``tp`` consecutive ranks (a ``(dp, tp)`` device mesh), data reduced over the data-parallel
+    group of this rank (the ranks with its TP index)."""
 
-    def __init__(self):
+    def __init__(self, tp: int = 1):
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world, self.tp = dist.get_rank(), dist.get_world_size(), tp
+        if tp < 1 or self.world % tp:
+            raise ValueError(f"run.tp={tp} must divide the world size {self.world}")
+        self._dp_group = self._tp_group = None
+        self._tp_partial: list = []
+        if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
+            for t in range(tp):
+                g = dist.new_group(list(range(t, self.world, tp)))
+                if t == self.rank % tp:
+                    self._dp_group = g
+            for d in range(self.world // tp):
+                g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
+                if d == self.rank // tp:
+                    self._tp_group = g
 
-    def _reduce(self, values: list, op):
+    def sum_over_tp(self, params) -> None:
+        if self.tp == 1 and params:
+            raise ValueError("sum_over_tp: no tensor parallelism here")
+        self._tp_partial = list(params)
+
+    def _reduce(self, values: list, op, *, data: bool = False):
+        """All-reduce over every rank, or (``data``) over this rank's data-parallel group."""
         t = torch.tensor(values)
-        self._dist.all_reduce(t, op=op)
+        self._dist.all_reduce(t, op=op, group=self._dp_group if data else None)
         return t
 
     def all_have_rows(self, n: int) -> bool:
         return int(self._reduce([n], self._dist.ReduceOp.MIN)[0]) > 0
 
     def global_normalizer(self, norm: T.Normalizer) -> T.Normalizer:
-        t = self._reduce([float(norm.num_tokens), float(norm.num_seqs)], self._dist.ReduceOp.SUM)
+        t = self._reduce([float(norm.num_tokens), float(norm.num_seqs)], self._dist.ReduceOp.SUM, data=True)
         return T.Normalizer(t[0], t[1], norm.length_const)
 
     def pad_micro_batches(self, micros: list) -> list:
@@ -128,6 +173,8 @@ class TorchDataParallel(LocalParallel):
         bucketing or overlap."""
         from torch.distributed.tensor import DTensor
 
+        params = list(params)
+        self._sum_partial_over_tp(params)
         ps = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
         if not ps:
             return
@@ -140,11 +187,59 @@ class TorchDataParallel(LocalParallel):
         for p, g in zip(ps, flat.split([p.numel() for p in ps])):
             p.grad.copy_(g.view_as(p.grad))
 
+    def _sum_partial_over_tp(self, params) -> None:
+        """Σ over the TP group of the TP-partial gradients among ``params`` (one coalesced
+        all-reduce of their local shards; FSDP's reduce over ``dp`` is linear, so the order is free)."""
+        mine = {id(p) for p in params}
+        gs = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+              for p in self._tp_partial if id(p) in mine and p.grad is not None]
+        if not gs:
+            return
+        flat = torch.cat([g.reshape(-1) for g in gs])
+        self._dist.all_reduce(flat, group=self._tp_group)
+        for g, v in zip(gs, flat.split([g.numel() for g in gs])):
+            g.copy_(v.view_as(g))
+
     def clip_grad_norm(self, params, max_norm: float) -> float:
         from torch.distributed.tensor import DTensor
 
-        gn = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+        params = list(params)
+        meshes = {id(p.grad.device_mesh) for p in params if isinstance(p.grad, DTensor)}
+        if len(meshes) > 1:
+            return self._clip_over_meshes(params, max_norm)
+        gn = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(gn.full_tensor() if isinstance(gn, DTensor) else gn)
+
+    @torch.no_grad()
+    def _clip_over_meshes(self, params, max_norm: float) -> float:
+        """Clip gradients living on several device meshes (TP × FSDP: 2-D ``(dp, tp)`` DTensors beside
+        1-D ``dp`` ones, which ``clip_grad_norm_`` cannot stack). ‖g‖² = Σ over every rank of
+        its local ‖g_local‖² ÷ the number of ranks holding an identical copy of that local shard
+        (the size of the root mesh over the product of the sharded mesh axes) — one all-reduce.
+        Then every gradient × min(1, max_norm / (‖g‖ + 1e-6)), torch's clip rule."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        sq, grads = torch.zeros((), dtype=torch.float64), []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                shards = 1
+                for size, pl in zip(g.device_mesh.mesh.shape, g.placements):
+                    shards *= 1 if isinstance(pl, Replicate) else int(size)
+                copies, g = self.world / shards, g.to_local()
+            else:
+                copies = self.world
+            sq += g.double().pow(2).sum() / copies
+            grads.append(g)
+        self._dist.all_reduce(sq)
+        norm = float(sq.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
 
     def mean_metrics(self, metrics: dict) -> dict:
         """Numeric metrics averaged over ranks (a key some ranks lack averages over those that have it)."""
@@ -162,17 +257,19 @@ class TorchDataParallel(LocalParallel):
         self._dist.all_gather_object(names, sorted(sums))
         keys = sorted(set().union(*names))
         t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
-        self._dist.all_reduce(t)
+        self._dist.all_reduce(t, group=self._dp_group)  # a TP group's ranks hold the same numbers
         return dict(zip(keys, t.tolist()))
 
     def barrier(self) -> None:
         self._dist.barrier()
 
 
-def make_parallel() -> LocalParallel:
+def make_parallel(tp: int = 1) -> LocalParallel:
     """:class:`TorchDataParallel` under an initialised process group of > 1 rank, else :class:`LocalParallel`."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return TorchDataParallel()
+        return TorchDataParallel(tp)
+    if tp != 1:
+        raise ValueError(f"run.tp={tp}: tensor parallelism needs torchrun with a multiple of {tp} processes")
     return LocalParallel()

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["parallelize_qwen3", "QWEN3_TP_PLAN"]
+__all__ = ["parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN", "FAMILIES", "TP_PARTIAL_GRADS", "tp_partial_params"]
 
 QWEN3_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                  "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                  "mlp.down_proj": "rowwise"}
+
+
+# Replicated over ``tp`` but applied to each rank's *local* heads (Qwen3's per-head q/k RMSNorm):
+# each rank's gradient is a partial sum, which the data-parallel strategy sums over the TP group
+# before clipping (Megatron all-reduces these "layernorm grads" across TP the same way).
+TP_PARTIAL_GRADS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def tp_partial_params(model: torch.nn.Module) -> list:
+    """The parameters whose gradients are partial over the TP group (:data:`TP_PARTIAL_GRADS`)."""
+    return [p for n, p in model.named_parameters() if n.endswith(TP_PARTIAL_GRADS)]
 
 
 def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
@@ -37,3 +48,19 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.
         fully_shard(layer, mesh=mesh["dp"], **kw)
     fully_shard(model, mesh=mesh["dp"], **kw)
     return model
+
+
+# Qwen2 (its q/k/v biases shard with their rows), Llama and Mistral share Qwen3's module names and
+# head arithmetic, so one plan serves the four families.
+FAMILIES = {"qwen3": parallelize_qwen3, "qwen2": parallelize_qwen3, "llama": parallelize_qwen3,
+            "mistral": parallelize_qwen3}
+
+
+def parallelize(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
+    """TP × FSDP2 by the model family's function (``model.config.model_type``); an unmodelled
+    family is an error naming the ones there are."""
+    kind = getattr(model.config, "model_type", None)
+    if kind not in FAMILIES:
+        raise ValueError(f"run.tp > 1: no tensor-parallel plan for model_type {kind!r} (have: "
+                         f"{', '.join(sorted(FAMILIES))}); use run.tp=1 (FSDP2 over every rank)")
+    return FAMILIES[kind](model, mesh, mp_policy=mp_policy)

@@ -102,11 +102,20 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     critic = _critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    parallel = make_parallel(cfg.run.tp)
+    if cfg.run.tp > 1:
+        if critic is not None:
+            raise ValueError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={cfg.algo.advantage.name!r}) is not "
+                             f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")
+        policy = _tensor_parallel(policy, cfg.run.tp, device, dtype)
+        from .parallelize import tp_partial_params
+
+        parallel.sum_over_tp(tp_partial_params(policy))
+    elif parallel.world > 1:
         if m.lora is None:
             policy = _fully_shard(policy, policy.model.layers, device, dtype)
         else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
-            make_parallel().replicate(policy)
+            parallel.replicate(policy)
         if critic is not None:
             critic = _fully_shard(critic, critic.backbone.layers, device, dtype)
     if m.compile and getattr(engine, "shared", False):
@@ -122,7 +131,7 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
         make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
-                       reference=reference, critic=critic, make_env=make_env, rewards=rewards)
+                       reference=reference, critic=critic, make_env=make_env, rewards=rewards, parallel=parallel)
 
 
 def _fully_shard(module, layers, device: torch.device, dtype: torch.dtype):
@@ -142,6 +151,20 @@ def _fully_shard(module, layers, device: torch.device, dtype: torch.dtype):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(module, mesh=mesh, mp_policy=mp)
     return module
+
+
+def _tensor_parallel(module, tp: int, device: torch.device, dtype: torch.dtype):
+    """TP over groups of ``tp`` consecutive ranks and FSDP2 over the ``world / tp`` data-parallel
+    groups, on a ``(dp, tp)`` device mesh — the model family's plan (:mod:`hyperrl.parallelize`),
+    mixed precision as in :func:`_fully_shard`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .parallelize import parallelize
+
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return parallelize(module, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
 
 
 def plot_rewards(jsonl: Path, png: Path) -> None:

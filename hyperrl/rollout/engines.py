@@ -32,14 +32,26 @@ class EngineContext:
 
 
 @register_engine("transformers")
-def transformers_engine(ctx: EngineContext, *, share_weights: bool = False):
+def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
     (publication copies — and casts — the trainer's weights into it). ``share_weights``: serve
     the trainer's policy itself — no second copy, publication a checked version bump (one
     process, ``model.dtype == model.param_dtype``, no ``model.lora``; see
-    :class:`~.hf.TransformersEngine`)."""
+    :class:`~.hf.TransformersEngine`). ``tp``: split the copy over TP groups of ``tp``
+    consecutive ranks in vLLM's layout (fused qkv / gate_up, vocab-parallel; the trainer's
+    ``run.tp`` groups — :class:`~.tp.TPTransformersEngine`), so publication sends each rank only
+    its shards."""
     from .hf import TransformersEngine
 
+    if tp < 1:
+        raise ValueError(f"rollout.engine.tp={tp}: must be ≥ 1")
+    if tp > 1:
+        from .tp import TPTransformersEngine
+
+        if share_weights or ctx.lora is not None:
+            raise ValueError("rollout.engine.tp > 1: serves its own split copy (no share_weights, no model.lora)")
+        model = copy.deepcopy(ctx.policy).to(device=ctx.device, dtype=ctx.dtype)
+        return TPTransformersEngine(model, tp, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id)
     if share_weights:
         why = []
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

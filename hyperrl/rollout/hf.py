@@ -131,6 +131,10 @@ class TransformersEngine(TransactionalEngine):
         with self._eval():
             return self._generate(prompts, sampling, n, group_offset)
 
+    def _agree(self, tok: torch.Tensor) -> torch.Tensor:
+        """The sampled tokens every rank serving this engine continues with (one process: these)."""
+        return tok
+
     def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int) -> TensorDict:
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
@@ -168,7 +172,7 @@ class TransformersEngine(TransactionalEngine):
                 past, logits = out.past_key_values, out.logits[:, -1]
             z = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(z, -1)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            tok = self._agree(torch.multinomial(logp.exp(), 1, generator=gen)[:, 0])
             tok = torch.where(alive, tok, self.pad_id)
             out_tok[:, t] = tok
             out_lp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0)

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .mesh import Mesh
 from .spec import Spec, SpecError
 
-__all__ = ["to_placements", "from_placements", "is_dtensor", "local"]
+__all__ = ["to_placements", "from_placements", "dtensor_spec", "is_dtensor", "local"]
 
 
 def to_placements(spec: Spec, mesh: Mesh) -> list:
@@ -68,6 +68,27 @@ def from_placements(placements, mesh: Mesh, ndim: int) -> Spec:
                 raise SpecError(f"mesh axis {a!r}: split_factor {strided[a]} does not match the later axes on dim {d}")
             axes.insert(j - 1, axes.pop(i))
     return Spec(tuple(tuple(a) for a in dims))
+
+
+def dtensor_spec(t, meshes: dict | None = None) -> tuple[Mesh, Spec]:
+    """A DTensor's mesh and spec on its *root* device mesh — the same on every rank. (FSDP2 over
+    the ``dp`` axis of a ``dp × tp`` mesh puts a norm weight on rank 0's ``dp`` sub-mesh (0, 2)
+    but on rank 1's (1, 3): planned from the sub-mesh, ranks would plan different things.) Axes
+    of the root mesh the tensor's own mesh lacks are replicated. ``meshes`` caches one
+    :class:`Mesh` per root."""
+    dm = t.device_mesh
+    root = dm._get_root_mesh() if hasattr(dm, "_get_root_mesh") else dm
+    names = root.mesh_dim_names or tuple(f"d{i}" for i in range(root.ndim))
+    meshes = {} if meshes is None else meshes
+    mesh = meshes.get(id(root))
+    if mesh is None:
+        mesh = meshes[id(root)] = Mesh(tuple(zip(names, root.mesh.shape)), tuple(root.mesh.flatten().tolist()))
+    if root is dm:
+        return mesh, from_placements(t.placements, mesh, t.dim())
+    own = dict(zip(dm.mesh_dim_names or (), t.placements))
+    if len(own) != dm.ndim or not set(own) <= set(names):
+        raise SpecError(f"a tensor's device mesh {dm.mesh_dim_names} is not a named sub-mesh of {names}")
+    return mesh, from_placements(tuple(own.get(n, Replicate()) for n in names), mesh, t.dim())
 
 
 def is_dtensor(t) -> bool:

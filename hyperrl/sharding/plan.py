@@ -12,6 +12,8 @@ that share them; transfers are materialised lazily (``iter(plan)``), statistics 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -82,44 +84,53 @@ class _Geometry:
 
 
 def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
+    """Intersect each *distinct* requested box with the source shards once (destination replicas
+    request the same boxes: 256 pieces of a replicated norm are one box), then expand to the
+    pieces by index — every per-entry array is one gather."""
     nd = len(grid.lo)
-    P = len(pattern)
-    plo = np.array([p.src_box.offsets for p in pattern], dtype=np.int64).reshape(P, nd)
-    phi = plo + np.array([p.src_box.sizes for p in pattern], dtype=np.int64).reshape(P, nd)
+    box_ids: dict = {}
+    box_of_piece = np.array([box_ids.setdefault(p.src_box, len(box_ids)) for p in pattern], np.int64)
+    U = len(box_ids)
+    plo = np.array([b.offsets for b in box_ids], dtype=np.int64).reshape(U, nd)
+    phi = plo + np.array([b.sizes for b in box_ids], dtype=np.int64).reshape(U, nd)
     # per dim, the k range overlapping [plo, phi): from the first interval ending after plo to the
     # first interval starting at or after phi (intervals are sorted and contiguous)
-    k0 = np.zeros((P, nd), np.int64)
-    k1 = np.zeros((P, nd), np.int64)
+    k0 = np.zeros((U, nd), np.int64)
+    k1 = np.zeros((U, nd), np.int64)
     for d in range(nd):
         k0[:, d] = np.searchsorted(grid.hi[d], plo[:, d], side="right")
         k1[:, d] = np.searchsorted(grid.lo[d], phi[:, d], side="left")
     cnt = np.maximum(k1 - k0, 0)
     n_per = np.where((phi > plo).all(1), cnt.prod(1), 0)
-    piece = np.repeat(np.arange(P), n_per)
-    j = np.arange(piece.size) - np.repeat(np.cumsum(n_per) - n_per, n_per)
-    ks = np.zeros((piece.size, nd), np.int64)
+    box = np.repeat(np.arange(U), n_per)  # the distinct (box, source shard) regions
+    j = np.arange(box.size) - np.repeat(np.cumsum(n_per) - n_per, n_per)
+    ks = np.zeros((box.size, nd), np.int64)
     for d in range(nd - 1, -1, -1):
-        c = cnt[piece, d]
-        ks[:, d] = k0[piece, d] + j % c
+        c = cnt[box, d]
+        ks[:, d] = k0[box, d] + j % c
         j = j // c
-    src_lo = np.zeros((piece.size, nd), np.int64)
-    src_hi = np.zeros((piece.size, nd), np.int64)
+    src_lo = np.zeros((box.size, nd), np.int64)
+    src_hi = np.zeros((box.size, nd), np.int64)
     for d in range(nd):
         src_lo[:, d], src_hi[:, d] = grid.lo[d][ks[:, d]], grid.hi[d][ks[:, d]]
-    lo = np.maximum(src_lo, plo[piece])
-    size = np.minimum(src_hi, phi[piece]) - lo
+    lo = np.maximum(src_lo, plo[box])
+    size = np.minimum(src_hi, phi[box]) - lo
     keep = (size > 0).all(1)
-    piece, ks, src_lo, lo, size = piece[keep], ks[keep], src_lo[keep], lo[keep], size[keep]
-    flat_k = np.ravel_multi_index(tuple(ks.T), [len(a) for a in grid.lo]) if nd else np.zeros(piece.size, np.int64)
-    holders = grid.holders[flat_k]
+    box, ks, src_lo, lo, size = box[keep], ks[keep], src_lo[keep], lo[keep], size[keep]
+    flat_k = np.ravel_multi_index(tuple(ks.T), [len(a) for a in grid.lo]) if nd else np.zeros(box.size, np.int64)
+    # region id: the rank of (source shard, box) — replicas requesting the same box share it
+    region = np.empty(box.size, np.int64)
+    region[np.lexsort((box, flat_k))] = np.arange(box.size)
+    # expand: piece i takes the regions of its box, in order
+    first = np.searchsorted(box, np.arange(U))  # box is sorted: its regions are contiguous
+    per_box = np.bincount(box, minlength=U)
+    n_piece = per_box[box_of_piece]
+    piece = np.repeat(np.arange(len(pattern)), n_piece)
+    ent = np.repeat(first[box_of_piece] - (np.cumsum(n_piece) - n_piece), n_piece) + np.arange(piece.size)
+    holders = grid.holders[flat_k[ent]]
     sender = holders[np.arange(piece.size), piece % holders.shape[1]]
-    # region id: the intersection is fixed by (source shard, requested box), so replicas that
-    # request an identical box from the same shard share it
-    box_ids: dict = {}
-    box_of_piece = np.array([box_ids.setdefault(p.src_box, len(box_ids)) for p in pattern], np.int64)
-    raw = flat_k * max(len(box_ids), 1) + box_of_piece[piece]
-    _, key = np.unique(raw, return_inverse=True) if piece.size else (None, np.zeros(0, np.int64))
-    return _Geometry(piece, src_lo, lo, size, holders, sender, key.reshape(-1), size.prod(1))
+    size_e = size[ent]
+    return _Geometry(piece, src_lo[ent], lo[ent], size_e, holders, sender, region[ent], size_e.prod(1))
 
 
 class _Tree(NamedTuple):
@@ -331,30 +342,52 @@ def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool | str = False, li
         return min(plans, key=lambda p: predict(p, links).seconds)
     if fan_out not in (False, True):
         raise ValueError(f"fan_out={fan_out!r}: True, False or 'auto'")
+    with _no_gc():
+        return _plan(src, dst, fan_out, links)
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """The cyclic collector paused while planning: the plan allocates ~10⁵ small objects and
+    creates no cycles, and each collection re-walks every object the two layouts hold (~0.5 s of
+    a DeepSeek-V3 plan). Reference counting still frees everything; the previous state is restored."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     check_compatible(src, dst)
     demands = dst.demands()
-    grids: dict = {}
+    grids: dict = {}  # (shape, spec, mesh axes) → (small id, grid)
     geoms: dict = {}
     groups: dict = {}
+    placements, params = src._p, dst.params
+    rpn = links.ranks_per_node if links is not None else 0
     for tensor in sorted(demands):
-        pl = src[tensor]
+        pl = placements[tensor]
         gkey = (pl.shape, pl.spec, pl.mesh.axes)
-        grid = grids.get(gkey)
-        if grid is None:
-            grid = grids[gkey] = _src_grid(pl)
+        hit = grids.get(gkey)
+        if hit is None:
+            hit = grids[gkey] = (len(grids), _src_grid(pl))
+        gid, grid = hit
+        itemsize, src_mesh = pl.itemsize, id(pl.mesh)
         for demand in demands[tensor]:
-            param = dst.params[demand.param]
-            key = (gkey, id(demand.pattern))
-            geo = geoms.get(key)
-            if geo is None:
-                geo = geoms[key] = _geometry(grid, demand.pattern)
-            # meshes by identity (both layouts hold them alive): hashing 1,024-rank tuples per demand cost ~0.5 s
-            k = (key, pl.itemsize, id(pl.mesh), id(param.mesh))
+            param = params[demand.param]
+            # ints only (meshes by identity — both layouts hold them alive): hashing nested tuples or
+            # 1,024-rank meshes per demand cost most of a DeepSeek-V3 plan
+            k = (gid, id(demand.pattern), itemsize, src_mesh, id(param.mesh))
             grp = groups.get(k)
             if grp is None:
-                grp = groups[k] = _Group(geo, demand.pattern, pl.nbytes, pl.itemsize, pl.mesh.ranks,
-                                         param.mesh.ranks, fan_out,
-                                         ranks_per_node=links.ranks_per_node if links is not None else 0)
+                geo = geoms.get(k[:2])
+                if geo is None:
+                    geo = geoms[k[:2]] = _geometry(grid, demand.pattern)
+                grp = groups[k] = _Group(geo, demand.pattern, pl.nbytes, itemsize, pl.mesh.ranks, param.mesh.ranks,
+                                         fan_out, ranks_per_node=rpn)
             grp.members.append((tensor, demand))
     if fan_out:
         _assign_trees(list(groups.values()))

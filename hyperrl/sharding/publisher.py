@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .dtensor import from_placements, is_dtensor, local
+from .dtensor import dtensor_spec, is_dtensor, local
 from .layout import DstLayout, Layout, LayoutError, Placement
 from .mesh import Mesh
 from .plan import Plan, reshard_plan
@@ -40,39 +40,18 @@ class WeightPublishError(RuntimeError):
 
 
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
-    """Each parameter's global shape, dtype and spec. A DTensor on its own device mesh (FSDP2's
-    ``fsdp`` axis, or a ``dp × tp`` mesh of FSDP2 over tensor parallelism, strided placements
-    included) keeps that mesh — axis names, sizes and the physical ranks; a plain tensor is
-    replicated on ``Mesh.of(fsdp=world)``."""
+    """Each parameter's global shape, dtype and spec. A DTensor keeps its *root* device mesh
+    (FSDP2's ``fsdp`` axis, or a ``dp × tp`` mesh of FSDP2 over tensor parallelism, strided
+    placements included: :func:`~.dtensor.dtensor_spec`) — axis names, sizes and the physical
+    ranks; a plain tensor is replicated on ``Mesh.of(fsdp=world)``."""
     plain, meshes, out = Mesh.of(fsdp=world), {}, {}
     for k, p in model.named_parameters():
         if is_dtensor(p):
-            mesh, placements = _global_mesh(p, meshes)
-            out[k] = Placement(tuple(p.shape), p.dtype, from_placements(placements, mesh, p.dim()), mesh)
+            mesh, spec = dtensor_spec(p, meshes)
+            out[k] = Placement(tuple(p.shape), p.dtype, spec, mesh)
         else:
             out[k] = Placement(tuple(p.shape), p.dtype, Spec.replicate(p.dim()), plain)
     return Layout(out)
-
-
-def _global_mesh(p, meshes: dict):
-    """A DTensor's placements on its *root* device mesh — the same on every rank. (FSDP2 over the
-    ``dp`` axis of a ``dp × tp`` mesh puts a norm weight on rank 0's ``dp`` sub-mesh (0, 2) but on
-    rank 1's (1, 3): planned from the sub-mesh, ranks would plan different things.) Axes of the
-    root mesh the tensor's own mesh lacks are ``Replicate``."""
-    from torch.distributed.tensor import Replicate
-
-    dm = p.device_mesh
-    root = dm._get_root_mesh() if hasattr(dm, "_get_root_mesh") else dm
-    names = root.mesh_dim_names or tuple(f"d{i}" for i in range(root.ndim))
-    mesh = meshes.get(id(root))
-    if mesh is None:
-        mesh = meshes[id(root)] = Mesh(tuple(zip(names, root.mesh.shape)), tuple(root.mesh.flatten().tolist()))
-    if root is dm:
-        return mesh, p.placements
-    own = dict(zip(dm.mesh_dim_names or (), p.placements))
-    if len(own) != dm.ndim or not set(own) <= set(names):
-        raise ValueError(f"a parameter's device mesh {dm.mesh_dim_names} is not a named sub-mesh of {names}")
-    return mesh, tuple(own.get(n, Replicate()) for n in names)
 
 
 def cast_to_destination(src: Layout, dst: DstLayout) -> Layout:
@@ -106,11 +85,12 @@ class IdentityExecutor:
 
 
 def _buffers(plan: Plan, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """This rank's empty local destination parameters."""
+    """This rank's local destination parameters to fill (zeros where padding is never sent)."""
     out = {}
     for name, p in plan.dst.params.items():
         if rank in p.mesh.ranks:
-            out[name] = torch.empty(p.local_shape(p.mesh.ranks.index(rank)), dtype=p.dtype, device=device)
+            new = torch.zeros if p.padded else torch.empty
+            out[name] = new(p.local_shape(p.mesh.ranks.index(rank)), dtype=p.dtype, device=device)
     return out
 
 

@@ -61,9 +61,13 @@ def simulate(plan: Plan, full: dict[str, torch.Tensor]) -> dict[int, dict[str, t
     return out
 
 
-def expected_destination(dst: DstLayout, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+def expected_destination(dst: DstLayout, full: dict[str, torch.Tensor],
+                         ranks=None) -> dict[int, dict[str, torch.Tensor]]:
+    """``{rank: {param: local tensor}}`` from the layout's definition (``ranks``: only these)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for name, p in dst.params.items():
+        if ranks is not None and not set(ranks) & set(p.mesh.ranks):
+            continue
         virtuals = []
         for part in p.parts:
             v = torch.zeros(part.shape, dtype=p.dtype)
@@ -72,6 +76,8 @@ def expected_destination(dst: DstLayout, full: dict[str, torch.Tensor]) -> dict[
                 region.copy_(full[b.src].reshape(region.shape))
             virtuals.append(v)
         for pos, (_, c) in enumerate(p.mesh.coords()):
+            if ranks is not None and p.mesh.ranks[pos] not in ranks:
+                continue
             pieces = [v[part.rule.box(part.shape, p.mesh, c).slices()] for v, part in zip(virtuals, p.parts)]
             local = torch.cat(pieces, dim=p.cat_dim) if len(pieces) > 1 else pieces[0]
             out.setdefault(p.mesh.ranks[pos], {})[name] = local
