@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import append_results, table  # noqa: E402
 from hyperrl.sharding import Layout, Mesh, Placement, Spec, plain_destination, reshard_plan  # noqa: E402
-from hyperrl.sharding.models import MODELS, rollout_layout, trainer_layout  # noqa: E402
+from hyperrl.sharding.models import MODELS, trainer_layout  # noqa: E402
+from hyperrl.sharding.vllm import rollout_layout  # noqa: E402
 
 GIB = 2**30
 

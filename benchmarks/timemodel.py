@@ -94,9 +94,10 @@ def _worker(rank, world, port, queue):
 
     from hyperrl.sharding import reshard_plan
     from hyperrl.sharding.execute import execute_direct
-    from hyperrl.sharding.models import rollout_layout, trainer_layout
+    from hyperrl.sharding.models import trainer_layout
     from hyperrl.sharding.simulate import source_shards
     from hyperrl.sharding.timing import Links, predict
+    from hyperrl.sharding.vllm import rollout_layout
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

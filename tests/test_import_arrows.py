@@ -94,7 +94,8 @@ import sys
 for name in {_TRAIN_ONLY!r}:
     sys.modules[name] = None  # `import name` now raises ImportError, find_spec says absent
 import torch, hyperrl.transforms as T
-from hyperrl.sharding.models import MODELS, trainer_layout, rollout_layout
+from hyperrl.sharding.models import MODELS, trainer_layout
+from hyperrl.sharding.vllm import rollout_layout
 from hyperrl.sharding import reshard_plan
 from tests.conftest import random_batch
 b = T.compute_advantages(random_batch(), "grpo")

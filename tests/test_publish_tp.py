@@ -19,9 +19,10 @@ def _worker(rank, world):
     from hyperrl.sharding import reshard_plan, verify
     from hyperrl.sharding.dtensor import local
     from hyperrl.sharding.execute import execute_direct, execute_full_gather
-    from hyperrl.sharding.models import from_hf_config, rollout_layout
+    from hyperrl.sharding.models import from_hf_config
     from hyperrl.sharding.publisher import source_layout
     from hyperrl.sharding.simulate import expected_destination
+    from hyperrl.sharding.vllm import rollout_layout
 
     model = tiny_qwen3(100, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48, seed=3)
     model.config.tie_word_embeddings = False  # vLLM-style lm_head of its own (padded vocab, TP-split)

@@ -26,8 +26,9 @@ RUNS = [(c, "direct", False, 4096) for c in CASES] + [(c, "direct", True, 1 << 2
 def _run_all(rank, world):
     from hyperrl.sharding import reshard_plan
     from hyperrl.sharding.execute import execute_direct, execute_full_gather
-    from hyperrl.sharding.models import MODELS, rollout_layout, trainer_layout
+    from hyperrl.sharding.models import MODELS, trainer_layout
     from hyperrl.sharding.simulate import expected_destination, random_state, source_shards
+    from hyperrl.sharding.vllm import rollout_layout
 
     out = {}
     for case, executor, fan_out, cap in RUNS:

@@ -10,8 +10,9 @@ import torch
 import transformers
 
 from hyperrl.sharding import reshard_plan, verify
-from hyperrl.sharding.models import from_hf_config, hf_tensor_shapes, rollout_layout, trainer_layout
+from hyperrl.sharding.models import from_hf_config, hf_tensor_shapes, trainer_layout
 from hyperrl.sharding.simulate import expected_destination, random_state, simulate
+from hyperrl.sharding.vllm import rollout_layout
 
 ATTN = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=48)

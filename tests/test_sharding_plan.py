@@ -16,9 +16,10 @@ from hyperrl.sharding import (
     reshard_plan,
     verify,
 )
-from hyperrl.sharding.models import MODELS, hf_tensor_shapes, rollout_layout, trainer_layout
+from hyperrl.sharding.models import MODELS, hf_tensor_shapes, trainer_layout
 from hyperrl.sharding.plan import Plan
 from hyperrl.sharding.simulate import expected_destination, random_state, simulate
+from hyperrl.sharding.vllm import rollout_layout
 
 
 def _random_spec(draw, names, ndim):

@@ -1,7 +1,8 @@
 """hyperrl.sharding — a pure, hardware-free sharding-spec algebra and direct-reshard planner.
 
 Meshes and specs are plain frozen data (:mod:`.mesh`, :mod:`.spec`); model layouts say where
-each tensor lives (:mod:`.layout`, :mod:`.models`); :func:`reshard_plan` computes exactly the
+each tensor lives (:mod:`.layout` — generic; :mod:`.models` — model numbers and the trainer's
+side; :mod:`.vllm` — vLLM's fused, padded parameters); :func:`reshard_plan` computes exactly the
 intersections each source rank sends each destination rank; :func:`verify` proves a plan
 covers every destination element once; :mod:`.report` describes a plan (bytes, busiest rank,
 traffic) and :mod:`.timing` predicts its time on given links; executors (:mod:`.execute`) run
@@ -14,7 +15,6 @@ from .layout import (
     Demand,
     DstLayout,
     DstParam,
-    HeadReplicaRule,
     Layout,
     LayoutError,
     Part,
@@ -28,10 +28,11 @@ from .report import PlanStats
 from .spec import Box, Spec, SpecError, boxes, chunk_bounds, dim_intervals, owners
 from .timing import Links, TimePrediction, predict
 from .verify import PlanError, verify
+from .vllm import HeadReplicaRule, rollout_layout
 
 __all__ = [
     "Mesh", "MeshError", "Spec", "SpecError", "Box", "boxes", "owners", "chunk_bounds", "dim_intervals",
     "Placement", "Layout", "DstLayout", "DstParam", "Part", "Block", "ChunkRule", "HeadReplicaRule", "Demand",
-    "LayoutError", "check_compatible", "plain_destination",
+    "LayoutError", "check_compatible", "plain_destination", "rollout_layout",
     "reshard_plan", "Plan", "PlanStats", "Transfer", "verify", "PlanError", "Links", "TimePrediction", "predict",
 ]

@@ -7,9 +7,10 @@ import time
 
 import torch
 
-from .models import MODELS, from_hf_config, parse_parallel, rollout_layout, trainer_layout
+from .models import MODELS, from_hf_config, parse_parallel, trainer_layout
 from .plan import reshard_plan
 from .timing import parse_links, predict
+from .vllm import rollout_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -8,9 +8,10 @@ parameter is the *local concatenation* (along ``cat_dim``) of :class:`Part` s �
 ``qkv_proj`` is parts q, k, v; ``gate_up_proj`` is gate, up. Each part is a *virtual* global
 tensor tiled by source :class:`Block` s (one block for a plain tensor; ``E`` stacked blocks for
 ``[E, …]`` experts, in placement order) and split over the destination mesh by a rule
-(:class:`ChunkRule` for ``torch.chunk`` splits, :class:`HeadReplicaRule` for kv heads replicated
-when ``tp ≥ n_kv``). Virtual extents beyond the blocks (vocab padded to a multiple of 64) are
-padding: allocated on the destination, never sent.
+(a :class:`Rule`: :class:`ChunkRule` for ``torch.chunk`` splits; engine-specific rules live with
+their engine — :class:`~.vllm.HeadReplicaRule` for kv heads replicated when ``tp ≥ n_kv``).
+Virtual extents beyond the blocks (vocab padded to a multiple of 64) are padding: allocated on
+the destination (zeros), never sent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from bisect import bisect_right
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -32,7 +33,7 @@ __all__ = [
     "Layout",
     "Block",
     "ChunkRule",
-    "HeadReplicaRule",
+    "Rule",
     "Part",
     "DstParam",
     "DstLayout",
@@ -119,6 +120,15 @@ class Layout(Mapping):
 # ----------------------------------------------------------------------------- destination rules
 
 
+class Rule(Protocol):
+    """How a part's virtual tensor splits over the destination mesh: the box each mesh position
+    holds, and a check that the rule fits the part (frozen and hashable: boxes are cached)."""
+
+    def box(self, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> Box: ...
+
+    def check(self, shape: tuple[int, ...], mesh: Mesh, where: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class ChunkRule:
     """Split the virtual tensor by ``spec`` (ordered mesh axes per dim, ``torch.chunk`` rounding)."""
@@ -136,33 +146,13 @@ class ChunkRule:
             sizes.append(iv[k][1] - iv[k][0])
         return Box(tuple(offs), tuple(sizes))
 
-
-@dataclass(frozen=True)
-class HeadReplicaRule:
-    """vLLM ``QKVParallelLinear`` k/v: ``n_heads`` heads of ``head_dim`` rows along ``dim`` over
-    mesh axis ``axis`` (size tp). ``tp ≥ n`` → replicas = tp / n, rank r holds head r // replicas;
-    ``tp < n`` → n / tp heads per rank. Other dims whole."""
-
-    axis: str
-    n_heads: int
-    head_dim: int
-    dim: int = 0
-
-    def box(self, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> Box:
-        tp, r = mesh.axis_size(self.axis), coords[self.axis]
-        if tp >= self.n_heads:
-            if tp % self.n_heads:
-                raise LayoutError(f"kv heads: tp={tp} is not a multiple of n_kv={self.n_heads}")
-            lo, n = (r // (tp // self.n_heads)) * self.head_dim, self.head_dim
-        else:
-            if self.n_heads % tp:
-                raise LayoutError(f"kv heads: n_kv={self.n_heads} is not divisible by tp={tp}")
-            per = self.n_heads // tp
-            lo, n = r * per * self.head_dim, per * self.head_dim
-        offs = [0] * len(shape)
-        sizes = list(shape)
-        offs[self.dim], sizes[self.dim] = lo, n
-        return Box(tuple(offs), tuple(sizes))
+    def check(self, shape: tuple[int, ...], mesh: Mesh, where: str) -> None:
+        """The rule fits a part of ``shape`` on ``mesh`` (error names ``where``)."""
+        if self.spec.ndim != len(shape):
+            raise LayoutError(f"{where}: rule spec {self.spec} has {self.spec.ndim} dims, the part has {len(shape)}")
+        bad = [a for a in self.spec.axes() if a not in mesh.names]
+        if bad:
+            raise LayoutError(f"{where}: rule axis {bad[0]!r} is not a destination mesh axis {list(mesh.names)}")
 
 
 @lru_cache(maxsize=4096)
@@ -190,7 +180,7 @@ class Block:
 class Part:
     shape: tuple[int, ...]  # virtual global shape (may exceed the blocks: padding)
     blocks: tuple[Block, ...]
-    rule: ChunkRule | HeadReplicaRule
+    rule: Rule
 
     @staticmethod
     def plain(src: str, shape, rule, pad_shape=None) -> Part:
@@ -261,27 +251,12 @@ class Demand(NamedTuple):
 
 def _check_param(name: str, p: DstParam) -> None:
     """A destination parameter that would silently lose or misplace data is an error naming it:
-    a rule whose dims differ from its part's, an axis not on the mesh, a block outside its part's
-    virtual extent (an expert slot outside its stack, a padded extent smaller than the tensor), two
-    blocks in one slot, kv-head replication covering other rows than the part."""
+    a rule that does not fit its part (each rule's ``check``: dims, mesh axes, kv-head rows), a
+    block outside its part's virtual extent (an expert slot outside its stack, a padded extent
+    smaller than the tensor), two blocks in one slot."""
     for i, part in enumerate(p.parts):
         where = f"{name} (part {i}, shape {list(part.shape)})"
-        rule = part.rule
-        if isinstance(rule, ChunkRule):
-            if rule.spec.ndim != len(part.shape):
-                raise LayoutError(f"{where}: rule spec {rule.spec} has {rule.spec.ndim} dims, the part has "
-                                  f"{len(part.shape)}")
-            bad = [a for a in rule.spec.axes() if a not in p.mesh.names]
-            if bad:
-                raise LayoutError(f"{where}: rule axis {bad[0]!r} is not a destination mesh axis {list(p.mesh.names)}")
-        elif isinstance(rule, HeadReplicaRule):
-            if rule.axis not in p.mesh.names:
-                raise LayoutError(f"{where}: kv-head axis {rule.axis!r} is not a destination mesh axis "
-                                  f"{list(p.mesh.names)}")
-            if not 0 <= rule.dim < len(part.shape) or rule.n_heads * rule.head_dim != part.shape[rule.dim]:
-                raise LayoutError(f"{where}: {rule.n_heads} kv heads × {rule.head_dim} rows cover "
-                                  f"{rule.n_heads * rule.head_dim} rows of dim {rule.dim}, the part has "
-                                  f"{part.shape[rule.dim] if 0 <= rule.dim < len(part.shape) else 'no such dim'}")
+        part.rule.check(part.shape, p.mesh, where)
         seen: dict[tuple, str] = {}
         L = part.shape
         for b in part.blocks:
@@ -312,9 +287,16 @@ class DstLayout:
     def ranks(self) -> set[int]:
         return {r for p in self.params.values() for r in p.mesh.ranks}
 
+    def blocks(self) -> Iterator[tuple[str, DstParam, int, Part, Block]]:
+        """Every ``(param name, param, part index, part, block)`` — the one walk over the layout."""
+        for name, p in self.params.items():
+            for j, part in enumerate(p.parts):
+                for b in part.blocks:
+                    yield name, p, j, part, b
+
     def sources(self) -> dict[str, tuple[int, ...]]:
         """Every source tensor the destination reads, with the shape it expects."""
-        return {b.src: b.shape for p in self.params.values() for part in p.parts for b in part.blocks}
+        return {b.src: b.shape for _, _, _, _, b in self.blocks()}
 
     def demands(self) -> dict[str, list[Demand]]:
         """``src name → [Demand]``. Patterns are built once per (part, elementary slot range) and
@@ -389,17 +371,15 @@ def check_compatible(src: Layout, dst: DstLayout) -> None:
     """Names, shapes and dtypes agree; raises :class:`LayoutError` listing every mismatch."""
     have = src._p
     need, dtypes, bad_shape = {}, {}, []
-    for pname, p in dst.params.items():  # one pass over every block
-        for part in p.parts:
-            for b in part.blocks:
-                need[b.src] = b.shape
-                pl = have.get(b.src)
-                if pl is None:
-                    continue
-                if pl.shape != b.shape:
-                    bad_shape.append(f"{b.src}: source {list(pl.shape)} vs destination {list(b.shape)}")
-                if pl.dtype != p.dtype:
-                    dtypes[b.src] = f"{b.src}: source {pl.dtype} vs destination {pname} {p.dtype}"
+    for pname, p, _, _, b in dst.blocks():
+        need[b.src] = b.shape
+        pl = have.get(b.src)
+        if pl is None:
+            continue
+        if pl.shape != b.shape:
+            bad_shape.append(f"{b.src}: source {list(pl.shape)} vs destination {list(b.shape)}")
+        if pl.dtype != p.dtype:
+            dtypes[b.src] = f"{b.src}: source {pl.dtype} vs destination {pname} {p.dtype}"
     problems = []
     if len(need) != len(have) or not need.keys() == have.keys():
         missing, extra = sorted(need.keys() - have.keys()), sorted(have.keys() - need.keys())

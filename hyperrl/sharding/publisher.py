@@ -58,11 +58,7 @@ def cast_to_destination(src: Layout, dst: DstLayout) -> Layout:
     """``src`` with each floating tensor's dtype replaced by the dtype of the destination
     parameter reading it (publication casts at the source); other dtype differences stay and
     fail the compatibility check."""
-    want: dict[str, torch.dtype] = {}
-    for p in dst.params.values():
-        for part in p.parts:
-            for b in part.blocks:
-                want[b.src] = p.dtype
+    want = {b.src: p.dtype for _, p, _, _, b in dst.blocks()}
     out = {}
     for k, pl in src.items():
         d = want.get(k, pl.dtype)

@@ -1,0 +1,146 @@
+"""vLLM's side of a layout: its parameter conventions as destination rules.
+
+``rollout_layout(cfg, tp=, dp=, ep=)`` is vLLM's parameters: fused ``qkv_proj`` (kv heads
+replicated when ``tp ≥ n_kv`` — :class:`HeadReplicaRule`, vLLM's ``QKVParallelLinear``), fused
+``gate_up_proj``, vocab padded to a multiple of 64 then split, row-parallel ``o_proj``/``down_proj``
+on dim 1, MLA's fused ``fused_qkv_a_proj``, and ``FusedMoE`` stacked ``w13_weight [E, 2I, H]`` /
+``w2_weight [E, H, I]`` — experts TP-sharded on every DP replica, or with ``ep = dp·tp`` spread
+over all ranks (``linear`` or ``round_robin``). The generic layout machinery (parts, blocks,
+chunk rules, checks) is :mod:`.layout`; the model numbers are :mod:`.models`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
+from .mesh import Mesh
+from .models import ModelConfig, hf_tensor_shapes
+from .spec import Box, Spec
+
+__all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
+
+
+@dataclass(frozen=True)
+class HeadReplicaRule:
+    """vLLM ``QKVParallelLinear`` k/v: ``n_heads`` heads of ``head_dim`` rows along ``dim`` over
+    mesh axis ``axis`` (size tp). ``tp ≥ n`` → replicas = tp / n, rank r holds head r // replicas;
+    ``tp < n`` → n / tp heads per rank. Other dims whole."""
+
+    axis: str
+    n_heads: int
+    head_dim: int
+    dim: int = 0
+
+    def box(self, shape: tuple[int, ...], mesh: Mesh, coords: dict) -> Box:
+        tp, r = mesh.axis_size(self.axis), coords[self.axis]
+        if tp >= self.n_heads:
+            if tp % self.n_heads:
+                raise LayoutError(f"kv heads: tp={tp} is not a multiple of n_kv={self.n_heads}")
+            lo, n = (r // (tp // self.n_heads)) * self.head_dim, self.head_dim
+        else:
+            if self.n_heads % tp:
+                raise LayoutError(f"kv heads: n_kv={self.n_heads} is not divisible by tp={tp}")
+            per = self.n_heads // tp
+            lo, n = r * per * self.head_dim, per * self.head_dim
+        offs = [0] * len(shape)
+        sizes = list(shape)
+        offs[self.dim], sizes[self.dim] = lo, n
+        return Box(tuple(offs), tuple(sizes))
+
+    def check(self, shape: tuple[int, ...], mesh: Mesh, where: str) -> None:
+        """The rule fits a part of ``shape`` on ``mesh``: its axis exists, its heads cover the dim."""
+        if self.axis not in mesh.names:
+            raise LayoutError(f"{where}: kv-head axis {self.axis!r} is not a destination mesh axis {list(mesh.names)}")
+        if not 0 <= self.dim < len(shape) or self.n_heads * self.head_dim != shape[self.dim]:
+            raise LayoutError(f"{where}: {self.n_heads} kv heads × {self.head_dim} rows cover "
+                              f"{self.n_heads * self.head_dim} rows of dim {self.dim}, the part has "
+                              f"{shape[self.dim] if 0 <= self.dim < len(shape) else 'no such dim'}")
+
+
+def padded_vocab(n: int) -> int:
+    """vLLM's ``VocabParallelEmbedding`` / ``ParallelLMHead`` rows: ``n`` rounded up to a multiple of 64."""
+    return -(-n // 64) * 64
+
+
+def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
+                   dtype=torch.bfloat16, offset: int = 0) -> DstLayout:
+    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}."""
+    if ep not in (1, dp * tp):
+        raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1)")
+    if expert_placement not in ("linear", "round_robin"):
+        raise ValueError(f"expert_placement={expert_placement!r}; choose 'linear' or 'round_robin'")
+    if cfg.experts and ep > 1 and cfg.experts % ep:
+        raise ValueError(f"ep={ep} does not divide {cfg.experts} experts")
+    mesh = Mesh.of(dp=dp, tp=tp, offset=offset)
+    shapes = hf_tensor_shapes(cfg)
+    col, row = ChunkRule(Spec.shard(2, d0="tp")), ChunkRule(Spec.shard(2, d1="tp"))
+    params: dict[str, DstParam] = {}
+
+    def add(name, parts, cat_dim=0, dt=dtype):
+        params[name] = DstParam(dt, mesh, tuple(parts), cat_dim)
+
+    def plain(src, rule=None, pad=None):
+        shape = shapes[src]
+        return Part.plain(src, shape, rule or ChunkRule(Spec.replicate(len(shape))), pad)
+
+    add("model.embed_tokens.weight", [plain("model.embed_tokens.weight", col, (padded_vocab(cfg.vocab), cfg.hidden))])
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if cfg.mla:
+            add(a + "fused_qkv_a_proj.weight", [plain(a + "q_a_proj.weight"), plain(a + "kv_a_proj_with_mqa.weight")])
+            add(a + "q_b_proj.weight", [plain(a + "q_b_proj.weight", col)])
+            add(a + "kv_b_proj.weight", [plain(a + "kv_b_proj.weight", col)])
+            for n in ("q_a_layernorm.weight", "kv_a_layernorm.weight"):
+                add(a + n, [plain(a + n)])
+        else:
+            kv = HeadReplicaRule("tp", cfg.kv_heads, cfg.head_dim)
+            add(a + "qkv_proj.weight", [plain(a + "q_proj.weight", col), plain(a + "k_proj.weight", kv),
+                                        plain(a + "v_proj.weight", kv)])
+            if cfg.qkv_bias:
+                add(a + "qkv_proj.bias", [plain(a + "q_proj.bias", ChunkRule(Spec.shard(1, d0="tp"))),
+                                          plain(a + "k_proj.bias", kv), plain(a + "v_proj.bias", kv)])
+            if cfg.qk_norm:
+                for n in ("q_norm.weight", "k_norm.weight"):
+                    add(a + n, [plain(a + n)])
+        add(a + "o_proj.weight", [plain(a + "o_proj.weight", row)])
+        m = p + "mlp."
+        if cfg.is_moe(i):
+            add(m + "gate.weight", [plain(m + "gate.weight")])
+            if cfg.mla:
+                add(m + "gate.e_score_correction_bias", [plain(m + "gate.e_score_correction_bias")], dt=torch.float32)
+            if cfg.shared_experts:
+                s = m + "shared_experts."
+                add(s + "gate_up_proj.weight", [plain(s + "gate_proj.weight", col), plain(s + "up_proj.weight", col)])
+                add(s + "down_proj.weight", [plain(s + "down_proj.weight", row)])
+            if cfg.shared_intermediate:
+                s = m + "shared_expert."
+                add(s + "gate_up_proj.weight", [plain(s + "gate_proj.weight", col), plain(s + "up_proj.weight", col)])
+                add(s + "down_proj.weight", [plain(s + "down_proj.weight", row)])
+                add(m + "shared_expert_gate.weight", [plain(m + "shared_expert_gate.weight")])
+            E, I, H = cfg.experts, cfg.expert_intermediate, cfg.hidden
+            if ep > 1:
+                order = list(range(E)) if expert_placement == "linear" else \
+                    [(e % ep) * (E // ep) + e // ep for e in range(E)]
+                up_rule = down_rule = ChunkRule(Spec.shard(3, d0=("dp", "tp")))
+            else:
+                order = None
+                up_rule, down_rule = ChunkRule(Spec.shard(3, d1="tp")), ChunkRule(Spec.shard(3, d2="tp"))
+            names = [f"{m}experts.{e}." for e in range(E)]
+            gate = Part.stacked([n + "gate_proj.weight" for n in names], (I, H), up_rule, order)
+            up = Part.stacked([n + "up_proj.weight" for n in names], (I, H), up_rule, order)
+            add(m + "experts.w13_weight", [gate, up], cat_dim=1)
+            add(m + "experts.w2_weight", [Part.stacked([n + "down_proj.weight" for n in names], (H, I), down_rule,
+                                                       order)])
+        else:
+            add(m + "gate_up_proj.weight", [plain(m + "gate_proj.weight", col), plain(m + "up_proj.weight", col)])
+            add(m + "down_proj.weight", [plain(m + "down_proj.weight", row)])
+        for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            add(p + n, [plain(p + n)])
+    add("model.norm.weight", [plain("model.norm.weight")])
+    if not cfg.tied:
+        add("lm_head.weight", [plain("lm_head.weight", col, (padded_vocab(cfg.vocab), cfg.hidden))])
+    return DstLayout(params)
