@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -301,26 +302,23 @@ class DstLayout:
     def demands(self) -> dict[str, list[Demand]]:
         """``src name → [Demand]``. Patterns are built once per (part, elementary slot range) and
         shared by every block in it, so ``E`` stacked experts cost ``O(#positions)``, not ``O(E·#positions)``."""
-        out: dict[str, list[Demand]] = {}
+        out: defaultdict[str, list[Demand]] = defaultdict(list)
         interned: dict[tuple, tuple] = {}  # equal patterns (e.g. of every layer) become one object
-        seen: dict[int, tuple] = {}  # id → (pattern kept alive so its id is not reused, canonical)
         by_signature: dict[tuple, list] = {}  # params equal but for source names (every layer) share patterns
         for name, param in self.params.items():
             sig = (param.mesh, param.cat_dim, tuple(
                 (p.shape, p.rule, tuple((b.offset, b.shape, b.stacked) for b in p.blocks)) for p in param.parts))
             cached = by_signature.get(sig)
-            if cached is None:
-                cached = by_signature[sig] = [[(pat, sh) for _, pat, sh in _part_patterns(param, j, part)]
+            if cached is None:  # patterns interned once here, not per block
+                cached = by_signature[sig] = [[(interned.setdefault(pat, pat), sh)
+                                               for _, pat, sh in _part_patterns(param, j, part)]
                                               for j, part in enumerate(param.parts)]
             for part, results in zip(param.parts, cached):
                 blocks = sorted(part.blocks, key=lambda b: b.offset[0]) if part.blocks and part.blocks[0].stacked \
                     else part.blocks
                 for block, (pattern, shift) in zip(blocks, results):
-                    hit = seen.get(id(pattern))
-                    if hit is None:
-                        hit = seen[id(pattern)] = (pattern, interned.setdefault(pattern, pattern))
-                    out.setdefault(block.src, []).append(Demand(name, hit[1], shift))
-        return out
+                    out[block.src].append(Demand(name, pattern, shift))
+        return dict(out)
 
 
 def _part_patterns(param: DstParam, j: int, part: Part):
