@@ -40,7 +40,8 @@ for _ in range(3):
     plan = reshard_plan(src, dst)
     ts.append(time.perf_counter() - t0)
 s = plan.stats()
-print(json.dumps({"median": statistics.median(ts), "transfers": len(plan), "minimal": s.wire_bytes == s.recv_min_bytes}))
+print(json.dumps({"median": statistics.median(ts), "transfers": len(plan),
+                  "minimal": s.wire_bytes == s.recv_min_bytes}))
 """
 
 
