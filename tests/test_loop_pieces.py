@@ -252,3 +252,25 @@ def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
     assert torch.allclose(lp[m], whole[0][m], atol=1e-5) and torch.allclose(ent[m], whole[1][m], atol=1e-5)
     longest = int(b["attention_mask"].sum(-1).max())
     assert max(seen) <= max(budget, longest) and sum(seen) == int(b["attention_mask"].sum())
+
+
+def test_one_process_publisher_fuses_into_an_engine_with_vllm_parameters():
+    """A one-process publisher into vLLM's layout (fused qkv / gate_up, padded vocab) copies each
+    slice into place (LocalExecutor), element-exact; a plain engine keeps the no-copy identity."""
+    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.sharding.models import from_hf_config
+    from hyperrl.sharding.publisher import IdentityExecutor, LocalExecutor, Publisher, source_layout
+    from hyperrl.sharding.simulate import expected_destination
+    from hyperrl.sharding.vllm import rollout_layout
+
+    model = tiny_qwen3(100, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48, seed=3)
+    dst = rollout_layout(from_hf_config(model.config.to_dict()), tp=1, dp=1, dtype=torch.float32)
+    pub = Publisher(source_layout(model, 1), dst)
+    assert isinstance(pub.executor, LocalExecutor)
+    got = pub.gather(model)
+    want = expected_destination(dst, {k: v.detach() for k, v in model.state_dict().items()}, ranks=[0])[0]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert got["model.embed_tokens.weight"].shape == (128, 32) and not got["model.embed_tokens.weight"][100:].any()
+    from hyperrl.rollout.hf import TransformersEngine
+
+    assert isinstance(Publisher.for_engine(model, TransformersEngine(model)).executor, IdentityExecutor)

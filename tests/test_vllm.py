@@ -62,6 +62,15 @@ def test_vllm_bad_publication_keeps_serving(report):
     assert report["diff_after_nan"] < 1e-5
 
 
+def test_vllm_layout_is_read_from_the_loaded_engine(report):
+    lay = report["layout"]  # vLLM's own parameters: fused, the vocabulary padded (92 → 128), no HF names
+    # tiny_qwen3 defaults: hidden 64, 2 q heads + 1 kv head of 32, MLP 128, vocab 92 (tied)
+    assert lay["model.layers.0.self_attn.qkv_proj.weight"] == [(2 + 2 * 1) * 32, 64]
+    assert lay["model.layers.0.mlp.gate_up_proj.weight"] == [2 * 128, 64]
+    assert lay["model.embed_tokens.weight"] == [128, 64] and "lm_head.weight" not in lay
+    assert not any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in lay)
+
+
 def test_vllm_updates_in_memory_through_shared_memory(report):
     # versions 1 and 3 through the /dev/shm segment (3 staged in pieces), 2 through a file: all exact
     assert report["transports"] == ["shm", "file", "shm"]

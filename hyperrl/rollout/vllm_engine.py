@@ -26,13 +26,14 @@ import os
 import pickle
 import tempfile
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from ..trajectory import stack_episodes
-from .base import SamplingParams, TransactionalEngine, WeightPublishError
+from .base import SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
 
 __all__ = ["VLLMEngine"]
 
@@ -68,6 +69,9 @@ class VLLMEngine(TransactionalEngine):
                        worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
+        self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
+        if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
+            self._read_layout(cfg)
         self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
         if self.transport not in ("shm", "file", "cuda_ipc"):
             raise ValueError(f"transport={self.transport!r}: one of shm, file, cuda_ipc")
@@ -139,13 +143,77 @@ class VLLMEngine(TransactionalEngine):
         self.llm.reset_prefix_cache()
         self._version = version
 
+    def _read_layout(self, cfg: dict) -> None:
+        """Read the loaded engine's parameters (``hyperrl_params`` in the worker: names, and vLLM's
+        own partition numbers — on CPU a packed linear layer's ``weight`` is empty) and check them
+        against vLLM's layout for this config (:func:`hyperrl.sharding.vllm.rollout_layout`). When
+        they agree the engine takes vLLM's own parameters — fused ``qkv_proj`` / ``gate_up_proj``,
+        the padded vocabulary, stacked experts — whole on this (driver) replica, and each commit
+        hands vLLM's loader the checkpoint-format views of them (contiguous row blocks: no copy);
+        vLLM then shards for its own tensor parallelism. A family the layout does not model, or
+        an engine whose parameters differ (listed in a warning), keeps checkpoint names."""
+        import warnings
+
+        from ..sharding.models import from_hf_config
+        from ..sharding.vllm import rollout_layout
+
+        try:
+            lay = rollout_layout(from_hf_config(cfg), tp=1, dp=1, dtype=self.dtype)
+        except ValueError:
+            return
+        served = self.llm.collective_rpc("hyperrl_params")[0]
+        mods, shapes = served["modules"], {}
+        for name, shape, _ in served["params"]:
+            m = mods.get(name.rsplit(".", 1)[0], {})
+            if 0 in shape and "output_size_per_partition" in m:  # packed away: vLLM's own numbers
+                shape = [m["output_size_per_partition"], m["input_size_per_partition"]]
+            shapes[name] = tuple(shape)
+        tp = max((m.get("tp_size", 1) for m in mods.values()), default=1)
+        bad = [n for n in lay.params if n not in shapes] + \
+            ([f"{n}: engine {list(shapes[n])}, layout {list(p.local_shape(0))}" for n, p in lay.params.items()
+              if n in shapes and shapes[n] != p.local_shape(0)] if tp == 1 else [])
+        if bad:
+            warnings.warn(f"vLLM's parameters differ from hyperrl's layout for this model ({bad[:4]}); "
+                          f"publishing in checkpoint format instead", stacklevel=3)
+            return
+        self._fused, self._unfuse = lay, {n: _checkpoint_views(p) for n, p in lay.params.items()}
+        self._shapes = {n: torch.empty(p.local_shape(0), dtype=torch.float32, device="meta")
+                        for n, p in lay.params.items()}
+        self._dropped = set()
+
     def layout(self, replicas: int = 1):
-        """The checkpoint's tensors whole on each replica (vLLM's own loader fuses qkv / gate_up and
-        shards for its tensor parallelism inside the worker)."""
+        """vLLM's own parameters (fused, padded: read from the loaded engine — see
+        :meth:`_read_layout`) whole on each of ``replicas`` driver replicas; for a family hyperrl
+        does not model, the checkpoint's tensors whole (vLLM's loader fuses them)."""
         from ..sharding import Mesh, Spec, plain_destination
 
+        if self._fused is not None:
+            from ..sharding import DstLayout
+
+            mesh = Mesh.of(dp=replicas, tp=1)  # the driver replica holds each parameter whole
+            return DstLayout({n: replace(p, mesh=mesh) for n, p in self._fused.params.items()})
         return plain_destination({k: (tuple(t.shape), self.dtype, Spec.replicate(t.dim()))
                                   for k, t in self._shapes.items()}, Mesh.of(dp=replicas))
+
+    def load_weights(self, weights, version: int, *, partial: bool = False) -> None:
+        """The one-call transaction; also takes a checkpoint-format state dict (HF names: fused
+        here into the engine's own parameters)."""
+        weights = dict(weights.items() if hasattr(weights, "items") else weights)
+        if self._fused is not None and not set(weights) <= set(self._shapes) and not partial:
+            from ..sharding.simulate import expected_destination
+
+            srcs = self._fused.sources()
+            given = {k: v for k, v in weights.items() if k in srcs}
+            for k, v in given.items():  # refused under the checkpoint name the caller knows
+                if v.is_floating_point() and not _all_finite(v):
+                    raise WeightPublishError(f"{k}: contains NaN/inf; refusing version {version} (still serving "
+                                             f"version {self._version})")
+            missing = sorted(set(srcs) - set(given))
+            if missing:
+                raise WeightPublishError(f"incomplete publication: missing {missing[:5]} ({len(missing)} in all); "
+                                         f"still serving version {self._version}")
+            weights = expected_destination(self._fused, given, ranks=[0])[0]
+        super().load_weights(weights, version, partial=partial)
 
     def _expected(self) -> dict[str, torch.Tensor]:
         return self._shapes
@@ -177,20 +245,23 @@ class VLLMEngine(TransactionalEngine):
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         try:
             if self.transport == "shm":
-                manifest = [[k, str(self.dtype).removeprefix("torch."), list(v.shape), self._slots[k]]
-                            for k, v in staged.items()]
+                dt = str(self.dtype).removeprefix("torch.")
+                manifest = [[hf, dt, list(shape), self._slots[k] + rel * self.dtype.itemsize]
+                            for k, v in staged.items() for hf, rel, shape in self._views(k, v)]
                 res = self.llm.collective_rpc("hyperrl_load_shm",
                                               args=(self._segment_path, self._segment_bytes, manifest))
             elif self.transport == "cuda_ipc":
                 from torch.multiprocessing.reductions import reduce_tensor
 
-                handles = pickle.dumps({k: reduce_tensor(v) for k, v in staged.items()})
+                handles = pickle.dumps({hf: reduce_tensor(_view(v, rel, shape)) for k, v in staged.items()
+                                        for hf, rel, shape in self._views(k, v)})
                 res = self.llm.collective_rpc("hyperrl_load_ipc", args=(handles,))
             else:
                 from safetensors.torch import save_file
 
                 path = os.path.join(self._tmp.name, f"v{version}.safetensors")
-                save_file(staged, path)
+                save_file({hf: _view(v, rel, shape).contiguous() for k, v in staged.items()
+                           for hf, rel, shape in self._views(k, v)}, path)
                 try:
                     res = self.llm.collective_rpc("hyperrl_reload", args=(path,))
                 finally:
@@ -201,8 +272,44 @@ class VLLMEngine(TransactionalEngine):
         self.last_reload_s = float(res[0][2])
         self.llm.reset_prefix_cache()
 
+    def _views(self, name: str, t: torch.Tensor) -> list:
+        """``[(checkpoint name, element offset, shape)]`` of an engine parameter (itself when unfused)."""
+        return self._unfuse.get(name) or [(name, 0, tuple(t.shape))]
+
     def close(self) -> None:
         """Remove the shared-memory segment now (it is also removed when the engine is collected)."""
         if self._segment is not None:
             self._segment = None
             Path(self._segment_path).unlink(missing_ok=True)
+
+
+def _checkpoint_views(p) -> list:
+    """Where each checkpoint tensor sits in a whole (one-replica) engine parameter: ``[(name,
+    element offset, shape)]``. Every block of vLLM's fused / padded / stacked parameters is a
+    contiguous run (row blocks of ``qkv_proj`` / ``gate_up_proj``, the real rows of a padded
+    vocabulary, one expert's gate or up half of ``w13_weight``) — anything else is an error."""
+    L = p.local_shape(0)
+    stride = [1] * len(L)
+    for d in range(len(L) - 2, -1, -1):
+        stride[d] = stride[d + 1] * L[d + 1]
+    out = []
+    for j, part in enumerate(p.parts):
+        for b in part.blocks:
+            vb = b.virtual_box()
+            off, sizes = list(vb.offsets), list(vb.sizes)
+            if len(p.parts) > 1:
+                off[p.cat_dim] += p.cat_offset(0, j)
+            first = next((d for d, n in enumerate(sizes) if n != 1), len(sizes))
+            if any(sizes[d] != L[d] for d in range(first + 1, len(L))):
+                raise ValueError(f"{b.src}: not a contiguous block of the engine parameter (sizes {sizes} of "
+                                 f"{list(L)})")
+            out.append((b.src, sum(o * s for o, s in zip(off, stride)), tuple(b.shape)))
+    return out
+
+
+def _view(t: torch.Tensor, offset: int, shape) -> torch.Tensor:
+    """The contiguous run of ``t`` at element ``offset`` as ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    return t.reshape(-1)[offset:offset + n].view(tuple(shape))

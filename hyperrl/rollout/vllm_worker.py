@@ -18,6 +18,22 @@ from __future__ import annotations
 
 
 class WeightSyncExtension:
+    def hyperrl_params(self) -> dict:
+        """What the loaded model holds: each parameter's ``[name, local shape, dtype]`` and, per
+        parallel linear / embedding module, vLLM's own partition numbers (so the engine's layout is
+        read from the engine, not assumed) — plain data for msgpack."""
+        m = self.model_runner.get_model()
+        params = [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in m.named_parameters()]
+        keys = ("output_size_per_partition", "input_size_per_partition", "output_sizes", "num_embeddings_padded",
+                "org_vocab_size", "tp_size", "tp_rank", "total_num_kv_heads", "num_kv_head_replicas", "head_size")
+        mods = {}
+        for n, mod in m.named_modules():
+            found = {k: getattr(mod, k) for k in keys if isinstance(getattr(mod, k, None), int | list | tuple)}
+            if found:
+                mods[n] = {"type": type(mod).__name__, **{k: list(v) if isinstance(v, tuple) else v
+                                                         for k, v in found.items()}}
+        return {"params": params, "modules": mods}
+
     def _load(self, items) -> list:
         """Load ``(name, tensor)`` items; returns ``[count, seconds in the transport, seconds in
         vLLM's own reload]`` (the benchmark separates the two)."""

@@ -14,6 +14,8 @@ Executors ``(plan, rank, shards) -> {param: local tensor}``:
 
 * :class:`IdentityExecutor` — one process, the identity plan: whole-tensor views, no copy (the
   engine's commit copies — or, sharing the weights, copies nothing);
+* :class:`LocalExecutor` — one process into an engine that fuses or pads (vLLM's parameters):
+  each slice copied into place;
 * :class:`DirectExecutor` — :func:`~.execute.execute_direct` on ``torch.distributed``: exactly the
   planned slices, bucketed;
 * :class:`FullGatherExecutor` — the baseline: full tensors gathered and sent whole.
@@ -32,7 +34,7 @@ from .plan import Plan, reshard_plan
 from .spec import Spec
 
 __all__ = ["Publisher", "WeightPublishError", "source_layout", "cast_to_destination", "IdentityExecutor",
-           "DirectExecutor", "FullGatherExecutor"]
+           "LocalExecutor", "DirectExecutor", "FullGatherExecutor"]
 
 
 class WeightPublishError(RuntimeError):
@@ -102,6 +104,29 @@ class _IntoBuffers:
         return out
 
 
+class LocalExecutor(_IntoBuffers):
+    """One process, a destination that fuses or pads (an engine holding vLLM's ``qkv_proj``): every
+    transfer is a local copy of a slice into the engine's parameter."""
+
+    def _execute(self, plan, rank, shards, out) -> None:
+        for t in plan:
+            if not t.local:
+                raise LayoutError(f"{t.param}: a transfer from rank {t.src_rank} to {t.dst_rank} in a one-process plan")
+            dst = out[t.param][t.dst_slice.slices()]
+            dst.copy_(shards[t.tensor][t.src_slice.slices()].reshape(dst.shape))
+
+
+def _one_to_one(plan: Plan) -> bool:
+    """Every destination parameter is one source tensor, whole (the identity executor's case)."""
+    seen = set()
+    for t in plan:
+        if t.param in seen or t.src_slice.sizes != plan.src[t.tensor].shape or \
+                tuple(plan.dst.params[t.param].local_shape(0)) != t.dst_slice.sizes:
+            return False
+        seen.add(t.param)
+    return True
+
+
 class DirectExecutor(_IntoBuffers):
     """Exactly the planned slices, point to point, at most ``max_bytes`` staged per rank per bucket."""
 
@@ -130,8 +155,9 @@ class Publisher:
         self.src, self.dst = cast_to_destination(src, dst), dst
         self.engine, self.rank = engine, rank
         self.plan = reshard_plan(self.src, dst, fan_out=fan_out)  # checks compatibility, names listed
-        self.executor = executor or (IdentityExecutor() if len(self.src.ranks() | dst.ranks()) == 1
-                                     else DirectExecutor())
+        if executor is None and len(self.src.ranks() | dst.ranks()) == 1:
+            executor = IdentityExecutor() if _one_to_one(self.plan) else LocalExecutor()
+        self.executor = executor or DirectExecutor()
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, executor=None):

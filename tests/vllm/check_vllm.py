@@ -35,7 +35,9 @@ def main():
         lp = sequence_logprobs(logits, batch["tokens"])
         return float((lp - batch["rollout_logprobs"])[batch["action_mask"]].abs().max())
 
-    results = {"start_s": start_s, "diffs": [], "versions": [], "update_s": []}
+    lay = eng.layout(1)  # read from the loaded engine: vLLM's fused, padded parameters
+    results = {"start_s": start_s, "diffs": [], "versions": [], "update_s": [],
+               "layout": {k: list(p.local_shape(0)) for k, p in lay.params.items()}}
     b = eng.generate(prompts, sp, n=4)
     results["diffs"].append(diff(b))
     results["versions"].append(sorted(set(b["policy_version"].tolist())))
@@ -49,8 +51,10 @@ def main():
         eng.transport = transport
         results["transports"].append(transport)
         t0 = time.perf_counter()
-        if v == 3:  # staged in pieces: begin → stage × 2 → commit
-            sd = list(model.state_dict().items())
+        if v == 3:  # the engine's own (fused) parameters staged in pieces: begin → stage × 2 → commit
+            from hyperrl.sharding.simulate import expected_destination
+
+            sd = list(expected_destination(eng.layout(1), model.state_dict(), ranks=[0])[0].items())
             eng.begin(v)
             eng.stage(sd[:5])
             eng.stage(dict(sd[5:]))
