@@ -224,7 +224,8 @@ class VLLMEngine(TransactionalEngine):
         self._txn.add(name, t)
         if self.transport == "shm":
             view = self._slot(name)
-            view.copy_(t.detach().reshape(view.shape))
+            if t.data_ptr() != view.data_ptr():  # a publisher that filled buffers() wrote it in place
+                view.copy_(t.detach().reshape(view.shape))
             self._txn.staged[name] = view  # no reference to the trainer's tensor is kept
         elif self.transport == "cuda_ipc":
             self._txn.staged[name] = t.detach().to(self.dtype).contiguous()
@@ -271,6 +272,14 @@ class VLLMEngine(TransactionalEngine):
         # seconds of the last commit inside vLLM's own reload (the same for every transport), worker 0
         self.last_reload_s = float(res[0][2])
         self.llm.reset_prefix_cache()
+
+    def buffers(self) -> dict[str, torch.Tensor] | None:
+        """With ``transport="shm"``: the shared segment's slot of every parameter, for a publisher
+        to fill in place (its padding rows are never written: zeros since the segment was made).
+        The worker reads the segment only at commit, so an aborted publication leaves V intact."""
+        if self.transport != "shm":
+            return None
+        return {name: self._slot(name) for name in self._shapes}
 
     def _views(self, name: str, t: torch.Tensor) -> list:
         """``[(checkpoint name, element offset, shape)]`` of an engine parameter (itself when unfused)."""

@@ -71,8 +71,8 @@ def cast_to_destination(src: Layout, dst: DstLayout) -> Layout:
 class IdentityExecutor:
     """One process: each transfer of the identity plan is a whole tensor — pass views, copy nothing."""
 
-    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor], into=None) -> dict[str, torch.Tensor]:
+        out = {}  # views: the engine's staging copies them (``into`` is not needed)
         for t in plan:
             view = shards[t.tensor][t.src_slice.slices()]
             if tuple(view.shape) != tuple(shards[t.tensor].shape) or t.param in out:
@@ -98,8 +98,10 @@ class _IntoBuffers:
 
     max_bytes: int = 128 << 20
 
-    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = _buffers(plan, rank, _device(shards))
+    def __call__(self, plan: Plan, rank: int, shards: dict[str, torch.Tensor], into=None) -> dict[str, torch.Tensor]:
+        """``into``: the engine's own staging memory (``engine.buffers()``, zeros where padded) to
+        fill in place — the pieces then need no second copy; else fresh buffers."""
+        out = into if into is not None else _buffers(plan, rank, _device(shards))
         self._execute(plan, rank, shards, out)
         return out
 
@@ -170,7 +172,9 @@ class Publisher:
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's destination pieces, by engine parameter name."""
-        return self.executor(self.plan, self.rank, self.shards(model))
+        into = self.engine.buffers() if self.engine is not None and hasattr(self.engine, "buffers") else None
+        extra = {} if into is None else {"into": into}  # executors ``(plan, rank, shards)`` stay valid
+        return self.executor(self.plan, self.rank, self.shards(model), **extra)
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Publish ``model`` as ``version`` through the engine's transaction (all-or-nothing: a
