@@ -369,9 +369,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
 
     tp, eng = cfg.run.tp, cfg.rollout.engine
     etp = int(eng.args.get("tp", 1)) if eng.name == "transformers" else 1
-    if etp not in (1, tp):
-        raise ConfigError(f"rollout.engine.tp={etp}: the engine's TP groups must be the trainer's (run.tp={tp}) or "
-                          f"absent (tp: 1, a whole copy per rank) — the ranks of a TP group generate one batch")
+    if etp != tp:  # the TP engine broadcasts its group's sampled tokens: the ranks of a TP group train on one batch
+        raise ConfigError(f"rollout.engine={eng.name} with tp={etp}: run.tp={tp} needs the engine split the same "
+                          f"way — rollout.engine={{name: transformers, tp: {tp}}} — so that the ranks of a TP group "
+                          f"generate one batch together (separate engines may sample different rows)")
     if tp == 1:
         return
     import torch.distributed as dist

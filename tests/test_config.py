@@ -141,3 +141,20 @@ def test_resolved_config_round_trips_through_json(tmp_path):
         y = tmp_path / f"{name}.yaml"
         y.write_text(json.dumps(cfg.to_dict()))  # JSON is YAML: a run's config.json reloads to itself
         assert load_config(y) == cfg
+
+
+def test_tensor_parallel_settings_are_checked_at_load(monkeypatch):
+    with pytest.raises(ConfigError, match="run.tp=2: needs torchrun"):
+        load_config(None, ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="needs the engine split the same way"):
+        load_config(None, ["--run.tp=2"])  # a whole engine per rank could sample different rows per TP peer
+    with pytest.raises(ConfigError, match="needs the engine split the same way"):
+        load_config(None, ["--rollout.engine={name: transformers, tp: 2}"])
+    with pytest.raises(ConfigError, match="model.lora"):
+        load_config(None, ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}", "--model.lora={r: 4}"])
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        load_config(None, ["--run.tp=4", "--rollout.engine={name: transformers, tp: 4}"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert load_config(None, ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"]).run.tp == 2
