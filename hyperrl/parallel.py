@@ -191,8 +191,9 @@ class TorchDataParallel(LocalParallel):
         """Σ over the TP group of the TP-partial gradients among ``params`` (one coalesced
         all-reduce of their local shards; FSDP's reduce over ``dp`` is linear, so the order is free)."""
         mine = {id(p) for p in params}
-        gs = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-              for p in self._tp_partial if id(p) in mine and p.grad is not None]
+        from .sharding.dtensor import local
+
+        gs = [local(p.grad) for p in self._tp_partial if id(p) in mine and p.grad is not None]
         if not gs:
             return
         flat = torch.cat([g.reshape(-1) for g in gs])
