@@ -86,9 +86,10 @@ def recipe_config(name: str) -> dict:
 TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout_logprobs", "policy_version",
                              "group_id"})
 # reward/reward_components: the task's rewards; old_logprobs: the learner's forward; values: a critic;
-# ref_logprobs: a reference model; baseline_reward: a greedy rollout per prompt
+# ref_logprobs: a reference model; baseline_reward: a greedy rollout per prompt; token_rewards: the
+# rewards' per-token split (RewardSet.token_rewards)
 RUN_PRODUCES = frozenset({"reward", "reward_components", "old_logprobs", "values", "ref_logprobs",
-                          "baseline_reward"})
+                          "baseline_reward", "token_rewards"})
 
 
 def registries() -> dict[str, Registry]:

@@ -160,6 +160,29 @@ class RewardSet:
                 metrics[f"reward_{r.name}_{key}_mean"] = sum(got) / len(got)
         return comps, applicable, metrics
 
+    def token_rewards(self, pieces: list[list], samples: list, comps: torch.Tensor,
+                      applicable: torch.Tensor) -> list[list[float]]:
+        """Step rewards per response token, ``Σ_t = `` the row's total reward: each reward with a
+        ``token_credit(pieces, sample)`` split (a registered function's attribute, e.g.
+        ``digit_credit``) spreads its weighted value over the tokens; every other reward lands on
+        the last token (verl's outcome placement). ``pieces[i]``: row i's token texts (None = stop)."""
+        out = []
+        for i, (row, s) in enumerate(zip(pieces, samples)):
+            credit, rest = [0.0] * len(row), 0.0
+            for k, r in enumerate(self.rewards):
+                split = getattr(r.fn, "token_credit", None) if r.style == "hyperrl" else None
+                if not bool(applicable[i, k]):
+                    continue
+                if split is None or not row:
+                    rest += r.weight * float(comps[i, k])
+                    continue
+                for t, v in enumerate(split(row, s, **r.kwargs)):
+                    credit[t] += r.weight * v
+            if row:
+                credit[-1] += rest
+            out.append(credit)
+        return out
+
     def total(self, comps: torch.Tensor) -> torch.Tensor:
         return (comps * self.weights).sum(-1)
 

@@ -24,7 +24,8 @@ from .envs.rewards import REWARDS, RewardName
 from .registry import Registry
 from .tokenizer import encode_prompt
 
-__all__ = ["TASKS", "register_task", "ModSumTask", "FileTask", "ParquetTask", "make_task"]
+__all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "arith_problems", "FileTask", "ParquetTask",
+           "make_task"]
 
 TASKS: Registry = Registry("task")
 register_task = TASKS.register
@@ -64,6 +65,72 @@ class ModSumTask:
 
     def reward(self, response: str, sample: Sample) -> float:
         """The first reward (what evaluation reports)."""
+        return float(self.rewards[0][1](response, sample))
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+
+def arith_problems(ops: str, lo: int, hi: int) -> list[tuple[int, str, int, int]]:
+    """Every ``(a, op, b, answer)`` with operands in ``lo..hi`` (``-`` only for ``a ≥ b``: answers
+    are never negative), in a fixed order."""
+    out = []
+    for op in ops:
+        for a in range(lo, hi + 1):
+            for b in range(lo, hi + 1):
+                if op == "+":
+                    out.append((a, op, b, a + b))
+                elif a >= b:
+                    out.append((a, op, b, a - b))
+    return out
+
+
+@dataclass
+class ArithTask:
+    """Two-operand addition / subtraction, generated in code: prompt ``"37+48="``, answer ``"85"``
+    (1–3 digits; the policy must end it with EOS). ``held_out`` problems — a fixed fraction of all
+    ``(a, op, b)``, drawn with ``split_seed`` (the same for every run seed, so runs compare on one
+    held-out set) — are never trained on."""
+
+    tokenizer: object
+    ops: str = "+-"
+    min_operand: int = 0
+    max_operand: int = 99
+    held_out_frac: float = 0.1
+    split_seed: int = 0
+    seed: int = 0
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("exact_answer",), "task.rewards"))
+
+    def __post_init__(self):
+        probs = arith_problems(self.ops, self.min_operand, self.max_operand)
+        order = np.random.default_rng([self.split_seed, 7]).permutation(len(probs))
+        n_eval = max(1, round(self.held_out_frac * len(probs)))
+        self._eval = [probs[i] for i in order[:n_eval]]
+        self._train = [probs[i] for i in np.sort(order[n_eval:])]
+
+    @staticmethod
+    def _sample(p: tuple[int, str, int, int]) -> Sample:
+        a, op, b, ans = p
+        return Sample(f"{a}{op}{b}=", str(ans), f"arith:{a}{op}{b}", {})
+
+    def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
+        """``k`` training problems for ``step``, uniformly with replacement — a pure function of
+        (seed, step, attempt), so resumed runs see the same data."""
+        key = [self.seed, step] if attempt == 0 else [self.seed, step, attempt]
+        idx = np.random.default_rng(key).integers(0, len(self._train), size=k)
+        return [self._sample(self._train[i]) for i in idx.tolist()]
+
+    def held_out(self, k: int) -> list[Sample]:
+        """The first ``k`` held-out problems (all of them when fewer)."""
+        return [self._sample(p) for p in self._eval[:k]]
+
+    def encode(self, sample: Sample) -> list[int]:
+        return encode_prompt(self.tokenizer, sample.prompt)
+
+    def reward(self, response: str, sample: Sample) -> float:
         return float(self.rewards[0][1](response, sample))
 
     def state(self) -> dict:
@@ -161,6 +228,23 @@ def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
     if not 2 <= modulus <= 10:
         raise ValueError(f"task.modulus={modulus}: answers must be single digits (2 ≤ modulus ≤ 10)")
     return ModSumTask(tokenizer, modulus, max_operand, seed, _reward_fns(rewards, "task.rewards"))
+
+
+@register_task("arith", produces=("reward",))
+def arith(tokenizer, seed: int, *, ops: str = "+-", min_operand: int = 0, max_operand: int = 99,
+          held_out_frac: float = 0.1, split_seed: int = 0,
+          rewards: tuple[RewardName, ...] = ("exact_answer",)) -> ArithTask:
+    """``a op b`` for ``op`` in ``ops`` (``+``, ``-``: ``a ≥ b``) with operands ``min_operand..max_operand``
+    (two digits by default: answers of 1–3 digits + EOS, carries and borrows included), a fixed
+    ``held_out_frac`` of the problems held out for evaluation; reward: exact match."""
+    if not ops or set(ops) - {"+", "-"} or len(set(ops)) != len(ops):
+        raise ValueError(f"task.ops={ops!r}: a string of distinct operators from '+-'")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"task.min_operand={min_operand}, task.max_operand={max_operand}: need 0 ≤ min ≤ max")
+    if not 0 < held_out_frac < 1:
+        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
+    return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, seed,
+                     _reward_fns(rewards, "task.rewards"))
 
 
 @register_task("parquet", produces=("reward",))

@@ -101,9 +101,20 @@ def encode_prompt(tok, prompt: str | list, *, tools: list | None = None) -> list
     return _ids(tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, **kw))
 
 
-def decode_response(tok, ids) -> str:
-    """The text a reward or an environment reads: special tokens (EOS, padding) dropped."""
-    return tok.decode([int(i) for i in ids], skip_special_tokens=True)
+def decode_response(tok, ids, stops=()) -> str:
+    """The text a reward or an environment reads: stop tokens (``eos_token_id`` and ``stops``: a
+    turn's end) and the padding after one dropped; every other token rendered — a special token
+    the policy sampled mid-answer stays visible. (``skip_special_tokens=True``, what verl and TRL
+    decode with, hides it: a policy learns to pad ``"8<pad>5"`` into the reward's ``"85"``.)"""
+    stop = {int(i) for i in stops} | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    keep, ended = [], False
+    for i in (int(i) for i in ids):
+        if i in stop or (ended and i == tok.pad_token_id):
+            ended = True
+            continue
+        keep.append(i)
+        ended = False
+    return tok.decode(keep, skip_special_tokens=False)
 
 
 def check_vocab(tok, model_vocab: int, where: str = "model") -> None:

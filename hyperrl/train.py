@@ -167,7 +167,16 @@ def _tensor_parallel(module, tp: int, device: torch.device, dtype: torch.dtype):
     return parallelize(module, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
 
 
-def plot_rewards(jsonl: Path, png: Path) -> None:
+def _series(rows: list[dict], key: str) -> tuple[list, list]:
+    got = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [s for s, _ in got], [v for _, v in got]
+
+
+def plot_rewards(jsonl: Path, png: Path) -> dict[str, list[str]]:
+    """What a run shows, one panel each: train and held-out reward (mean@k, and pass@k when
+    ``run.eval_n`` > 1; each named reward's held-out mean when there are several), the policy's
+    entropy, response length (train and held-out) and — in multi-turn runs — the tool-call rate.
+    Returns each panel's title → the labels of the series drawn in it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,18 +185,38 @@ def plot_rewards(jsonl: Path, png: Path) -> None:
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     steps = [r for r in rows if r["event"] == "step"]
     evals = [r for r in rows if r["event"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in steps], [r["reward_mean"] for r in steps], label="train reward (batch mean)", lw=1)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_reward_mean"] for r in evals], "o-", label="held-out reward")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    tools = any("tool_call_rate" in r for r in steps)
+    fig, axes = plt.subplots(1, 4 if tools else 3, figsize=(16 if tools else 13, 3.8))
+    ax = axes[0]
+    ax.plot(*_series(steps, "reward_mean"), label="train reward (batch mean)", lw=1)
+    k = evals[-1].get("eval_n", 1) if evals else 1
+    ax.plot(*_series(evals, "eval_reward_mean"), "o-", label=f"held-out mean@{k}")
+    if k > 1:
+        ax.plot(*_series(evals, "eval_pass_at_k"), "s--", label=f"held-out pass@{k}")
+    for key in sorted({key for r in evals for key in r if key.startswith("eval_reward_") and key.endswith("_mean")}
+                      - {"eval_reward_mean"}):
+        ax.plot(*_series(evals, key), ".:", label=f"held-out {key[len('eval_reward_'):-len('_mean')]}")
+    ax.set_title("reward")
+    panels = [(axes[1], "entropy", [("entropy", "train (action tokens)")]),
+              (axes[2], "response length (tokens)", [("response_len_mean", "train"),
+                                                     ("eval_response_len_mean", "held-out")])]
+    if tools:
+        panels.append((axes[3], "tool-call rate", [("tool_call_rate", "train"), ("eval_tool_call_rate", "held-out")]))
+    for a, title, keys in panels:
+        for key, label in keys:
+            src = evals if key.startswith("eval_") else steps
+            a.plot(*_series(src, key), "o-" if src is evals else "-", lw=1, label=label)
+        a.set_title(title)
+    for a in axes:
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
+    drawn = {a.get_title(): a.get_legend_handles_labels()[1] for a in axes}
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return drawn
 
 
 def _progress(total: int, start: int):

@@ -99,6 +99,9 @@ class SyncTrainer:
         if "values" in needs and critic is None:
             raise ValueError(f"algo.advantage={cfg.algo.advantage.name!r} needs a critic's values (pass "
                              "critic=ValueModel(...); hyperrl train builds one)")
+        if "token_rewards" in needs and make_env is not None:
+            raise ValueError(f"algo.advantage={cfg.algo.advantage.name!r} needs per-token step rewards, which a "
+                             "multi-turn run (env) does not produce; use an outcome advantage (grpo, rloo, …)")
         self.reference, self.critic, self.make_env = reference, critic, make_env
         self.device = next(policy.parameters()).device
         self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
@@ -196,7 +199,7 @@ class SyncTrainer:
             weights.append(torch.ones(1))
         rs = self.reward_set
         if rs is not None:
-            texts = [decode_response(self.tok, i) for i in ids]
+            texts = [decode_response(self.tok, i, self._stop_ids) for i in ids]
             c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
             comps.append(c)
             app.append(a)
@@ -204,7 +207,21 @@ class SyncTrainer:
             self._reward_extra.update(extra)
         comps, app = torch.cat(comps, -1), torch.cat(app, -1)
         total = (comps * torch.cat(weights)).sum(-1)
-        return batch.copy().set("reward_components", comps).set("reward_applicable", app).set("reward", total)
+        out = batch.copy().set("reward_components", comps).set("reward_applicable", app).set("reward", total)
+        if "token_rewards" in self.pipeline.needs:
+            out.set("token_rewards", self._token_rewards(batch, ids, rows, comps, app))
+        return out
+
+    def _token_rewards(self, batch: TensorDict, ids: list[list[int]], rows: list, comps, app) -> torch.Tensor:
+        """``token_rewards`` ``[B, T]`` on the action tokens (:meth:`RewardSet.token_rewards`);
+        they sum to each row's ``reward``."""
+        stops = {self.tok.eos_token_id, *self._stop_ids}
+        pieces = [[None if t in stops else decode_response(self.tok, [t]) for t in row] for row in ids]
+        credit = self.reward_set.token_rewards(pieces, rows, comps, app)
+        out = torch.zeros(batch["action_mask"].shape, dtype=torch.float32)
+        m = batch["action_mask"].bool()
+        out[m] = torch.tensor([v for row in credit for v in row], dtype=torch.float32)
+        return out
 
     def collect(self, timer: _Timer) -> tuple[TensorDict, dict]:
         """This rank's share of ``prompts_per_step`` groups, rewarded and shaped. With a filter the
@@ -367,6 +384,9 @@ class SyncTrainer:
                "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
                "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
                "response_len_mean": float(m.sum(-1).float().mean())}
+        if "tool_calls" in batch.keys():  # multi-turn: how often the policy used a tool
+            calls = batch["tool_calls"].float()
+            out["tool_call_rate"], out["tool_calls_mean"] = float((calls > 0).float().mean()), float(calls.mean())
         comps = batch["reward_components"] if "reward_components" in batch.keys() else None
         if comps is not None and comps.shape[1] > 1:  # each reward over the rows it applies to
             app = batch["reward_applicable"]
@@ -396,6 +416,8 @@ class SyncTrainer:
             best = torch.full((len(samples),), float("-inf")).scatter_reduce(0, g, r, "amax")
             sums = {"rows": r.numel(), "prompts": len(samples), "reward": float(r.sum()), "best": float(best.sum()),
                     "len": float(batch["action_mask"].sum())}
+            if "tool_calls" in batch.keys():
+                sums["tool_rows"] = float((batch["tool_calls"] > 0).sum())
             comps, app = batch["reward_components"], batch["reward_applicable"]
             if comps.shape[1] > 1:
                 for j, name in enumerate(self.reward_names):
@@ -408,6 +430,8 @@ class SyncTrainer:
                              "validation data)")
         metrics = {"step": self.step_idx, "eval_reward_mean": sums["reward"] / rows,
                    "eval_pass_at_k": sums["best"] / prompts, "eval_n": k, "eval_response_len_mean": sums["len"] / rows}
+        if "tool_rows" in sums:
+            metrics["eval_tool_call_rate"] = sums["tool_rows"] / rows
         for key in sorted(sums):
             if key.startswith("r/") and sums[f"n/{key[2:]}"]:
                 metrics[f"eval_reward_{key[2:]}_mean"] = sums[key] / sums[f"n/{key[2:]}"]

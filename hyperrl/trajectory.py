@@ -21,6 +21,7 @@ optional: ``token_rewards``,  ``[B, T]``   float32   per-token reward / critic v
 ``values``, ``old_logprobs``,                        reference log-probs, advantages, returns
 ``ref_logprobs``,
 ``advantages``, ``returns``
+optional: ``tool_calls``      ``[B]``      int64     tool calls the environment ran in the episode
 ============================  ===========  ========  =============================================
 
 **Alignment convention (used everywhere in hyperrl).** Every per-token field is aligned with
@@ -81,6 +82,7 @@ FIELDS: dict[str, _Field] = {
     "ref_logprobs": _Field(_F32, True, False, finite=True),
     "advantages": _Field(_F32, True, False, finite=True),
     "returns": _Field(_F32, True, False, finite=True),
+    "tool_calls": _Field(torch.int64, False, False),
 }
 TOKEN_FIELDS = tuple(k for k, f in FIELDS.items() if f.per_token)
 SEQ_FIELDS = tuple(k for k, f in FIELDS.items() if not f.per_token)

@@ -13,6 +13,7 @@ from hyperrl.transforms import (
     gpg_advantages,
     grpo_advantages,
     grpo_passk_advantages,
+    grpo_process_advantages,
     normalize_then_sum_advantages,
     opo_advantages,
     register_advantage,
@@ -222,6 +223,7 @@ def test_every_estimator_runs_through_adapter(name):
     b["values"] = torch.randn(8, 12)
     b["baseline_reward"] = torch.rand(8)
     b["reward_components"] = torch.rand(8, 2)
+    b["token_rewards"] = torch.where(b["action_mask"], torch.rand(8, 12), 0.0)
     if name == "grpo_passk":
         b["reward"] = torch.arange(8).float()
     out = compute_advantages(b, name)
@@ -287,3 +289,41 @@ def _traj_for_gae():
                            rollout_logprobs=torch.zeros(B, T_), policy_version=torch.zeros(B, dtype=torch.long),
                            group_id=torch.arange(B), reward=torch.tensor([1.0, 0.0, 0.5, 2.0]),
                            values=torch.linspace(0, 1, B * T_).reshape(B, T_))
+
+
+def test_grpo_process_golden():
+    # one group of two rows, steps on every action token (the last 3 positions):
+    # row 0 step rewards [1, 1, 0], row 1 [1, 0, 0] → pooled μ = 3/6 = 0.5, σ² = 6·0.25/5 = 0.3;
+    # r̃ = (r − 0.5)/√0.3 = ±0.9129; A_t = Σ_{j ≥ t} r̃_j:
+    # row 0: [k + k − k, k − k, −k] = [k, 0, −k]; row 1: [k − k − k, −2k, −k] with k = 0.9129
+    m = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    r = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 0]], dtype=torch.float32)
+    a = grpo_process_advantages(r, m, torch.tensor([0, 0]), m, eps=0.0)
+    k = 0.5 / math.sqrt(0.3)
+    torch.testing.assert_close(a, torch.tensor([[0, k, 0, -k], [0, -k, -2 * k, -k]]))
+
+
+@given(st.integers(0, 10_000), st.integers(1, 4))
+def test_grpo_process_with_one_outcome_step_per_row_is_grpo(seed, group_size):
+    # a single step per row, on its last action token: the pooled step statistics are the group's
+    # outcome statistics and every token's reward-to-go is that one step → GRPO broadcast
+    b = random_batch(B=8, T=12, group_size=group_size, seed=seed)
+    m = b["action_mask"]
+    last = torch.where(m, torch.arange(12), -1).amax(-1)
+    steps = torch.zeros_like(m)
+    steps[torch.arange(8), last] = True
+    r = torch.where(steps, b["reward"][:, None], 0.0)
+    got = grpo_process_advantages(r, steps, b["group_id"], m)
+    want = grpo_advantages(b["reward"], b["group_id"])
+    torch.testing.assert_close(got, torch.where(m, want[:, None], 0.0))
+
+
+def test_grpo_process_constant_group_is_zero_and_bad_steps_are_named():
+    b = random_batch(B=4, T=8, group_size=4, seed=1)
+    m = b["action_mask"]
+    assert (grpo_process_advantages(torch.where(m, 0.5, 0.0), m, b["group_id"], m) == 0).all()
+    prompt = ~m & b["attention_mask"]
+    with pytest.raises(ValueError, match="step_mask: a step reward off the action tokens"):
+        grpo_process_advantages(torch.zeros(4, 8), m | prompt, b["group_id"], m)
+    with pytest.raises(KeyError, match="token_rewards: grpo_process needs"):
+        compute_advantages(b, "grpo_process")

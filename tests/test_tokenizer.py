@@ -145,6 +145,7 @@ def test_a_hermes_episode_is_token_first_and_matches_the_template():
     batch, builders = run_episodes(eng, env, [sample], BPE, sp, limits=Limits(max_turns=3, max_obs_tokens=64,
                                                                                  max_episode_tokens=512))
     assert float(batch["reward"][0]) == 1.0  # "56" is the GSM8K answer of the final turn
+    assert batch["tool_calls"].tolist() == [1]  # the calculator ran once (the tool-call rate's count)
     toks = batch["tokens"][0][batch["attention_mask"][0]].tolist()
     whole = [{"role": "user", "content": "What is 7 * 8?"}, {"role": "assistant", "content": CALL},
              {"role": "tool", "name": "calculator", "content": "56"},

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from tensordict import TensorDict
 
 from ..registry import Registry
@@ -111,7 +112,7 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
     record exactly which tokens came from where).
     """
 
-    envs, builders, rewards, groups, chats = [], [], [], [], []
+    envs, builders, rewards, groups, chats, calls = [], [], [], [], [], []
     for i, s in enumerate(samples):
         for _ in range(n):
             env = make_env()
@@ -121,6 +122,7 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             builders.append(EpisodeBuilder(encode_prompt(tokenizer, first, tools=tools)))
             chats.append(list(first) if isinstance(first, list) else None)  # the conversation so far
             rewards.append(0.0)
+            calls.append(0)
             groups.append(group_offset + i)
     active = [len(b) < limits.max_episode_tokens for b in builders]
     version = engine.policy_version
@@ -140,9 +142,10 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             lps = out["rollout_logprobs"][row][m].tolist()
             b = builders[i]
             b.add_action(ids, lps)
-            text = decode_response(tokenizer, ids)
+            text = decode_response(tokenizer, ids, sp.stops)
             res = envs[i].step(text)
             rewards[i] += float(res.reward)
+            calls[i] += int((res.info or {}).get("tool_calls", 0))
             room = min(limits.max_obs_tokens, limits.max_episode_tokens - len(b))
             done = res.done
             if res.observation and not done and room > 0:
@@ -162,4 +165,5 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
                         done = True
             active[i] = not done and len(b) < limits.max_episode_tokens
     rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
-    return stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0)), builders
+    batch = stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0))
+    return batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64)), builders

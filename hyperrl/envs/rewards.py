@@ -11,7 +11,7 @@ from pydantic import AfterValidator
 from ..registry import Registry
 
 __all__ = ["REWARDS", "register_reward", "extract_gsm8k_answer", "normalize_number", "gsm8k_exact", "first_char_exact",
-           "starts_with_digit", "RewardName"]
+           "exact_answer", "digit_credit", "starts_with_digit", "RewardName"]
 
 REWARDS: Registry = Registry("reward function")
 register_reward = REWARDS.register
@@ -62,6 +62,53 @@ def gsm8k_exact(response: str, sample) -> float:
 def first_char_exact(response: str, sample) -> float:
     """1.0 when the response's first character is the answer (the ``modsum`` task's reward)."""
     return float(response[:1] == str(sample.answer))
+
+
+@register_reward("exact_answer")
+def exact_answer(response: str, sample) -> float:
+    """1.0 when the response (special tokens dropped) is exactly the answer, else 0.0 — with
+    ``rollout.max_new_tokens`` one more than the longest answer, a match has stopped (EOS): a
+    longer or unfinished response differs (the ``arith`` task's reward)."""
+    return float(response == str(sample.answer))
+
+
+@register_reward("digit_credit")
+def digit_credit(response: str, sample) -> float:
+    """Dense credit for a numeric answer: the longest common prefix of ``response + EOS`` and
+    ``answer + EOS``, over ``len(answer) + 1`` — each leading digit right earns a share and
+    stopping after the last one earns the last share; 1.0 exactly when :func:`exact_answer` is 1.
+    E.g. answer ``"85"``: ``"85"`` → 1, ``"8"`` → 1/3, ``"84"`` → 1/3, ``"851"`` → 2/3, ``"5"`` → 0."""
+    ans, n = str(sample.answer), 0
+    for r, a in zip(response + "\0", ans + "\0"):
+        if r != a:
+            break
+        n += 1
+    return n / (len(ans) + 1)
+
+
+def _digit_credit_tokens(pieces: list, sample) -> list[float]:
+    """:func:`digit_credit` split over the response's tokens (``pieces``: each token's text, None
+    for the stop token): a token earns the shares of the target characters it extends the matched
+    prefix by; the stop earns the last share when it comes right after the whole answer. The
+    shares sum to ``digit_credit(''.join(pieces), sample)`` (tested)."""
+    target = str(sample.answer)
+    share, pos, alive, out = 1 / (len(target) + 1), 0, True, []
+    for p in pieces:
+        gain = 0
+        if alive and p is None:
+            gain, alive = (1 if pos == len(target) else 0), False
+        elif alive:
+            for c in p:
+                if pos < len(target) and c == target[pos]:
+                    pos, gain = pos + 1, gain + 1
+                else:
+                    alive = False
+                    break
+        out.append(gain * share)
+    return out
+
+
+digit_credit.token_credit = _digit_credit_tokens  # per-token step rewards (process-supervised GRPO)
 
 
 @register_reward("starts_with_digit")

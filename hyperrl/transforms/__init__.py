@@ -16,6 +16,7 @@ from .advantages import (
     gpg_advantages,
     grpo_advantages,
     grpo_passk_advantages,
+    grpo_process_advantages,
     masked_whiten,
     normalize_then_sum_advantages,
     opo_advantages,
@@ -86,7 +87,8 @@ __all__ = [
     # advantages
     "grpo_advantages", "dr_grpo_advantages", "batch_std_advantages", "rloo_advantages", "opo_advantages",
     "gpg_advantages", "grpo_passk_advantages", "normalize_then_sum_advantages", "gae", "reinforce_pp_returns",
-    "reinforce_pp_baseline_advantages", "remax_advantages", "discounted_returns", "masked_whiten",
+    "reinforce_pp_baseline_advantages", "remax_advantages", "grpo_process_advantages", "discounted_returns",
+    "masked_whiten",
     "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
     # objectives
     "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "clip_cov", "kl_cov", "value_loss",

@@ -35,6 +35,7 @@ __all__ = [
     "reinforce_pp_returns",
     "reinforce_pp_baseline_advantages",
     "remax_advantages",
+    "grpo_process_advantages",
     "discounted_returns",
     "masked_whiten",
     "scores_to_token_rewards",
@@ -293,6 +294,40 @@ def remax_advantages(
     return torch.where(mask.bool(), G - baseline.float()[:, None], 0), G
 
 
+def grpo_process_advantages(
+    token_rewards: torch.Tensor, step_mask: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor, *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO with process supervision (Shao et al. 2024, DeepSeekMath §4.1.3): every step reward
+    ``r_{i,j}`` (at the positions ``step_mask`` ``[B, T]`` marks) is normalised by the mean and
+    (unbiased) std of all step rewards of its group, ``r̃ = (r − μ_g)/(σ_g + eps)``, and a token's
+    advantage is the sum of the normalised rewards of the steps at or after it in its row,
+    ``A_{i,t} = Σ_{j ≥ t} r̃_{i,j}`` ``[B, T]`` (0 off ``action_mask``). A group whose step rewards
+    are all equal gets 0. Steps must lie on action tokens."""
+    m, st = action_mask.bool(), step_mask.bool()
+    if st.shape != m.shape or token_rewards.shape != m.shape:
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, step_mask {tuple(st.shape)} and action_mask "
+                         f"{tuple(m.shape)} must have one shape [B, T]")
+    if bool((st & ~m).any()):
+        raise ValueError("step_mask: a step reward off the action tokens (prompt or observation); steps must be "
+                         "tokens the policy sampled")
+    r = torch.where(st, token_rewards.float(), 0)
+    B = r.shape[0]
+    from .groups import dense_group_index
+
+    idx = dense_group_index(group_ids)
+    n = segment_sum(st.float().sum(-1), idx, B)
+    mean = segment_sum(r.sum(-1), idx, B) / n.clamp_min(1)
+    dev = torch.where(st, r - mean.index_select(0, idx)[:, None], 0)
+    std = (segment_sum((dev * dev).sum(-1), idx, B) / (n - 1).clamp_min(1)).sqrt()
+    lo = torch.where(st, r, float("inf")).amin(-1)
+    hi = torch.where(st, r, float("-inf")).amax(-1)
+    const = (torch.full((B,), float("inf")).scatter_reduce(0, idx, lo, "amin") ==
+             torch.full((B,), float("-inf")).scatter_reduce(0, idx, hi, "amax")) | (n <= 1)
+    norm = torch.where(const.index_select(0, idx)[:, None], 0, dev / (std.index_select(0, idx)[:, None] + eps))
+    return discounted_returns(norm, m, gamma=1.0)
+
+
 # ----------------------------------------------------------------------------- registry + adapter
 
 ADVANTAGES: Registry = Registry("advantage estimator")
@@ -385,6 +420,16 @@ def _remax(batch, *, baseline_key="baseline_reward"):
         raise KeyError(f"{baseline_key}: remax needs the greedy rollout's reward [B] under this key")
     adv, ret = remax_advantages(_token_rewards(batch), batch["action_mask"], batch[baseline_key])
     return {"advantages": adv, "returns": ret}
+
+
+@register_advantage("grpo_process", needs=("token_rewards",), produces=("advantages",))
+def _grpo_process(batch, *, eps=1e-6, step_key="step_mask"):
+    if "token_rewards" not in batch.keys():
+        raise KeyError("token_rewards: grpo_process needs per-token step rewards [B, T] (a task with token credit, "
+                       "e.g. arith's digit_credit, fills them)")
+    steps = batch[step_key] if step_key in batch.keys() else batch["action_mask"]
+    return {"advantages": grpo_process_advantages(batch["token_rewards"], steps, batch["group_id"],
+                                                  batch["action_mask"], eps=eps)}
 
 
 def compute_advantages(batch: TensorDict, estimator="grpo", **kwargs) -> TensorDict:

@@ -1,0 +1,122 @@
+"""The in-code tasks (arith), their rewards, the per-token credit split, and what a reward reads."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyperrl.config import load_config
+from hyperrl.envs.rewards import REWARDS, digit_credit, exact_answer
+from hyperrl.tasks import TASKS, arith_problems
+from hyperrl.tokenizer import char_tokenizer, decode_response
+from hyperrl.train import build_trainer
+
+CHAR = char_tokenizer()
+
+
+def test_arith_problems_cover_every_pair_and_never_go_negative():
+    p = arith_problems("+-", 0, 99)
+    assert len(p) == 100 * 100 + 100 * 101 // 2  # every sum; differences only for a ≥ b
+    assert all(ans >= 0 and ans == (a + b if op == "+" else a - b) for a, op, b, ans in p)
+    assert {len(str(ans)) for *_, ans in p} == {1, 2, 3}
+    assert len(arith_problems("+", 10, 19)) == 100
+
+
+def test_arith_holds_out_problems_it_never_trains_on():
+    task = TASKS.build("arith")(CHAR, 0)
+    held = {s.prompt for s in task.held_out(10**6)}
+    assert len(held) == round(0.1 * len(arith_problems("+-", 0, 99)))
+    seen = {s.prompt for step in range(50) for s in task.sample(64, step)}
+    assert not held & seen and len(seen) > 2000
+    # the split is the run seed's business only for the training draw: every seed evaluates on one set
+    assert {s.prompt for s in TASKS.build("arith")(CHAR, 7).held_out(10**6)} == held
+    assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in TASKS.build("arith")(CHAR, 0).sample(8, 3)]
+    s = task.sample(1, 0)[0]
+    a, op, b = s.prompt[:-1].replace("-", " - ").replace("+", " + ").split()
+    assert s.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert task.encode(s) == CHAR.encode(s.prompt)
+
+
+@pytest.mark.parametrize("args, match", [({"ops": "*"}, "task.ops"), ({"ops": "++"}, "task.ops"),
+                                         ({"min_operand": 5, "max_operand": 3}, "min_operand"),
+                                         ({"held_out_frac": 1.0}, "held_out_frac")])
+def test_arith_bad_hyperparameters_are_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        TASKS.build("arith", **args)(CHAR, 0)
+
+
+class _S:
+    def __init__(self, answer):
+        self.answer = answer
+
+
+def test_exact_and_digit_credit_golden():
+    # answer "85": target "85⏹" (3 shares of 1/3); the longest common prefix earns its shares
+    for resp, credit in [("85", 1), ("8", 1 / 3), ("84", 1 / 3), ("851", 2 / 3), ("5", 0), ("", 0)]:
+        assert digit_credit(resp, _S("85")) == pytest.approx(credit)
+        assert exact_answer(resp, _S("85")) == float(resp == "85")
+    assert REWARDS.get("digit_credit") is digit_credit
+
+
+@given(st.text(alphabet="0123456789x", max_size=6), st.integers(0, 198), st.booleans())
+def test_the_token_split_of_digit_credit_sums_to_it(resp, answer, stopped):
+    pieces = [*resp, *([None] if stopped else [])]
+    split = digit_credit.token_credit(pieces, _S(answer))
+    assert len(split) == len(pieces) and all(v >= 0 for v in split)
+    # an unstopped response never earns the stop's share: it is the credit of resp + a non-digit
+    want = digit_credit(resp, _S(answer)) if stopped else digit_credit(resp + "x", _S(answer))
+    assert sum(split) == pytest.approx(want)
+
+
+def test_a_special_token_mid_answer_stays_visible_to_the_reward():
+    # a policy sampling <pad> between digits must not have it hidden ("8<pad>5" is not "85"):
+    # skip_special_tokens would decode it as "85" — a reward hack the tiny policy found
+    ids = CHAR.encode("85", add_special_tokens=False)
+    assert decode_response(CHAR, [ids[0], CHAR.pad_token_id, ids[1]]) == "8<pad>5"
+    assert decode_response(CHAR, [*ids, CHAR.eos_token_id, CHAR.pad_token_id, CHAR.pad_token_id]) == "85"
+    two_turns = [ids[0], CHAR.eos_token_id, ids[1], CHAR.eos_token_id]  # turn ends dropped, turns kept
+    assert decode_response(CHAR, two_turns) == "85"
+    assert decode_response(CHAR, [ids[0], 7, ids[1]], stops=[7]) == "85"
+
+
+def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_path):
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=9",
+                             "--task.rewards=[digit_credit, exact_answer]", "--algo.advantage=grpo_process",
+                             "--rollout.prompts_per_step=4", "--rollout.n=4", "--rollout.max_new_tokens=3",
+                             "--model.hidden=32", "--model.layers=1", "--model.intermediate=64", "--run.steps=2"])
+    tr = build_trainer(cfg)
+    samples = tr.task.sample(4, 0)
+    batch = tr.rewards(tr._generate(samples, tr._sampling(0), 4), dict(enumerate(samples)))
+    tok = batch["token_rewards"]
+    assert (tok[~batch["action_mask"]] == 0).all()
+    torch.testing.assert_close(tok.sum(-1), batch["reward"])
+    comps = batch["reward_components"]  # digit credit is split over the tokens; the exact bonus is on the last
+    torch.testing.assert_close(batch["reward"], comps.sum(-1))
+    m = tr.step()
+    assert m["step"] == 1 and torch.isfinite(torch.tensor(m["reward_mean"]))
+
+
+def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate(tmp_path):
+    import json
+
+    from hyperrl.train import plot_rewards
+
+    rows = [{"event": "step", "step": s, "reward_mean": s / 10, "entropy": 2 - s / 10, "response_len_mean": 3.0,
+             "tool_call_rate": s / 20} for s in range(1, 11)]
+    rows += [{"event": "eval", "step": s, "eval_reward_mean": s / 12, "eval_pass_at_k": s / 11, "eval_n": 4,
+              "eval_response_len_mean": 3.0, "eval_tool_call_rate": s / 15, "eval_reward_exact_answer_mean": s / 13,
+              "eval_reward_digit_credit_mean": s / 12} for s in (0, 5, 10)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = plot_rewards(tmp_path / "m.jsonl", tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert drawn["reward"] == ["train reward (batch mean)", "held-out mean@4", "held-out pass@4",
+                               "held-out digit_credit", "held-out exact_answer"]
+    assert drawn["entropy"] == ["train (action tokens)"]
+    assert drawn["response length (tokens)"] == ["train", "held-out"]
+    assert drawn["tool-call rate"] == ["train", "held-out"]
+    # a single-turn run with eval_n = 1: no pass@k series, no tool panel
+    single = [r for r in rows if r["event"] == "step" or r.update(eval_n=1) or True]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "tool" not in k}) + "\n"
+                                              for r in single))
+    drawn = plot_rewards(tmp_path / "s.jsonl", tmp_path / "s.png")
+    assert "tool-call rate" not in drawn and "held-out pass@1" not in drawn["reward"]
