@@ -84,8 +84,8 @@ def _train(args, overrides: list[str]) -> int:
 
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
-    print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out reward "
-          f"{summary['final_eval_reward']}, outputs in {summary['out_dir']}/ (metrics.jsonl, reward_curve.png, "
+    print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out "
+          f"{summary['final_eval']}, outputs in {summary['out_dir']}/ (metrics.jsonl, reward_curve.png, "
           f"checkpoints/{', hf/' if summary.get('export') else ''})")
     return 0
 

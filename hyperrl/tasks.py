@@ -96,13 +96,13 @@ class ArithTask:
     held-out set) — are never trained on."""
 
     tokenizer: object
-    ops: str = "+-"
+    ops: str = "+"
     min_operand: int = 0
-    max_operand: int = 99
+    max_operand: int = 19
     held_out_frac: float = 0.1
     split_seed: int = 0
     seed: int = 0
-    rewards: tuple = field(default_factory=lambda: _reward_fns(("exact_answer",), "task.rewards"))
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_credit", "exact_answer"), "task.rewards"))
 
     def __post_init__(self):
         probs = arith_problems(self.ops, self.min_operand, self.max_operand)
@@ -110,6 +110,11 @@ class ArithTask:
         n_eval = max(1, round(self.held_out_frac * len(probs)))
         self._eval = [probs[i] for i in order[:n_eval]]
         self._train = [probs[i] for i in np.sort(order[n_eval:])]
+
+    @property
+    def response_tokens(self) -> int:
+        """The response budget an exact answer needs: the longest answer's digits + EOS."""
+        return max(len(str(p[3])) for p in self._train + self._eval) + 1
 
     @staticmethod
     def _sample(p: tuple[int, str, int, int]) -> Sample:
@@ -231,12 +236,15 @@ def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
 
 
 @register_task("arith", produces=("reward",))
-def arith(tokenizer, seed: int, *, ops: str = "+-", min_operand: int = 0, max_operand: int = 99,
+def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_operand: int = 19,
           held_out_frac: float = 0.1, split_seed: int = 0,
-          rewards: tuple[RewardName, ...] = ("exact_answer",)) -> ArithTask:
-    """``a op b`` for ``op`` in ``ops`` (``+``, ``-``: ``a ≥ b``) with operands ``min_operand..max_operand``
-    (two digits by default: answers of 1–3 digits + EOS, carries and borrows included), a fixed
-    ``held_out_frac`` of the problems held out for evaluation; reward: exact match."""
+          rewards: tuple[RewardName, ...] = ("digit_credit", "exact_answer")) -> ArithTask:
+    """``a op b`` for ``op`` in ``ops`` (``+``, ``-``: ``a ≥ b``) with operands ``min_operand..max_operand``,
+    a fixed ``held_out_frac`` of the problems held out for evaluation (``configs/arith.yaml``). By
+    default sums of ``0..19`` — answers of 1–2 digits + EOS, carries included, 40 held-out
+    problems; reward: exact match plus the dense ``digit_credit`` (exact match alone never fires
+    from random weights: a random policy emits the right 2–3 tokens with probability ≈ 1e-6).
+    ``ops="+-", max_operand=99``: two-digit operands, answers of 1–3 digits (``rollout.max_new_tokens=4``)."""
     if not ops or set(ops) - {"+", "-"} or len(set(ops)) != len(ops):
         raise ValueError(f"task.ops={ops!r}: a string of distinct operators from '+-'")
     if not 0 <= min_operand <= max_operand:

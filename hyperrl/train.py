@@ -84,6 +84,11 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
     device, m = pick_device(cfg.run.device), cfg.model
     dtype = torch_dtype(m.dtype)
     tok = build_tokenizer(cfg)
+    task = make_task(cfg.task, tok, cfg.run.seed)
+    need = getattr(task, "response_tokens", 0)
+    if cfg.rollout.max_new_tokens < need and cfg.env is None:
+        raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
+                         f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
     policy = build_policy(cfg, tok, lora=False).to(device)
     policy.train()
     eng = cfg.rollout.engine
@@ -123,7 +128,6 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
                          "compiled training forward; set share_weights: false")
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
         policy.compile(backend=m.compile, dynamic=True)
-    task = make_task(cfg.task, tok, cfg.run.seed)
     make_env = None
     if cfg.env is not None:
         from .envs import ENVIRONMENTS
@@ -219,6 +223,13 @@ def plot_rewards(jsonl: Path, png: Path) -> dict[str, list[str]]:
     return drawn
 
 
+def _eval_line(metrics: dict) -> str:
+    """``reward 1.234 (digit_credit 0.700, exact_answer 0.534)`` — each named reward when several."""
+    parts = [f"{k[len('eval_reward_'):-len('_mean')]} {v:.3f}" for k, v in sorted(metrics.items())
+             if k.startswith("eval_reward_") and k.endswith("_mean") and k != "eval_reward_mean"]
+    return f"reward {metrics['eval_reward_mean']:.3f}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def _progress(total: int, start: int):
     from tqdm import tqdm
 
@@ -230,7 +241,7 @@ def _progress(total: int, start: int):
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", v=metrics["policy_version"],
                             tok_s=f"{metrics['tokens_per_s']:.0f}")
         elif event == "eval":
-            bar.write(f"step {metrics['step']}: held-out reward {metrics['eval_reward_mean']:.3f}")
+            bar.write(f"step {metrics['step']}: held-out {_eval_line(metrics)}")
 
     return bar, hook
 
@@ -358,5 +369,6 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
             export_hf(ckpt, out / "hf")
     summary = {"out_dir": str(out), "steps": trainer.step_idx, "seconds": time.perf_counter() - t0,
                "final_eval_reward": last_eval["eval_reward_mean"] if last_eval else None,
+               "final_eval": _eval_line(last_eval) if last_eval else None,
                "policy_version": trainer.version, "export": str(out / "hf") if cfg.run.export else None}
     return summary

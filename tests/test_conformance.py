@@ -13,7 +13,8 @@ from hyperrl.envs import TOOLS, Tool
 from hyperrl.recipes import RECIPES, registries
 from hyperrl.train import build_trainer
 
-_TINY = ["--run.threads=1", "--rollout.prompts_per_step=4", "--rollout.n=2", "--rollout.max_new_tokens=2",
+_TINY = ["--task=modsum", "--run.threads=1", "--rollout.prompts_per_step=4", "--rollout.n=2",
+         "--rollout.max_new_tokens=2",
          "--model.hidden=32", "--model.layers=1", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
          "--model.intermediate=64", "--run.eval_prompts=4"]
 _REG = registries()

@@ -12,7 +12,8 @@ from hyperrl.config import load_config
 from hyperrl.lora import AdapterDisabled, MergedView
 from hyperrl.train import build_trainer
 
-TINY = ["--task.max_operand=1", "--rollout.prompts_per_step=32", "--rollout.n=8", "--run.threads=1",
+TINY = ["--task=modsum", "--task.max_operand=1", "--rollout.max_new_tokens=1", "--rollout.prompts_per_step=32",
+        "--rollout.n=8", "--run.threads=1",
         "--model.hidden=64", "--model.intermediate=128", "--run.eval_prompts=64"]
 LORA = "--model.lora={r: 8, alpha: 16, train_modules: [model.norm]}"
 

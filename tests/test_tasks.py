@@ -22,15 +22,20 @@ def test_arith_problems_cover_every_pair_and_never_go_negative():
     assert len(arith_problems("+", 10, 19)) == 100
 
 
+TWO_DIGIT = {"ops": "+-", "max_operand": 99}
+
+
 def test_arith_holds_out_problems_it_never_trains_on():
-    task = TASKS.build("arith")(CHAR, 0)
+    task = TASKS.build("arith", **TWO_DIGIT)(CHAR, 0)
     held = {s.prompt for s in task.held_out(10**6)}
     assert len(held) == round(0.1 * len(arith_problems("+-", 0, 99)))
     seen = {s.prompt for step in range(50) for s in task.sample(64, step)}
     assert not held & seen and len(seen) > 2000
     # the split is the run seed's business only for the training draw: every seed evaluates on one set
-    assert {s.prompt for s in TASKS.build("arith")(CHAR, 7).held_out(10**6)} == held
-    assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in TASKS.build("arith")(CHAR, 0).sample(8, 3)]
+    assert {s.prompt for s in TASKS.build("arith", **TWO_DIGIT)(CHAR, 7).held_out(10**6)} == held
+    assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in TASKS.build("arith", **TWO_DIGIT)(CHAR, 0).sample(8, 3)]
+    small = TASKS.build("arith")(CHAR, 0)  # the factory's defaults: sums of 0..19, 40 held out
+    assert len(small.held_out(10**6)) == 40 and small.response_tokens == 3 and task.response_tokens == 4
     s = task.sample(1, 0)[0]
     a, op, b = s.prompt[:-1].replace("-", " - ").replace("+", " + ").split()
     assert s.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
@@ -43,6 +48,12 @@ def test_arith_holds_out_problems_it_never_trains_on():
 def test_arith_bad_hyperparameters_are_named(args, match):
     with pytest.raises(ValueError, match=match):
         TASKS.build("arith", **args)(CHAR, 0)
+
+
+def test_a_response_budget_too_short_for_the_answers_is_named_before_building(tmp_path):
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--task=arith", "--task.max_operand=99"])
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=1: task 'arith' has answers of up to 3 tokens"):
+        build_trainer(cfg)
 
 
 class _S:
@@ -120,3 +131,18 @@ def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate
                                               for r in single))
     drawn = plot_rewards(tmp_path / "s.jsonl", tmp_path / "s.png")
     assert "tool-call rate" not in drawn and "held-out pass@1" not in drawn["reward"]
+
+
+def test_the_arith_task_shows_a_clear_rise_short_ci_config(tmp_path):
+    # the arith task shrunk for CI (sums of 0..4: a digit + EOS), fixed seed: exact match from ≈0 (a
+    # random policy emits the right 2 tokens with p ≈ 1e-4) to a clear share of the training batch in
+    # 120 steps (≈15 s), the dense credit with it
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=4",
+                             "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=32", "--rollout.n=8",
+                             "--model.hidden=64", "--model.intermediate=128", "--optim.lr=3e-3", "--run.steps=120"])
+    tr = build_trainer(cfg)
+    ms = [tr.step() for _ in range(cfg.run.steps)]
+    exact = [m["reward_exact_answer_mean"] for m in ms]
+    assert sum(exact[:10]) / 10 < 0.05, exact[:10]
+    assert sum(exact[-10:]) / 10 > 0.4, exact[-10:]
+    assert sum(m["reward_digit_credit_mean"] for m in ms[-10:]) / 10 > 0.4

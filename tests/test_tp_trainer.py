@@ -7,7 +7,7 @@ import torch
 from .dist_helpers import run_gloo
 
 _ARGS = ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}", "--model.hidden=64", "--model.intermediate=128",
-         "--task.max_operand=1", "--rollout.n=8"]
+         "--task=modsum", "--task.max_operand=1", "--rollout.max_new_tokens=1", "--rollout.n=8"]
 
 
 def _worker(rank, world, out_dir, steps, prompts, lr, stop_save, resume):

@@ -14,7 +14,8 @@ from hyperrl.trainer import GateError
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--rollout.prompts_per_step=16",
+    return load_config(None, [f"--run.out_dir={tmp_path}", "--task=modsum", "--run.threads=1",
+                              "--rollout.prompts_per_step=16",
                               "--rollout.n=4", "--rollout.max_new_tokens=1", "--model.hidden=64",
                               "--model.intermediate=128", "--run.eval_prompts=64", *extra])
 
@@ -88,7 +89,8 @@ tr.save(_crash_after="model")   # killed mid-write: no marker, never renamed
 
 
 def test_kill_during_checkpoint_write_then_resume(tmp_path):
-    cfg_args = [f"--run.out_dir={tmp_path / 'k'}", "--run.threads=1", "--rollout.prompts_per_step=16", "--rollout.n=4",
+    cfg_args = [f"--run.out_dir={tmp_path / 'k'}", "--task=modsum", "--run.threads=1",
+                "--rollout.prompts_per_step=16", "--rollout.n=4",
                 "--rollout.max_new_tokens=1", "--model.hidden=64", "--model.intermediate=128"]
     proc = subprocess.run([sys.executable, "-c", _CRASH, *cfg_args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 9, proc.stderr[-2000:]

@@ -11,7 +11,8 @@ def _worker(rank, world, out_dir):
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
-                             "--model.hidden=64", "--model.intermediate=128", "--task.max_operand=1",
+                             "--model.hidden=64", "--model.intermediate=128", "--task=modsum",
+                             "--task.max_operand=1", "--rollout.max_new_tokens=1",
                              "--optim.lr=3e-3"])
     tr = build_trainer(cfg)
     assert type(tr.policy).__name__.startswith("FSDP"), type(tr.policy)
@@ -80,7 +81,8 @@ def _critic_worker(rank, world, out_dir, stop, resume):
 
     cfg = load_config("configs/ppo_critic.yaml", [
         f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4", "--rollout.max_new_tokens=3",
-        "--model.hidden=64", "--model.intermediate=128", "--task.max_operand=99", "--optim.micro_batch_tokens=17",
+        "--model.hidden=64", "--model.intermediate=128", "--task=modsum", "--task.max_operand=99",
+        "--optim.micro_batch_tokens=17",
         "--optim.mini_batches=2"])
     tr = build_trainer(cfg)
     assert type(tr.critic).__name__.startswith("FSDP"), type(tr.critic)
@@ -234,7 +236,8 @@ def _lora_worker(rank, world, out_dir, stop, resume):
     from hyperrl.train import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
-                             "--model.hidden=64", "--model.intermediate=128", "--task.max_operand=1",
+                             "--model.hidden=64", "--model.intermediate=128", "--task=modsum",
+                             "--task.max_operand=1", "--rollout.max_new_tokens=1",
                              "--optim.lr=0.03", "--model.lora={r: 8, alpha: 16, train_modules: [model.norm]}"])
     tr = build_trainer(cfg)
     assert not type(tr.policy).__name__.startswith("FSDP")

@@ -21,7 +21,7 @@ def main():
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, lora_adapters: true}", "--model.lora={r: 8, alpha: 16}",
                              f"--run.out_dir={out}", "--optim.lr=0.03", "--run.eval_every=0", "--rollout.n=4",
-                             "--rollout.prompts_per_step=8", "--rollout.max_new_tokens=3"])
+                             "--rollout.prompts_per_step=8", "--rollout.max_new_tokens=3", "--task=modsum"])
     tr = build_trainer(cfg)
     steps = [tr.step() for _ in range(8)]
     moved = max(float(p.abs().max()) for n, p in tr.policy.named_parameters() if "lora_B" in n)

@@ -18,7 +18,8 @@ def main():
     from hyperrl.train import build_trainer
 
     out = tempfile.mkdtemp()
-    cfg = load_config(None, ["--rollout.engine=vllm", f"--run.out_dir={out}", "--run.steps=150",
+    cfg = load_config(None, ["--rollout.engine=vllm", f"--run.out_dir={out}", "--run.steps=150", "--task=modsum",
+                             "--rollout.max_new_tokens=1",
                              "--run.eval_every=0"])
     tr = build_trainer(cfg)
     steps = [tr.step() for _ in range(cfg.run.steps)]
