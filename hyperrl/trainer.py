@@ -239,6 +239,10 @@ class SyncTrainer:
                 batch = self._generate(drawn, self._sampling(self.step_idx, 10**7 * attempt), r.n, offset)
             with timer("reward"):
                 batch = p.admit(self.rewards(batch, samples))
+                if "token_rewards" in batch.keys():  # what shaping changed in `reward` lands on the last token
+                    tr = batch["token_rewards"]
+                    batch = batch.copy().set("token_rewards", tr + T.scores_to_token_rewards(
+                        batch["reward"] - tr.sum(-1), batch["action_mask"]))
             rounds += 1
             if p.filter is None:
                 kept.append(batch)

@@ -33,7 +33,8 @@ def test_arith_holds_out_problems_it_never_trains_on():
     assert not held & seen and len(seen) > 2000
     # the split is the run seed's business only for the training draw: every seed evaluates on one set
     assert {s.prompt for s in TASKS.build("arith", **TWO_DIGIT)(CHAR, 7).held_out(10**6)} == held
-    assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in TASKS.build("arith", **TWO_DIGIT)(CHAR, 0).sample(8, 3)]
+    again = TASKS.build("arith", **TWO_DIGIT)(CHAR, 0)
+    assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in again.sample(8, 3)]
     small = TASKS.build("arith")(CHAR, 0)  # the factory's defaults: sums of 0..19, 40 held out
     assert len(small.held_out(10**6)) == 40 and small.response_tokens == 3 and task.response_tokens == 4
     s = task.sample(1, 0)[0]
@@ -91,10 +92,11 @@ def test_a_special_token_mid_answer_stays_visible_to_the_reward():
 
 
 def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_path):
-    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=9",
-                             "--task.rewards=[digit_credit, exact_answer]", "--algo.advantage=grpo_process",
-                             "--rollout.prompts_per_step=4", "--rollout.n=4", "--rollout.max_new_tokens=3",
-                             "--model.hidden=32", "--model.layers=1", "--model.intermediate=64", "--run.steps=2"])
+    args = [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=9",
+            "--task.rewards=[digit_credit, exact_answer]", "--algo.advantage=grpo_process",
+            "--rollout.prompts_per_step=4", "--rollout.n=4", "--rollout.max_new_tokens=3",
+            "--model.hidden=32", "--model.layers=1", "--model.intermediate=64", "--run.steps=2"]
+    cfg = load_config(None, args)
     tr = build_trainer(cfg)
     samples = tr.task.sample(4, 0)
     batch = tr.rewards(tr._generate(samples, tr._sampling(0), 4), dict(enumerate(samples)))
@@ -105,6 +107,14 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
     torch.testing.assert_close(batch["reward"], comps.sum(-1))
     m = tr.step()
     assert m["step"] == 1 and torch.isfinite(torch.tensor(m["reward_mean"]))
+    # shaping that changes the reward (clipped to [0.25, 0.5] here) keeps Σ_t token_rewards = reward: the
+    # change lands on the last token
+    clipped = build_trainer(load_config(None, [*args, "--algo.shaping=[{name: clip, lo: 0.25, hi: 0.5}]"]))
+    from hyperrl.trainer import _Timer
+
+    batch, _ = clipped.collect(_Timer())
+    assert float(batch["reward"].min()) == 0.25 and float(batch["reward"].max()) <= 0.5  # the clip binds
+    torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["reward"])
 
 
 def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate(tmp_path):
