@@ -452,7 +452,7 @@ class SyncTrainer:
             p = int(act.int().argmax()) if bool(act.any()) else n
             toks = batch["tokens"][i].tolist()
             adv = batch["advantages"][i][act] if "advantages" in batch.keys() else torch.zeros(1)
-            rows.append({"prompt": decode_response(self.tok, toks[:p]),
+            rows.append({"prompt": self.tok.decode(toks[:p], skip_special_tokens=True),  # for reading only
                          "completion": decode_response(self.tok, toks[p:n]), "reward": float(batch["reward"][i]),
                          "group_id": int(batch["group_id"][i]),
                          "advantage": float(adv.float().mean()) if adv.numel() else 0.0,
