@@ -39,26 +39,13 @@ def _reward_fns(names, where: str) -> tuple:
     return tuple((n, REWARDS.get(n)) for n in names)
 
 
-@dataclass
-class ModSumTask:
-    tokenizer: object
-    modulus: int = 10
-    max_operand: int = 9
-    seed: int = 0
-    rewards: tuple = field(default_factory=lambda: _reward_fns(("first_char_exact",), "task.rewards"))
+class _InCodeTask:
+    """What the tasks generated in code share: a string prompt, the first reward reported, no cursor
+    (their data is a pure function of (seed, step, attempt))."""
 
-    def _draw(self, k: int, stream: int, attempt: int = 0) -> list[Sample]:
-        key = [self.seed, stream] if attempt == 0 else [self.seed, stream, attempt]
-        ab = np.random.default_rng(key).integers(0, self.max_operand + 1, size=(k, 2))
-        return [Sample(f"{a}+{b}=", str((a + b) % self.modulus), f"modsum:{a}+{b}", {}) for a, b in ab.tolist()]
-
-    def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
-        """``k`` prompts for ``step`` — a pure function of (seed, step, attempt), so resumed runs see
-        the same data; ``attempt`` > 0 draws fresh prompts for a refill round."""
-        return self._draw(k, step, attempt)
-
-    def held_out(self, k: int) -> list[Sample]:
-        return self._draw(k, 10**9)
+    def _rng(self, stream: int, attempt: int = 0) -> np.random.Generator:
+        """The generator of one draw: keyed by (seed, stream) — and the refill ``attempt`` when > 0."""
+        return np.random.default_rng([self.seed, stream] if attempt == 0 else [self.seed, stream, attempt])
 
     def encode(self, sample: Sample) -> list[int]:
         return encode_prompt(self.tokenizer, sample.prompt)
@@ -72,6 +59,27 @@ class ModSumTask:
 
     def load_state(self, state: dict) -> None:
         pass
+
+
+@dataclass
+class ModSumTask(_InCodeTask):
+    tokenizer: object
+    modulus: int = 10
+    max_operand: int = 9
+    seed: int = 0
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("first_char_exact",), "task.rewards"))
+
+    def _draw(self, k: int, stream: int, attempt: int = 0) -> list[Sample]:
+        ab = self._rng(stream, attempt).integers(0, self.max_operand + 1, size=(k, 2))
+        return [Sample(f"{a}+{b}=", str((a + b) % self.modulus), f"modsum:{a}+{b}", {}) for a, b in ab.tolist()]
+
+    def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
+        """``k`` prompts for ``step`` — a pure function of (seed, step, attempt), so resumed runs see
+        the same data; ``attempt`` > 0 draws fresh prompts for a refill round."""
+        return self._draw(k, step, attempt)
+
+    def held_out(self, k: int) -> list[Sample]:
+        return self._draw(k, 10**9)
 
 
 def arith_problems(ops: str, lo: int, hi: int) -> list[tuple[int, str, int, int]]:
@@ -89,7 +97,7 @@ def arith_problems(ops: str, lo: int, hi: int) -> list[tuple[int, str, int, int]
 
 
 @dataclass
-class ArithTask:
+class ArithTask(_InCodeTask):
     """Two-operand addition / subtraction, generated in code: prompt ``"37+48="``, answer ``"85"``
     (1–3 digits; the policy must end it with EOS). ``held_out`` problems — a fixed fraction of all
     ``(a, op, b)``, drawn with ``split_seed`` (the same for every run seed, so runs compare on one
@@ -124,25 +132,12 @@ class ArithTask:
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """``k`` training problems for ``step``, uniformly with replacement — a pure function of
         (seed, step, attempt), so resumed runs see the same data."""
-        key = [self.seed, step] if attempt == 0 else [self.seed, step, attempt]
-        idx = np.random.default_rng(key).integers(0, len(self._train), size=k)
+        idx = self._rng(step, attempt).integers(0, len(self._train), size=k)
         return [self._sample(self._train[i]) for i in idx.tolist()]
 
     def held_out(self, k: int) -> list[Sample]:
         """The first ``k`` held-out problems (all of them when fewer)."""
         return [self._sample(p) for p in self._eval[:k]]
-
-    def encode(self, sample: Sample) -> list[int]:
-        return encode_prompt(self.tokenizer, sample.prompt)
-
-    def reward(self, response: str, sample: Sample) -> float:
-        return float(self.rewards[0][1](response, sample))
-
-    def state(self) -> dict:
-        return {}
-
-    def load_state(self, state: dict) -> None:
-        pass
 
 
 class FileTask:

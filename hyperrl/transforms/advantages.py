@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from ..registry import Registry
-from .groups import group_stats, segment_sum
+from .groups import dense_group_index, group_stats, segment_sum
 
 __all__ = [
     "ADVANTAGES",
@@ -313,8 +313,6 @@ def grpo_process_advantages(
                          "tokens the policy sampled")
     r = torch.where(st, token_rewards.float(), 0)
     B = r.shape[0]
-    from .groups import dense_group_index
-
     idx = dense_group_index(group_ids)
     n = segment_sum(st.float().sum(-1), idx, B)
     mean = segment_sum(r.sum(-1), idx, B) / n.clamp_min(1)
