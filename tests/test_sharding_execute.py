@@ -48,6 +48,10 @@ def _run_all(rank, world):
     return out
 
 
+# every test here reads the one 4-process run: keep them on one xdist worker (addopts: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("sharding_execute")
+
+
 @pytest.fixture(scope="module")
 def results():
     return run_gloo(_run_all, 4)

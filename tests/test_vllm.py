@@ -15,6 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / ".venv-vllm" / "bin" / "python"
+# every test here reads the one vLLM run: keep them on one xdist worker (addopts: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("vllm")
 
 
 def _vllm_available() -> str | None:
@@ -26,26 +28,38 @@ def _vllm_available() -> str | None:
     return None
 
 
-def _run_check(script: str) -> dict:
+def _run_checks() -> dict:
     reason = _vllm_available()
     if reason:
         print(f"SKIP vLLM tests: {reason}", file=sys.stderr)
         pytest.skip(reason)
-    out = subprocess.run([str(PY), str(ROOT / "tests" / "vllm" / script)], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # one process for every check (tests/vllm/check_all.py): importing vLLM costs ≈25 s a process
+    out = subprocess.run([str(PY), str(ROOT / "tests" / "vllm" / "check_all.py")], capture_output=True, text=True,
+                         timeout=1500, cwd=ROOT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line, f"vLLM check failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert line, f"vLLM checks failed (rc {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return json.loads(line[len("RESULT "):])
 
 
 @pytest.fixture(scope="module")
-def report():
-    return _run_check("check_vllm.py")
+def reports():
+    return _run_checks()
+
+
+def _part(reports, name: str) -> dict:
+    r = reports[name]
+    assert "error" not in r, f"{name} failed:\n{r['error']}"
+    return r
 
 
 @pytest.fixture(scope="module")
-def trainer_report():
-    return _run_check("check_vllm_trainer.py")
+def report(reports):
+    return _part(reports, "check_vllm")
+
+
+@pytest.fixture(scope="module")
+def trainer_report(reports):
+    return _part(reports, "check_vllm_trainer")
 
 
 def test_vllm_logprobs_match_transformers_across_in_place_updates(report):
@@ -87,14 +101,14 @@ def test_sync_trainer_on_vllm_publishes_every_step_and_learns(trainer_report):
     assert last > first + 0.08, (first, last)
 
 
-def test_vllm_loads_the_export_with_its_tokenizer():
-    r = _run_check("check_vllm_export.py")
+def test_vllm_loads_the_export_with_its_tokenizer(reports):
+    r = _part(reports, "check_vllm_export")
     assert r["diff"] < 1e-4  # vLLM serves the trained weights the export holds
     assert r["decoded_prompt"] == r["expected_prompt"]  # and the run's tokenizer
 
 
-def test_vllm_serves_published_lora_adapters():
-    r = _run_check("check_vllm_lora.py")
+def test_vllm_serves_published_lora_adapters(reports):
+    r = _part(reports, "check_vllm_lora")
     assert r["versions"] == list(range(1, 9)) and r["lora_B_max"] > 0.01  # the adapters really changed
     assert r["mismatch_max"] < 1e-4  # and vLLM's log-probs follow them step by step
     assert r["bad"] == "WeightPublishError" and r["served"] == 8

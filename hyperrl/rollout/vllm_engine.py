@@ -286,10 +286,14 @@ class VLLMEngine(TransactionalEngine):
         return self._unfuse.get(name) or [(name, 0, tuple(t.shape))]
 
     def close(self) -> None:
-        """Remove the shared-memory segment now (it is also removed when the engine is collected)."""
+        """Remove the shared-memory segment now (it is also removed when the engine is collected) and
+        shut vLLM's engine-core and worker processes down; the engine serves nothing afterwards."""
         if self._segment is not None:
             self._segment = None
             Path(self._segment_path).unlink(missing_ok=True)
+        core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
 
 def _checkpoint_views(p) -> list:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 
-def main():
+def run() -> dict:
     import torch
 
     from hyperrl.rollout import SamplingParams, tiny_qwen3
@@ -24,7 +24,7 @@ def main():
     tmp = tempfile.mkdtemp()
     model.save_pretrained(tmp)
     t0 = time.perf_counter()
-    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1)
+    eng = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1, enforce_eager=True)
     start_s = time.perf_counter() - t0
     prompts = [tok.encode("12+34="), tok.encode("7*8=")]
     sp = SamplingParams(max_new_tokens=16, temperature=1.0, eos_id=tok.eos_token_id, seed=1)
@@ -85,9 +85,9 @@ def main():
     results["segment_existed"] = seg.exists()
     eng.close()
     results["segment_removed"] = not seg.exists()
-    print("RESULT " + json.dumps(results))
-    sys.stdout.flush()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    print("RESULT " + json.dumps(run()))
+    sys.stdout.flush()

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 
-def main():
+def run() -> dict:
     import torch
 
     from hyperrl.config import load_config
@@ -30,7 +30,8 @@ def main():
     hf = export_hf(tr.save(), out / "hf")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(hf), dtype="float32", seed=0, max_model_len=128, logprobs_mode="processed_logprobs")
+    llm = LLM(model=str(hf), dtype="float32", seed=0, max_model_len=128, logprobs_mode="processed_logprobs",
+              enforce_eager=True)
     prompts = [tr.task.encode(s) for s in tr.task.held_out(8)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(n=2, max_tokens=4, logprobs=0, temperature=1.0, seed=1), use_tqdm=False)
@@ -47,9 +48,10 @@ def main():
     text = llm.get_tokenizer().decode(prompts[0], skip_special_tokens=True)
     res = {"diff": float((lp - b["rollout_logprobs"])[b["action_mask"]].abs().max()),
            "decoded_prompt": text, "expected_prompt": tr.task.held_out(1)[0].prompt}
-    print("RESULT " + json.dumps(res))
-    sys.stdout.flush()
+    llm.llm_engine.engine_core.shutdown()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    print("RESULT " + json.dumps(run()))
+    sys.stdout.flush()

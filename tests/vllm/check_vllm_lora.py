@@ -11,7 +11,7 @@ import sys
 import tempfile
 
 
-def main():
+def run() -> dict:
     import torch
 
     from hyperrl.config import load_config
@@ -19,7 +19,8 @@ def main():
     from hyperrl.train import build_trainer
 
     out = tempfile.mkdtemp()
-    cfg = load_config(None, ["--rollout.engine={name: vllm, lora_adapters: true}", "--model.lora={r: 8, alpha: 16}",
+    cfg = load_config(None, ["--rollout.engine={name: vllm, lora_adapters: true, enforce_eager: true}",
+                             "--model.lora={r: 8, alpha: 16}",
                              f"--run.out_dir={out}", "--optim.lr=0.03", "--run.eval_every=0", "--rollout.n=4",
                              "--rollout.prompts_per_step=8", "--rollout.max_new_tokens=3", "--task=modsum"])
     tr = build_trainer(cfg)
@@ -35,9 +36,10 @@ def main():
     res = {"versions": [m["policy_version"] for m in steps], "served": tr.engine.policy_version,
            "mismatch_max": max(m["mismatch_max_abs"] for m in steps), "lora_B_max": moved, "bad": bad,
            "publish_s": sum(m["time_publish_s"] for m in steps[1:]) / (len(steps) - 1)}
-    print("RESULT " + json.dumps(res))
-    sys.stdout.flush()
+    tr.engine.close()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    print("RESULT " + json.dumps(run()))
+    sys.stdout.flush()

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 
-def main():
+def run() -> dict:
     import torch
 
     from hyperrl.config import load_config
@@ -18,7 +18,9 @@ def main():
     from hyperrl.train import build_trainer
 
     out = tempfile.mkdtemp()
-    cfg = load_config(None, ["--rollout.engine=vllm", f"--run.out_dir={out}", "--run.steps=150", "--task=modsum",
+    cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}", f"--run.out_dir={out}",
+                             "--run.steps=150",
+                             "--task=modsum",
                              "--rollout.max_new_tokens=1",
                              "--run.eval_every=0"])
     tr = build_trainer(cfg)
@@ -32,9 +34,10 @@ def main():
            "final_diff": float((lp - b["rollout_logprobs"])[b["action_mask"]].abs().max()),
            "generate_s": sum(m["time_generate_s"] for m in steps) / len(steps),
            "publish_s": sum(m["time_publish_s"] for m in steps) / len(steps)}
-    print("RESULT " + json.dumps(res))
-    sys.stdout.flush()
+    tr.engine.close()
+    return res
 
 
 if __name__ == "__main__":
-    main()
+    print("RESULT " + json.dumps(run()))
+    sys.stdout.flush()
