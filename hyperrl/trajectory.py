@@ -22,7 +22,15 @@ optional: ``token_rewards``,  ``[B, T]``   float32   per-token reward / critic v
 ``ref_logprobs``,
 ``advantages``, ``returns``
 optional: ``tool_calls``      ``[B]``      int64     tool calls the environment ran in the episode
+optional: ``token_version``   ``[B, T]``   int64     weight version that sampled each action token;
+                                                     ``NO_VERSION`` (−1) on prompt / observation
+                                                     tokens; padding ignored (docs/async.md)
+optional: ``sample_uid``      ``[B]``      int64     unique id of the sample over the run
+optional: ``finish_reason``   ``[B]``      int64     0 stop, 1 length, 2 aborted (``FINISH_REASONS``)
 ============================  ===========  ========  =============================================
+
+A row's ``policy_version`` is its *oldest* action token's version when ``token_version`` is
+present (a request resumed across a publication spans several versions).
 
 **Alignment convention (used everywhere in hyperrl).** Every per-token field is aligned with
 the *token it describes*: ``logprobs[b, t] = log π(tokens[b, t] | tokens[b, :t])``, and likewise
@@ -56,7 +64,12 @@ __all__ = [
     "from_packed",
     "sequence_lengths",
     "response_lengths",
+    "NO_VERSION",
+    "FINISH_REASONS",
 ]
+
+NO_VERSION = -1  # token_version of tokens no policy sampled (prompt, observation, tool output)
+FINISH_REASONS = ("stop", "length", "aborted")  # finish_reason codes 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,9 @@ FIELDS: dict[str, _Field] = {
     "advantages": _Field(_F32, True, False, finite=True),
     "returns": _Field(_F32, True, False, finite=True),
     "tool_calls": _Field(torch.int64, False, False),
+    "token_version": _Field(torch.int64, True, False),
+    "sample_uid": _Field(torch.int64, False, False),
+    "finish_reason": _Field(torch.int64, False, False),
 }
 TOKEN_FIELDS = tuple(k for k, f in FIELDS.items() if f.per_token)
 SEQ_FIELDS = tuple(k for k, f in FIELDS.items() if not f.per_token)
@@ -136,13 +152,17 @@ def _check_shapes(fields, B: int, T: int) -> None:
             _fail(key, f"shape {list(v.shape)}, expected {list(want)} ({'[B, T]' if spec.per_token else '[B]'})")
 
 
-def validate(batch: TensorDict, *, single_version: bool = False, required: tuple[str, ...] = REQUIRED) -> None:
+def validate(batch: TensorDict, *, single_version: bool = False, required: tuple[str, ...] = REQUIRED,
+             learner_version: int | None = None, max_staleness: int | None = None) -> None:
     """Check ``batch`` against the contract; raise :class:`TrajectoryError` naming the field.
 
     Checks: non-empty batch; required keys present; shapes ``[B, T]`` / ``[B]``; dtypes;
     finite rewards, log-probs and other float fields; right padding; action mask only on real
     tokens and never at position 0; log-probs ``≤ 0`` on actions; with ``single_version`` all
-    sequences from one policy version.
+    sequences from one policy version. The asynchronous fields when present (docs/async.md):
+    ``token_version`` ``≥ 0`` on actions and ``NO_VERSION`` on the other real tokens,
+    ``policy_version`` = the oldest action token's version, unique ``sample_uid``, a known
+    ``finish_reason``; with ``learner_version`` and ``max_staleness`` no action token staler than η.
     """
     if not isinstance(batch, TensorDict):
         raise TrajectoryError(f"batch: expected a TensorDict, got {type(batch).__name__}")
@@ -188,6 +208,61 @@ def validate(batch: TensorDict, *, single_version: bool = False, required: tuple
         versions = torch.unique(batch["policy_version"]).tolist()
         if len(versions) > 1:
             _fail("policy_version", f"mixed versions {versions} where one is required; regenerate or drop stale ones")
+    _validate_async(batch, learner_version, max_staleness)
+
+
+def _validate_async(batch: TensorDict, learner_version: int | None, max_staleness: int | None) -> None:
+    keys = set(batch.keys())
+    if "sample_uid" in keys:
+        uid = batch["sample_uid"]
+        if bool((uid < 0).any()):
+            _fail("sample_uid", f"negative id {int(uid[uid < 0][0])}; ids are ≥ 0")
+        u, counts = torch.unique(uid, return_counts=True)
+        if bool((counts > 1).any()):
+            dup = int(u[counts > 1][0])
+            rows = (uid == dup).nonzero()[:, 0].tolist()
+            _fail("sample_uid", f"duplicate id {dup} at rows {rows}; a sample must be trained once")
+    if "finish_reason" in keys:
+        fr = batch["finish_reason"]
+        bad = (fr < 0) | (fr >= len(FINISH_REASONS))
+        if bool(bad.any()):
+            _fail("finish_reason", f"code {int(fr[bad][0])} at row {int(bad.nonzero()[0])}; one of "
+                  f"{dict(enumerate(FINISH_REASONS))}")
+    if "token_version" not in keys:
+        if max_staleness is not None:
+            _fail("token_version", "missing; a staleness bound needs the version of every action token")
+        return
+    tv, act, attn = batch["token_version"], batch["action_mask"], batch["attention_mask"]
+    if bool((act & (tv < 0)).any()):
+        b, t = (act & (tv < 0)).nonzero()[0].tolist()
+        _fail("token_version", f"action token [{b}, {t}] has no version ({int(tv[b, t])}); the engine must stamp "
+              "every sampled token with the version it served")
+    other = attn & ~act & (tv != NO_VERSION)
+    if bool(other.any()):
+        b, t = other.nonzero()[0].tolist()
+        _fail("token_version", f"token [{b}, {t}] is not an action but carries version {int(tv[b, t])}; prompt and "
+              f"observation tokens carry NO_VERSION ({NO_VERSION})")
+    big = torch.iinfo(torch.int64).max
+    oldest = torch.where(act, tv, big).min(-1).values
+    rows = act.any(-1)
+    wrong = rows & (oldest != batch["policy_version"])
+    if bool(wrong.any()):
+        r = int(wrong.nonzero()[0])
+        _fail("policy_version", f"row {r} says {int(batch['policy_version'][r])} but its oldest action token was "
+              f"sampled at {int(oldest[r])}; policy_version is the oldest token's version")
+    if max_staleness is not None:
+        if learner_version is None:
+            raise ValueError("validate: max_staleness needs learner_version")
+        if bool((act & (tv > learner_version)).any()):
+            b, t = (act & (tv > learner_version)).nonzero()[0].tolist()
+            _fail("token_version", f"token [{b}, {t}] was sampled at version {int(tv[b, t])}, newer than the "
+                  f"learner's {learner_version}")
+        stale = act & (learner_version - tv > max_staleness)
+        if bool(stale.any()):
+            b, t = stale.nonzero()[0].tolist()
+            _fail("token_version", f"token [{b}, {t}] was sampled at version {int(tv[b, t])}: "
+                  f"{learner_version - int(tv[b, t])} versions stale at learner version {learner_version}, over "
+                  f"async.max_staleness={max_staleness}")
 
 
 def sequence_lengths(batch: TensorDict) -> torch.Tensor:
@@ -250,21 +325,34 @@ def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
     attn = torch.zeros(B, T, dtype=torch.bool)
     act = torch.zeros(B, T, dtype=torch.bool)
     lp = torch.zeros(B, T)
+    tv = torch.full((B, T), NO_VERSION, dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r["tokens"])
         tokens[i, :n] = torch.tensor(r["tokens"])
         attn[i, :n] = True
         act[i, :n] = torch.tensor(r["action"])
         lp[i, :n] = torch.tensor(r["logprobs"])
+        if r.get("token_versions") is not None:
+            tv[i, :n] = torch.tensor(r["token_versions"])
+        else:
+            tv[i, :n] = torch.where(act[i, :n], int(r["version"]), NO_VERSION)
+    oldest = torch.where(act, tv, torch.iinfo(torch.int64).max).min(-1).values
+    version = torch.tensor([r["version"] for r in rows])
+    extra = {}
+    if all("finish_reason" in r for r in rows):
+        extra["finish_reason"] = torch.tensor([FINISH_REASONS.index(r["finish_reason"]) for r in rows])
+    if all("sample_uid" in r for r in rows):
+        extra["sample_uid"] = torch.tensor([r["sample_uid"] for r in rows])
     return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
-                           policy_version=torch.tensor([r["version"] for r in rows]),
+                           policy_version=torch.where(act.any(-1), oldest, version), token_version=tv,
                            group_id=torch.tensor([r["group_id"] for r in rows]),
-                           reward=torch.tensor([float(r["reward"]) for r in rows]))
+                           reward=torch.tensor([float(r["reward"]) for r in rows]), **extra)
 
 
 def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
     """Concatenate trajectory batches along rows, right-padding token fields ``[B, T]`` to the
-    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0). One batch is returned as is."""
+    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0, versions ``NO_VERSION``). One
+    batch is returned as is."""
     if len(batches) == 1:
         return batches[0]
     if not batches:
@@ -277,7 +365,8 @@ def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
         for k in b.keys():
             v = b[k]
             if k in TOKEN_FIELDS and extra:
-                v = torch.nn.functional.pad(v, (0, extra), value=pad_id if k == "tokens" else 0)
+                fill = pad_id if k == "tokens" else NO_VERSION if k == "token_version" else 0
+                v = torch.nn.functional.pad(v, (0, extra), value=fill)
             fields[k] = v
         padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))
     return torch.cat(padded, 0)

@@ -117,3 +117,77 @@ def test_from_packed_pad_to_too_short():
     p = to_packed(random_batch(B=3, T=8, seed=1))
     with pytest.raises(TrajectoryError, match="pad_to"):
         from_packed(p, pad_to=1)
+
+
+# ----------------------------------------------------------------------------- the asynchronous fields
+
+
+def _async_batch():
+    """Row 0: prompt 2, actions at versions 3, 3, 4 (resumed across a publication); row 1: prompt 1,
+    action v2, one observation token, action v4, padding."""
+    from hyperrl.trajectory import stack_episodes
+
+    rows = [dict(tokens=[5, 6, 7, 8, 9], action=[0, 0, 1, 1, 1], logprobs=[0, 0, -1.0, -1.0, -1.0], reward=1.0,
+                 group_id=0, version=4, token_versions=[-1, -1, 3, 3, 4], sample_uid=10, finish_reason="stop"),
+            dict(tokens=[5, 7, 1, 8], action=[0, 1, 0, 1], logprobs=[0, -0.5, 0, -0.5], reward=0.0, group_id=0,
+                 version=4, token_versions=[-1, 2, -1, 4], sample_uid=11, finish_reason="length")]
+    return stack_episodes(rows, pad_id=0)
+
+
+def test_async_fields_row_version_is_the_oldest_token():
+    b = _async_batch()
+    assert b["policy_version"].tolist() == [3, 2]  # not the row's "version": its oldest action token
+    assert b["token_version"].tolist() == [[-1, -1, 3, 3, 4], [-1, 2, -1, 4, -1]]
+    assert b["finish_reason"].tolist() == [0, 1] and b["sample_uid"].tolist() == [10, 11]
+    validate(b, learner_version=4, max_staleness=2)
+    with pytest.raises(TrajectoryError, match=r"token_version: token \[1, 1\] was sampled at version 2: 2 versions "
+                                              r"stale at learner version 4, over async.max_staleness=1"):
+        validate(b, learner_version=4, max_staleness=1)
+    with pytest.raises(TrajectoryError, match="newer than the learner's 3"):
+        validate(b, learner_version=3, max_staleness=4)
+
+
+@pytest.mark.parametrize("key, change, words", [
+    ("token_version", lambda b: b["token_version"].index_put((torch.tensor([0]), torch.tensor([2])),
+                                                             torch.tensor(-1)), r"action token \[0, 2\] has no"),
+    ("token_version", lambda b: b["token_version"].index_put((torch.tensor([1]), torch.tensor([2])),
+                                                             torch.tensor(4)), "is not an action but carries"),
+    ("policy_version", lambda b: torch.tensor([4, 2]), "row 0 says 4 but its oldest action token was sampled at 3"),
+    ("sample_uid", lambda b: torch.tensor([7, 7]), r"duplicate id 7 at rows \[0, 1\]"),
+    ("finish_reason", lambda b: torch.tensor([0, 5]), "code 5 at row 1"),
+])
+def test_async_field_violations_name_the_field(key, change, words):
+    b = _async_batch()
+    b.set(key, change(b))
+    with pytest.raises(TrajectoryError, match=f"^{key}: .*{words}"):
+        validate(b)
+
+
+def test_padding_keeps_the_version_contract():
+    from hyperrl.trajectory import NO_VERSION, cat_batches
+
+    b = _async_batch()
+    short = make_trajectory(**{k: v[:, :3] if v.dim() == 2 else v for k, v in b[1:].items()})
+    short.set("sample_uid", torch.tensor([12]))
+    both = cat_batches([b, short], pad_id=0)  # the short batch padded to T = 5 with NO_VERSION
+    assert both["token_version"][2, 3:].tolist() == [NO_VERSION, NO_VERSION]
+    validate(both)
+    validate(from_packed(to_packed(b)))  # padding restored as 0: ignored (only real tokens are checked)
+
+
+def test_engines_stamp_versions_and_finish_reasons():
+    from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
+    from hyperrl.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    eng = TransformersEngine(tiny_qwen3(tok.vocab_size, seed=0), version=3)
+    b = eng.generate([tok.encode("1+2="), tok.encode("30+4=")], SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                                              eos_id=tok.eos_token_id, seed=0), n=4)
+    act = b["action_mask"]
+    assert bool((b["token_version"][act] == 3).all()) and bool((b["token_version"][b["attention_mask"] & ~act]
+                                                                == -1).all())
+    last = b["tokens"].gather(1, (b["attention_mask"].sum(-1) - 1)[:, None])[:, 0]
+    # stop exactly when the row's last token is EOS; otherwise it used its 6 tokens ("length")
+    assert b["finish_reason"].tolist() == [0 if int(t) == tok.eos_token_id else 1 for t in last]
+    assert all(int(n) == 6 for n, f in zip(act.sum(-1), b["finish_reason"]) if int(f) == 1)
+    validate(b, learner_version=3, max_staleness=0)

@@ -15,7 +15,7 @@ import contextlib
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import make_trajectory
+from ..trajectory import NO_VERSION, make_trajectory
 from .base import SamplingParams, TransactionalEngine, WeightPublishError
 
 __all__ = ["TransformersEngine", "filter_logits", "tiny_qwen3"]
@@ -185,9 +185,10 @@ class TransformersEngine(TransactionalEngine):
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # finished rows' outputs are unused
             pos = pos[:, -1:] + 1
         plen = torch.tensor([len(p) for p in rows])
-        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups)
+        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups,
+                                stopped=~alive.cpu() if stops.numel() else torch.zeros(B, dtype=torch.bool))
 
-    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups) -> TensorDict:
+    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, stopped=None) -> TensorDict:
         """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised)."""
         B, P = left_ids.shape
         total = plen + lengths
@@ -200,6 +201,8 @@ class TransformersEngine(TransactionalEngine):
         tokens = torch.where(in_prompt, left_ids.gather(1, p_idx),
                              torch.where(in_gen, out_tok.gather(1, g_idx), self.pad_id))
         lp = torch.where(in_gen, out_lp.gather(1, g_idx), 0.0)
+        extra = {} if stopped is None else {"finish_reason": torch.where(stopped, 0, 1)}  # stop / length
         return make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
                                rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
-                               group_id=groups, reward=torch.zeros(B))
+                               token_version=torch.where(in_gen, self._version, NO_VERSION),
+                               group_id=groups, reward=torch.zeros(B), **extra)

@@ -38,6 +38,9 @@ from .base import SamplingParams, TransactionalEngine, WeightPublishError, _all_
 __all__ = ["VLLMEngine"]
 
 
+_FINISH = {"stop": "stop", "length": "length", "abort": "aborted"}  # vLLM's finish_reason → FINISH_REASONS
+
+
 class VLLMEngine(TransactionalEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
@@ -105,7 +108,7 @@ class VLLMEngine(TransactionalEngine):
                 lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
                 rows.append(dict(tokens=list(p) + ids, action=[False] * len(p) + [True] * len(ids),
                                  logprobs=[0.0] * len(p) + lps, reward=0.0, group_id=group_offset + i,
-                                 version=self._version))
+                                 version=self._version, finish_reason=_FINISH.get(c.finish_reason, "aborted")))
         return stack_episodes(rows, self.pad_id)
 
     def load_lora(self, peft_model, version: int) -> None:

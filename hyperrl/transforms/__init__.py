@@ -2,10 +2,24 @@
 
 Each concept lives in its own module (``advantages``, ``objectives``, ``aggregation``, ``kl``,
 ``logprobs``, ``correction``, ``shaping``, ``filters``, ``preference``, ``batching``, ``stats``,
-``loss``, ``chain``); this facade re-exports the public names. Kernels take tensors and the
-scalars they use; adapters take a trajectory TensorDict and return a new one (or a LossOutput).
+``loss``, ``chain``; for asynchronous RL ``staleness`` and ``admission``); this facade re-exports
+the public names. Kernels take tensors and the scalars they use; adapters take a trajectory
+TensorDict and return a new one (or a LossOutput).
 """
 
+from .admission import (
+    Buffer,
+    Unit,
+    admit,
+    buffer_init,
+    capacity,
+    check_admission,
+    check_conservation,
+    complete,
+    evict,
+    restart,
+    take_batch,
+)
 from .advantages import (
     ADVANTAGES,
     batch_std_advantages,
@@ -75,6 +89,14 @@ from .objectives import (
 )
 from .preference import DPOLoss, dpo_loss
 from .shaping import SHAPING, clip_rewards, kl_in_reward, mask_truncated, overlong_penalty, register_shaping
+from .staleness import (
+    interpolated_proximal_logprobs,
+    proximal_alpha,
+    row_policy_version,
+    staleness_mask,
+    staleness_metrics,
+    token_staleness,
+)
 from .stats import RunningStats, running_stats_init, running_stats_normalize, running_stats_update
 
 __all__ = [
@@ -108,4 +130,9 @@ __all__ = [
     "dpo_loss", "DPOLoss",
     "micro_batches_by_token_budget", "balanced_partition", "partition_spread",
     "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",
+    # asynchronous RL: staleness, the proximal policy, admission and the buffer
+    "token_staleness", "staleness_mask", "staleness_metrics", "row_policy_version", "proximal_alpha",
+    "interpolated_proximal_logprobs",
+    "Unit", "Buffer", "check_admission", "capacity", "buffer_init", "admit", "complete", "restart", "evict",
+    "take_batch", "check_conservation",
 ]
