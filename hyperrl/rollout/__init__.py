@@ -3,6 +3,8 @@
 from .base import RolloutEngine, SamplingParams, TransactionalEngine, WeightPublishError, WeightTransaction
 from .engines import ENGINES, EngineContext, register_engine
 from .hf import TransformersEngine, filter_logits, tiny_qwen3
+from .requests import Request, keyed_sample, keyed_uniform, requests_for, resume_requests
 
 __all__ = ["ENGINES", "EngineContext", "register_engine", "RolloutEngine", "SamplingParams", "WeightPublishError",
-           "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits", "tiny_qwen3"]
+           "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits", "tiny_qwen3",
+           "Request", "keyed_uniform", "keyed_sample", "requests_for", "resume_requests"]

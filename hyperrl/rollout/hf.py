@@ -15,10 +15,13 @@ import contextlib
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import NO_VERSION, make_trajectory
+from ..trajectory import FINISH_REASONS, NO_VERSION, make_trajectory
 from .base import SamplingParams, TransactionalEngine, WeightPublishError
+from .requests import Request, keyed_sample, keyed_uniform
 
 __all__ = ["TransformersEngine", "filter_logits", "tiny_qwen3"]
+
+_ABORTED = FINISH_REASONS.index("aborted")
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -135,7 +138,47 @@ class TransformersEngine(TransactionalEngine):
         """The sampled tokens every rank serving this engine continues with (one process: these)."""
         return tok
 
-    def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int) -> TensorDict:
+    @torch.no_grad()
+    def generate_requests(self, requests: list[Request], sampling: SamplingParams, *, abort=None) -> TensorDict:
+        """Continue every :class:`~hyperrl.rollout.requests.Request` from ``prompt + partial``
+        (re-prefill) for up to ``max_new_tokens − len(partial)`` more tokens, sampling keyed by
+        ``(sampling.seed, uid, response index)``. ``abort`` (anything with ``is_set()``, e.g. a
+        ``threading.Event``) is checked before every decode step: once set, unfinished rows stop
+        and return ``finish_reason = aborted`` with their tokens so far. Rows carry ``sample_uid``,
+        ``token_version`` (the partial tokens keep theirs) and ``policy_version`` = the oldest."""
+        if not requests:
+            raise ValueError("requests: empty")
+        if sampling.seed is None:
+            raise ValueError("sampling.seed: keyed sampling needs a seed (the randomness is keyed by seed, "
+                             "sample_uid and token index)")
+        budgets = torch.tensor([sampling.max_new_tokens - len(r.partial) for r in requests])
+        if bool((budgets < 1).any()):
+            r = requests[int((budgets < 1).nonzero()[0])]
+            raise ValueError(f"Request {r.uid}: {len(r.partial)} tokens generated already, no budget left under "
+                             f"max_new_tokens={sampling.max_new_tokens}; it is finished (length), not resumable")
+        if self._failed:
+            raise WeightPublishError(f"{self._failed}; refusing to generate from unpublished weights")
+        uids = torch.tensor([r.uid for r in requests])
+        offsets = torch.tensor([len(r.partial) for r in requests])
+        with self._eval():
+            b = self._generate([list(r.prompt) + list(r.partial) for r in requests], sampling, 1, 0,
+                               keys=(uids, offsets), budgets=budgets, abort=abort)
+        act, lp, tv = b["action_mask"].clone(), b["rollout_logprobs"].clone(), b["token_version"].clone()
+        for i, r in enumerate(requests):  # the partial tokens are actions sampled under older weights
+            P, K = len(r.prompt), len(r.partial)
+            if K:
+                act[i, P:P + K] = True
+                lp[i, P:P + K] = torch.tensor(r.partial_logprobs)
+                tv[i, P:P + K] = torch.tensor(r.partial_versions)
+        oldest = torch.where(act, tv, torch.iinfo(torch.int64).max).min(-1).values
+        return make_trajectory(**{**b.to_dict(), "action_mask": act, "rollout_logprobs": lp, "token_version": tv,
+                                  "policy_version": torch.where(act.any(-1), oldest, self._version),
+                                  "sample_uid": uids, "group_id": torch.tensor([r.group_id for r in requests])})
+
+    def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int, *, keys=None, budgets=None,
+                  abort=None) -> TensorDict:
+        """``keys = (uids [B], offsets [B])``: keyed sampling (else one generator stream);
+        ``budgets [B]``: per-row token limits; ``abort``: checked before every decode step."""
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
         B, P, dev = len(rows), max(len(p) for p in rows), self.device
@@ -153,11 +196,16 @@ class TransformersEngine(TransactionalEngine):
         out_tok = torch.full((B, sampling.max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros(B, sampling.max_new_tokens, dtype=torch.float32, device=dev)
         alive = torch.ones(B, dtype=torch.bool, device=dev)
+        stopped, aborted = torch.zeros_like(alive), torch.zeros_like(alive)
         stops = torch.tensor(sampling.stops, dtype=torch.long, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         past = step_ids = None
-        for t in range(sampling.max_new_tokens):
+        steps = sampling.max_new_tokens if budgets is None else int(budgets.max())
+        for t in range(steps):
+            if abort is not None and abort.is_set():
+                aborted = alive.clone()
+                break
             # only the last position's logits are needed: no [B, P, V] prefill logits (a large saving at
             # real vocabularies)
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
@@ -172,23 +220,29 @@ class TransformersEngine(TransactionalEngine):
                 past, logits = out.past_key_values, out.logits[:, -1]
             z = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(z, -1)
-            tok = self._agree(torch.multinomial(logp.exp(), 1, generator=gen)[:, 0])
-            tok = torch.where(alive, tok, self.pad_id)
+            if keys is None:
+                tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+            else:
+                tok = keyed_sample(logp, keyed_uniform(sampling.seed, keys[0], keys[1] + t)).to(dev)
+            tok = torch.where(alive, self._agree(tok), self.pad_id)
             out_tok[:, t] = tok
             out_lp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0)
             lengths += alive.long()
             if stops.numel():
-                alive = alive & ~torch.isin(tok, stops)
+                stopped = stopped | (alive & torch.isin(tok, stops))
+                alive = alive & ~stopped
+            if budgets is not None:
+                alive = alive & (lengths < budgets.to(dev))
             if not alive.any():
                 break
             step_ids = tok[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # finished rows' outputs are unused
             pos = pos[:, -1:] + 1
         plen = torch.tensor([len(p) for p in rows])
-        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups,
-                                stopped=~alive.cpu() if stops.numel() else torch.zeros(B, dtype=torch.bool))
+        finish = torch.where(aborted, _ABORTED, torch.where(stopped, 0, 1)).cpu()  # aborted / stop / length
+        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups, finish)
 
-    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, stopped=None) -> TensorDict:
+    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None) -> TensorDict:
         """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised)."""
         B, P = left_ids.shape
         total = plen + lengths
@@ -201,7 +255,7 @@ class TransformersEngine(TransactionalEngine):
         tokens = torch.where(in_prompt, left_ids.gather(1, p_idx),
                              torch.where(in_gen, out_tok.gather(1, g_idx), self.pad_id))
         lp = torch.where(in_gen, out_lp.gather(1, g_idx), 0.0)
-        extra = {} if stopped is None else {"finish_reason": torch.where(stopped, 0, 1)}  # stop / length
+        extra = {} if finish is None else {"finish_reason": finish}
         return make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
                                rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
                                token_version=torch.where(in_gen, self._version, NO_VERSION),

@@ -1,0 +1,96 @@
+"""Resumable generation requests and sampling randomness keyed by (seed, sample_uid, token index).
+
+A :class:`Request` is one sample to generate: its prompt, the response tokens already generated
+(``partial``, with their log-probs and the versions that sampled them) and the ids that key it.
+An engine's ``generate_requests`` continues every request from ``prompt + partial`` (re-prefill)
+and returns a trajectory row per request; when asked to abort (a publication is coming) it stops
+at the next decode step and marks unfinished rows ``finish_reason = aborted`` — their partial
+tokens are in the row, and :func:`resume_requests` turns them into requests again for the new
+weights. The earlier tokens keep their version, the new ones get the new version.
+
+Sampling is inverse-CDF with one uniform per (seed, uid, index) from a counter-based hash
+(splitmix64), so a token depends on its logits and its key only — not on the batch, the row's
+position in it, or how many steps ran before: an interruption without a weight change is
+invisible up to the logits' float rounding (re-prefill vs. cached decode). ``torch.Generator``
+streams cannot do that (their draws depend on the order of every earlier draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from ..trajectory import FINISH_REASONS
+
+__all__ = ["Request", "keyed_uniform", "keyed_sample", "resume_requests", "requests_for"]
+
+_ABORTED = FINISH_REASONS.index("aborted")
+_M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64 multipliers as signed int64
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class Request:
+    uid: int  # sample_uid: unique over the run; keys the sampling randomness
+    prompt: tuple[int, ...]
+    group_id: int = 0
+    partial: tuple[int, ...] = ()  # response tokens generated so far (under older weights)
+    partial_logprobs: tuple[float, ...] = ()
+    partial_versions: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError(f"Request {self.uid}: empty prompt")
+        if not len(self.partial) == len(self.partial_logprobs) == len(self.partial_versions):
+            raise ValueError(f"Request {self.uid}: partial, partial_logprobs and partial_versions differ in length")
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser (Steele et al. 2014) on int64 with wrapping arithmetic."""
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    return x ^ _srl(x, 31)
+
+
+def keyed_uniform(seed: int, uids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One uniform in ``[0, 1)`` per row, a pure function of ``(seed, uid, index)`` ``[B]`` (float64)."""
+    h = _mix(torch.full_like(uids, seed, dtype=torch.int64) + _GOLDEN)
+    h = _mix(h ^ uids.long())
+    h = _mix(h ^ index.long())
+    return _srl(h, 11).double() * 2.0 ** -53
+
+
+def keyed_sample(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of ``[B, V]`` log-probs with uniforms ``u [B]``: the first token whose
+    cumulative probability exceeds ``u`` (tokens of probability 0 are never chosen)."""
+    cdf = torch.cumsum(logp.double().exp(), -1)
+    x = (u.to(cdf.device) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, x, right=True)[:, 0].clamp(max=logp.shape[-1] - 1)
+
+
+def requests_for(prompts: list[list[int]], n: int, *, uid_offset: int, group_offset: int = 0) -> list[Request]:
+    """``n`` requests per prompt, uids ``uid_offset, uid_offset + 1, …``, group ids from ``group_offset``."""
+    return [Request(uid_offset + i * n + j, tuple(p), group_offset + i) for i, p in enumerate(prompts)
+            for j in range(n)]
+
+
+def resume_requests(batch: TensorDict) -> list[Request]:
+    """The aborted rows of a ``generate_requests`` batch as requests that continue them: the prompt
+    (the tokens before the first action), the generated tokens with their log-probs and versions."""
+    out = []
+    for i in (batch["finish_reason"] == _ABORTED).nonzero()[:, 0].tolist():
+        n = int(batch["attention_mask"][i].sum())
+        act = batch["action_mask"][i, :n]
+        first = int(act.int().argmax()) if bool(act.any()) else n
+        tok = batch["tokens"][i, :n].tolist()
+        out.append(Request(int(batch["sample_uid"][i]), tuple(tok[:first]), int(batch["group_id"][i]),
+                           tuple(tok[first:]), tuple(batch["rollout_logprobs"][i, first:n].tolist()),
+                           tuple(batch["token_version"][i, first:n].tolist())))
+    return out
