@@ -71,13 +71,14 @@ def _critic(cfg: TrainConfig, tok, hidden: int):
     return ValueModel(backbone, hidden).to(torch_dtype(cfg.model.param_dtype))
 
 
-def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
+def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type = SyncTrainer, **trainer_kwargs) -> SyncTrainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`):
     the pipeline first (what it needs decides the rest), then the tokenizer, the policy on
     ``run.device``, the engine, a reference model when the pipeline needs ``ref_logprobs``, a
     critic when it needs ``values``, the task and the environment. Every module, buffer and (once
     the trainer makes it) optimizer state lives on the device: fp32 master weights
-    (``model.param_dtype``), compute in ``model.dtype``."""
+    (``model.param_dtype``), compute in ``model.dtype``. ``trainer`` / ``trainer_kwargs``: another
+    loop over the same pieces (``AsyncTrainer, max_staleness=η``)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     pipeline = build_pipeline(cfg.algo)
@@ -134,8 +135,9 @@ def build_trainer(cfg: TrainConfig, hooks=()) -> SyncTrainer:
 
         make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
-    return SyncTrainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
-                       reference=reference, critic=critic, make_env=make_env, rewards=rewards, parallel=parallel)
+    return trainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
+                   reference=reference, critic=critic, make_env=make_env, rewards=rewards, parallel=parallel,
+                   **trainer_kwargs)
 
 
 def _fully_shard(module, layers, device: torch.device, dtype: torch.dtype):

@@ -15,6 +15,7 @@ no ``torch.distributed``. Users observe through hooks ``hook(event, trainer, met
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -34,6 +35,7 @@ from .lora import MergedView, TrainableView, is_lora, trainable_parameters
 from .parallel import LocalParallel, make_parallel
 from .recipes import Pipeline, build_pipeline
 from .rewards import Reward, RewardSet
+from .rollout.requests import Request
 from .sampling import SamplingParams
 from .sharding.publisher import Publisher
 from .tokenizer import decode_response
@@ -160,14 +162,35 @@ class SyncTrainer:
                               top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_token_id, stop_ids=self._stop_ids,
                               seed=self.cfg.run.seed * 7919 + step + seed_offset)
 
-    def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0) -> TensorDict:
+    def _uids(self, attempt: int) -> list[int]:
+        """This rank's ``sample_uid`` of every row of a training generation round: unique over the
+        run, a pure function of (step, attempt, global prompt index, sample) — resume needs no state."""
+        r = self.cfg.rollout
+        base = (self.step_idx * r.max_generation_batches + attempt) * r.prompts_per_step * r.n
+        return [base + g * r.n + j for g in self.parallel.shard(list(range(r.prompts_per_step))) for j in range(r.n)]
+
+    def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0, *,
+                  uids: list[int] | None = None) -> TensorDict:
+        """Rollout of ``n`` samples per prompt. Training rounds (``uids`` given) on an engine with
+        resumable requests sample keyed by (seed, sample_uid, token index) — what an asynchronous
+        run does too, so the two agree at η = 0; the seed is then the run's (the step enters
+        through the uid)."""
         if self.make_env is not None:  # multi-turn: the environment scores the episode
             from .envs import Limits, run_episodes
 
             batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n,
                                     limits=Limits(max_turns=self.cfg.rollout.max_turns), group_offset=group_offset)
             return batch
-        return self.engine.generate([self.task.encode(s) for s in samples], sampling, n, group_offset=group_offset)
+        prompts = [self.task.encode(s) for s in samples]
+        if uids is not None and getattr(self.engine, "resumable", False):
+            reqs = [Request(u, tuple(p), group_offset + i) for (i, p), u in
+                    zip([(i, p) for i, p in enumerate(prompts) for _ in range(n)], uids)]
+            return self.engine.generate_requests(reqs, dataclasses.replace(sampling, seed=self._keyed_seed(sampling)))
+        return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
+
+    def _keyed_seed(self, sampling: SamplingParams) -> int:
+        """The run's sampling seed without the step (keyed sampling takes the step from the uid)."""
+        return sampling.seed - self.step_idx
 
     @property
     def reward_set(self) -> RewardSet | None:
@@ -236,7 +259,8 @@ class SyncTrainer:
             offset = len(samples)
             samples.update({offset + i: s for i, s in enumerate(drawn)})
             with timer("generate"):
-                batch = self._generate(drawn, self._sampling(self.step_idx, 10**7 * attempt), r.n, offset)
+                batch = self._generate(drawn, self._sampling(self.step_idx, 10**7 * attempt), r.n, offset,
+                                       uids=self._uids(attempt))
             with timer("reward"):
                 batch = p.admit(self.rewards(batch, samples))
                 if "token_rewards" in batch.keys():  # what shaping changed in `reward` lands on the last token

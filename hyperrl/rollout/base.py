@@ -15,6 +15,11 @@ Publication is one versioned transaction, ``begin(version) → stage(pieces)… 
 is checked complete at commit, before anything is applied — so a failure mid-publication (a bad
 tensor, a publisher dying mid-way, a stale version) leaves version ``V`` serving, never a mix.
 ``load_weights(weights, version)`` is the one-call form (begin, stage everything, commit).
+
+An engine with ``resumable = True`` also has ``generate_requests(requests, sampling, abort=)``
+(:mod:`hyperrl.rollout.requests`): sampling keyed by (seed, sample_uid, token index), generation
+that stops at a decode step when asked (rows ``finish_reason = aborted``) and continues from the
+exact partial tokens — what asynchronous RL needs.
 :class:`TransactionalEngine` implements the protocol over an engine's ``_expected()`` parameter
 shapes and ``_apply(staged)``.
 """
@@ -127,6 +132,7 @@ class TransactionalEngine:
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
+    resumable: bool = False  # has generate_requests (keyed sampling, abort, resume from partial tokens)
 
     def begin(self, version: int, *, partial: bool = False) -> None:
         if self._txn is not None:
