@@ -24,7 +24,7 @@ batches, metrics and weights as :class:`~hyperrl.trainer.SyncTrainer` (tested bi
 
 The steps are those of the SyncTrainer (rewards, prepare, the pipeline, the learner, the
 publisher); only collection differs. Not yet here: multi-turn environments, group filters with
-refill, the Ray executor, checkpoint/resume of the buffer (docs/async.md says what exists).
+refill, the Ray executor (docs/async.md says what exists).
 """
 
 from __future__ import annotations
@@ -251,9 +251,29 @@ class AsyncTrainer(SyncTrainer):
         except Exception:  # noqa: BLE001, S110 — interpreter shutdown
             pass
 
-    def save(self, **kw):
-        raise NotImplementedError("AsyncTrainer: checkpointing the buffer (in-flight and ready samples) is not "
-                                  "built yet; use SyncTrainer for resumable runs")
+    def _loop_state(self) -> dict:
+        """The buffer at a step boundary, losslessly: the prompts of every live unit (in flight or
+        ready, in admission order) and of evicted-not-yet-readmitted ones, the data cursor, the
+        counters. On resume they are admitted again first and regenerated — under the resumed
+        weights, with the same sample_uids, so nothing is lost or trained twice and the staleness
+        bound holds across the restart (they are fresh)."""
+        with self._cond:
+            b = self.buffer
+            return {"async": {"live": [u.key for u in b.units] + list(self._requeue), "next_key": self._next_key,
+                              "consumed": b.consumed, "evicted": b.evicted,
+                              "evictions": [list(e) for e in b.evictions]}}
+
+    def _load_loop_state(self, state: dict) -> None:
+        st = state.get("async")
+        if st is None:
+            raise ValueError("resume: the checkpoint was written by a synchronous run (no async state); resume it "
+                             "with async.max_staleness: null or start a new out_dir")
+        with self._cond:
+            b = self.buffer
+            self.buffer = A.Buffer(b.eta, b.batch, b.max_concurrent, (), st["consumed"] + st["evicted"],
+                                   st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
+            self._units, self._rows, self._pending = {}, {}, []
+            self._requeue, self._next_key = list(st["live"]), st["next_key"]
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -21,7 +21,7 @@ from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 __all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig",
            "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_config", "ConfigError",
@@ -210,7 +210,17 @@ class RewardSpec(_Frozen):
         return {"fn": v} if isinstance(v, str) else v
 
 
-class TrainConfig(_Frozen):
+class AsyncConfig(_Frozen):
+    max_staleness: int | None = Field(None, ge=0, description="η: asynchronous RL (AsyncTrainer) — a trained token "
+                                      "lags the learner by at most η versions; null = the synchronous SyncTrainer "
+                                      "(docs/async.md)")
+    max_concurrent: int = Field(0, ge=0, description="prompt groups in flight at most (0 = (η + 1) · "
+                                "rollout.prompts_per_step)")
+    timeout_s: float = Field(120.0, gt=0, description="deadline of every wait on the rollout worker (a batch, a "
+                             "pause for publication); past it the step fails naming the worker")
+
+
+class _TrainConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: Variant = Field(Variant(name="modsum"), description="task (hyperrl.tasks.TASKS)")
     data: DataConfig = Field(default_factory=DataConfig)
@@ -225,6 +235,12 @@ class TrainConfig(_Frozen):
 
     def to_dict(self) -> dict:
         return _plain(self)
+
+
+# `async` is a Python keyword, so the section is declared by name (read it as getattr(cfg, "async"))
+TrainConfig = create_model("TrainConfig", __base__=_TrainConfig, __module__=__name__,
+                           **{"async": (AsyncConfig, Field(default_factory=AsyncConfig, description="asynchronous "
+                                                           "RL: the staleness bound η and the rollout worker"))})
 
 
 def _plain(m):

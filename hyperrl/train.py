@@ -71,14 +71,14 @@ def _critic(cfg: TrainConfig, tok, hidden: int):
     return ValueModel(backbone, hidden).to(torch_dtype(cfg.model.param_dtype))
 
 
-def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type = SyncTrainer, **trainer_kwargs) -> SyncTrainer:
+def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **trainer_kwargs) -> SyncTrainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`):
     the pipeline first (what it needs decides the rest), then the tokenizer, the policy on
     ``run.device``, the engine, a reference model when the pipeline needs ``ref_logprobs``, a
     critic when it needs ``values``, the task and the environment. Every module, buffer and (once
     the trainer makes it) optimizer state lives on the device: fp32 master weights
     (``model.param_dtype``), compute in ``model.dtype``. ``trainer`` / ``trainer_kwargs``: another
-    loop over the same pieces (``AsyncTrainer, max_staleness=η``)."""
+    loop over the same pieces (default: ``AsyncTrainer`` when ``async.max_staleness`` is set)."""
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     pipeline = build_pipeline(cfg.algo)
@@ -135,6 +135,15 @@ def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type = SyncTrainer, **
 
         make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
+    if trainer is None:  # async.max_staleness set: the asynchronous loop over the same pieces
+        a = getattr(cfg, "async")
+        trainer = SyncTrainer
+        if a.max_staleness is not None:
+            from .async_trainer import AsyncTrainer
+
+            trainer = AsyncTrainer
+            trainer_kwargs = {"max_staleness": a.max_staleness, "max_concurrent": a.max_concurrent,
+                              "timeout_s": a.timeout_s, **trainer_kwargs}
     return trainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
                    reference=reference, critic=critic, make_env=make_env, rewards=rewards, parallel=parallel,
                    **trainer_kwargs)
@@ -363,6 +372,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
         last_eval = trainer.evaluate()
     ckpt = trainer.save()
+    getattr(trainer, "close", lambda: None)()  # an asynchronous run's rollout worker
     if rank == 0:
         plot_rewards(jsonl, out / "reward_curve.png")
         if cfg.run.export:

@@ -497,7 +497,8 @@ class SyncTrainer:
         """Atomic checkpoint: each rank writes its own shards (no gather), rank 0 the marker."""
         state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
                  "tokens_seen": self.tokens_seen, "optim_steps": self.learner.optim_steps,
-                 "kl_coef": self.kl_state.beta, "task": self.task.state(), "config": self.cfg.to_dict()}
+                 "kl_coef": self.kl_state.beta, "task": self.task.state(), "config": self.cfg.to_dict(),
+                 **self._loop_state()}
         path = self.checkpointer.save(self.step_idx, self._parts(), state, _crash_after=_crash_after)
         if self.parallel.rank == 0:
             self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
@@ -515,11 +516,19 @@ class SyncTrainer:
         if "kl_coef" in st:
             self.kl_state = type(self.kl_state)(st["kl_coef"])
         self.task.load_state(st.get("task", {}))
+        self._load_loop_state(st)
         # versions only grow: an engine already past the checkpoint's version gets the next one
         target = st["version"] if self.engine.policy_version < st["version"] else self.engine.policy_version + 1
         self._publish_as(target)  # refit before the first generation
         self.version = target
         return True
+
+    def _loop_state(self) -> dict:
+        """What a loop beyond the synchronous one adds to the checkpoint's state (none here)."""
+        return {}
+
+    def _load_loop_state(self, state: dict) -> None:
+        pass
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:
