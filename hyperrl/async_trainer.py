@@ -119,6 +119,8 @@ class AsyncTrainer(SyncTrainer):
     # ------------------------------------------------------------------ the rollout worker
     def _work(self) -> None:
         try:
+            if self.cfg.run.threads:  # torch's intra-op threads are per calling thread: the worker's own count
+                torch.set_num_threads(self.cfg.run.threads)
             sp = dataclasses.replace(self._sampling(0), seed=self.cfg.run.seed * 7919)  # SyncTrainer's keyed seed
             while True:
                 with self._cond:

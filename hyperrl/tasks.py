@@ -24,8 +24,9 @@ from .envs.rewards import REWARDS, RewardName
 from .registry import Registry
 from .tokenizer import encode_prompt
 
-__all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "arith_problems", "FileTask", "ParquetTask",
-           "make_task"]
+__all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems", "FileTask",
+           "ParquetTask", "make_task"]
+
 
 TASKS: Registry = Registry("task")
 register_task = TASKS.register
@@ -140,6 +141,55 @@ class ArithTask(_InCodeTask):
         return [self._sample(p) for p in self._eval[:k]]
 
 
+@dataclass
+class RepeatTask(_InCodeTask):
+    """A variable-length answer with a long tail, generated in code: prompt ``"7*3="``, answer
+    ``"777"`` (the digit ``k`` times, then EOS). ``k`` is short (``1..short_max``) for most prompts and
+    ``tail_min..tail_max`` — 4–8× longer — for a ``tail_frac`` of them, like reasoning traces: most
+    short, a tail of long ones (the generation-heavy shape asynchronous RL is for). A fixed
+    ``held_out_frac`` of the (digit, k) pairs is held out; the tail keeps its share there."""
+
+    tokenizer: object
+    short_max: int = 3
+    tail_min: int = 12
+    tail_max: int = 20
+    tail_frac: float = 0.2
+    held_out_frac: float = 0.15
+    split_seed: int = 0
+    seed: int = 0
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_credit", "exact_answer"), "task.rewards"))
+
+    def __post_init__(self):
+        pairs = [(d, k) for d in range(10) for k in [*range(1, self.short_max + 1),
+                                                     *range(self.tail_min, self.tail_max + 1)]]
+        order = np.random.default_rng([self.split_seed, 11]).permutation(len(pairs))
+        n_eval = max(1, round(self.held_out_frac * len(pairs)))
+        held = {pairs[i] for i in order[:n_eval]}
+        self._eval = [p for p in pairs if p in held]
+        self._short = [p for p in pairs if p not in held and p[1] <= self.short_max]
+        self._tail = [p for p in pairs if p not in held and p[1] > self.short_max]
+
+    @property
+    def response_tokens(self) -> int:
+        return self.tail_max + 1
+
+    @staticmethod
+    def _sample(p: tuple[int, int]) -> Sample:
+        d, k = p
+        return Sample(f"{d}*{k}=", str(d) * k, f"repeat:{d}*{k}", {})
+
+    def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
+        """``k`` prompts for ``step``: each from the tail with probability ``tail_frac`` — a pure
+        function of (seed, step, attempt)."""
+        rng = self._rng(step, attempt)
+        tail = rng.random(k) < self.tail_frac
+        return [self._sample(pool[int(rng.integers(0, len(pool)))]) for pool in
+                (self._tail if t else self._short for t in tail.tolist())]
+
+    def held_out(self, k: int) -> list[Sample]:
+        return [self._sample(p) for p in self._eval[:k]]
+
+
 class FileTask:
     """Prompts from data files (parquet / JSONL / JSON) or Python records / an HF ``datasets.Dataset``
     (resumable shuffled cursor), validation prompts from their own files, rewards from ``REWARDS``.
@@ -248,6 +298,21 @@ def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_ope
         raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
     return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, seed,
                      _reward_fns(rewards, "task.rewards"))
+
+
+@register_task("repeat", produces=("reward",))
+def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail_max: int = 20, tail_frac: float = 0.2,
+           held_out_frac: float = 0.15, split_seed: int = 0,
+           rewards: tuple[RewardName, ...] = ("digit_credit", "exact_answer")) -> RepeatTask:
+    """``"d*k="`` → ``d`` repeated ``k`` times: most answers ``1..short_max`` digits, a ``tail_frac`` of
+    ``tail_min..tail_max`` (a long-tail length distribution; ``rollout.max_new_tokens`` ≥ tail_max + 1)."""
+    if not 1 <= short_max < tail_min <= tail_max:
+        raise ValueError(f"task.short_max={short_max}, tail_min={tail_min}, tail_max={tail_max}: need "
+                         "1 ≤ short_max < tail_min ≤ tail_max")
+    if not 0 <= tail_frac <= 1 or not 0 < held_out_frac < 1:
+        raise ValueError(f"task.tail_frac={tail_frac} must be in [0, 1], task.held_out_frac={held_out_frac} in (0, 1)")
+    return RepeatTask(tokenizer, short_max, tail_min, tail_max, tail_frac, held_out_frac, split_seed, seed,
+                      _reward_fns(rewards, "task.rewards"))
 
 
 @register_task("parquet", produces=("reward",))

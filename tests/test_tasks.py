@@ -57,6 +57,21 @@ def test_a_response_budget_too_short_for_the_answers_is_named_before_building(tm
         build_trainer(cfg)
 
 
+def test_repeat_has_a_long_tail_of_answer_lengths_and_holds_out_pairs():
+    task = TASKS.build("repeat")(CHAR, 0)
+    draws = [s for step in range(40) for s in task.sample(64, step)]
+    lengths = torch.tensor([len(s.answer) for s in draws], dtype=torch.float)
+    tail = lengths >= 12
+    assert abs(float(tail.float().mean()) - 0.2) < 0.03  # tail_frac of the prompts, 4–8× longer
+    assert set(lengths[~tail].long().tolist()) <= {1, 2, 3} and set(lengths[tail].long().tolist()) <= set(range(12, 21))
+    assert all(s.answer == s.prompt[0] * int(s.prompt[2:-1]) for s in draws[:50])
+    held = {s.prompt for s in task.held_out(10**6)}
+    assert len(held) == round(0.15 * 10 * (3 + 9)) and not held & {s.prompt for s in draws}
+    assert task.response_tokens == 21
+    with pytest.raises(ValueError, match="task.short_max"):
+        TASKS.build("repeat", short_max=12)(CHAR, 0)
+
+
 class _S:
     def __init__(self, answer):
         self.answer = answer

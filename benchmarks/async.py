@@ -1,0 +1,120 @@
+"""Synchronous vs asynchronous RL on this machine: wall time to a held-out reward, s/step, tokens/s.
+
+Each mode trains the same config in its own process; evaluation time is excluded from the clock.
+
+* ``sync``: SyncTrainer, every phase on all ``--cores`` torch threads (generation, then update);
+* ``async η``: AsyncTrainer with ``async.max_staleness = η``: the rollout worker thread and the
+  learner each use ``--cores / 2`` threads (disjoint cores), generation overlapping the update;
+* ``async η, decoupled``: the same with the decoupled-PPO behaviour correction (``algo.correction:
+  tis``: the learner recomputes the proximal policy, tokens weighted by ``π_prox / π_behav``).
+
+    python benchmarks/async.py                       # the long-tail repeat task, 21-token budget
+    python benchmarks/async.py --modes sync 1 4 4d --steps 400 --target 0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import append_results, table  # noqa: E402
+
+# the long-tail task: 80 % of answers 1–3 digits, 20 % 12–20 (hyperrl.tasks.RepeatTask)
+BASE = ["--task=repeat", "--rollout.max_new_tokens=21", "--rollout.prompts_per_step=32", "--rollout.n=8",
+        "--run.eval_every=0", "--run.eval_prompts=256"]
+METRIC = "eval_reward_digit_credit_mean"
+
+
+def run_mode(mode: str, steps: int, every: int, cores: int, seed: int) -> dict:
+    """One mode in this process: train ``steps`` steps, evaluate every ``every`` (off the clock)."""
+    import torch
+
+    from hyperrl.config import load_config
+    from hyperrl.train import build_trainer
+
+    eta, decoupled = (None, False) if mode == "sync" else (int(mode.rstrip("d")), mode.endswith("d"))
+    threads = cores if eta is None else max(1, cores // 2)
+    ov = BASE + [f"--run.out_dir={tempfile.mkdtemp()}", f"--run.seed={seed}", f"--run.threads={threads}"]
+    if eta is not None:
+        ov.append(f"--async.max_staleness={eta}")
+    if decoupled:
+        ov.append("--algo.correction=tis")
+    torch.set_num_threads(threads)
+    tr = build_trainer(load_config(None, ov))
+    clock, evals, phases, tokens = 0.0, [], {}, 0
+    try:
+        for s in range(1, steps + 1):
+            t0 = time.perf_counter()
+            m = tr.step()
+            clock += time.perf_counter() - t0
+            tokens += int(m.get("response_len_mean", 0) * 256)
+            for k, v in m.items():
+                if k.startswith("time_") and k.endswith("_s"):
+                    phases[k] = phases.get(k, 0.0) + v
+            if s % every == 0:
+                e = tr.evaluate()
+                evals.append((s, round(clock, 2), round(e[METRIC], 4)))
+        stale = m.get("staleness_max", 0.0)
+    finally:
+        getattr(tr, "close", lambda: None)()
+    return {"mode": mode, "threads": threads, "clock_s": clock, "evals": evals,
+            "phases": {k: v / steps for k, v in phases.items()}, "staleness_max": stale,
+            "evicted": m.get("async_evicted", 0), "tokens_per_s": tokens / clock}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["sync", "1", "2", "4", "4d"])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--every", type=int, default=25)
+    ap.add_argument("--target", type=float, default=0.5, help="held-out digit credit to time")
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--_one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._one:
+        print("RESULT " + json.dumps(run_mode(args._one, args.steps, args.every, args.cores, args.seed)))
+        return
+    res = []
+    for mode in args.modes:  # one process per mode, one at a time (each uses the machine's cores)
+        out = subprocess.run([sys.executable, __file__, f"--_one={mode}", f"--steps={args.steps}",
+                              f"--every={args.every}", f"--cores={args.cores}", f"--seed={args.seed}"],
+                             capture_output=True, text=True, check=True)
+        res.append(json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
+        print(res[-1]["mode"], res[-1]["clock_s"], res[-1]["evals"][-1], flush=True)
+    sync = next((r for r in res if r["mode"] == "sync"), None)
+
+    def reach(r):
+        return next((t for _, t, v in r["evals"] if v >= args.target), None)
+
+    rows = []
+    for r in res:
+        t, ph = reach(r), r["phases"]
+        ratio = "" if sync is None or t is None or reach(sync) is None else f"{reach(sync) / t:.2f}×"
+        name = "sync" if r["mode"] == "sync" else f"async η={r['mode'].rstrip('d')}" + \
+            (" decoupled" if r["mode"].endswith("d") else "")
+        rows.append([name, r["threads"], round(r["clock_s"] / args.steps, 3), t if t is not None else "—", ratio,
+                     r["evals"][-1][2], round(ph.get("time_generate_s", 0.0), 3), round(ph.get("time_wait_s", 0.0), 3),
+                     round(ph.get("time_update_s", 0.0), 3), r["staleness_max"], r["evicted"],
+                     round(r["tokens_per_s"])])
+    cmd = " ".join(["python benchmarks/async.py", *sys.argv[1:]])
+    append_results("async vs sync (one process, rollout-worker thread)",
+                   f"`{cmd}`: task repeat (answers of 1–3 digits, 20 % of 12–20; 21-token budget), 32 prompts × "
+                   f"8, {args.steps} steps, seed {args.seed}; held-out `{METRIC}` every {args.every} steps "
+                   f"(evaluation off the clock). Sync: "
+                   f"{args.cores} torch threads per phase; async: worker and learner {max(1, args.cores // 2)} each. "
+                   f"`time to ≥ {args.target}` = wall seconds of training:\n\n"
+                   + table(["mode", "threads", "s/step", f"s to ≥ {args.target}", "vs sync", "final held-out",
+                            "generate s", "learner wait s", "update s", "max staleness", "evicted", "tokens/s"],
+                           rows))
+
+
+if __name__ == "__main__":
+    main()
