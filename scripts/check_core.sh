@@ -15,5 +15,5 @@ for mod in transformers pyarrow yaml matplotlib jsonschema peft; do
 done
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_advantages.py tests/test_aggregation.py \
   tests/test_batching.py tests/test_kl.py tests/test_logprobs.py tests/test_misc_transforms.py tests/test_objectives.py \
-  tests/test_trajectory.py tests/test_sharding_algebra.py tests/test_sharding_plan.py
+  tests/test_trajectory.py tests/test_async_pieces.py tests/test_sharding_algebra.py tests/test_sharding_plan.py
 "$venv/bin/hyperrl" plan --model qwen3-4b --trainer fsdp=8 --rollout tp=2,dp=4 | tail -3

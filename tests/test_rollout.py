@@ -160,3 +160,18 @@ def test_shared_engine_serves_the_policy_itself_and_fails_closed():
     assert eng.policy_version == 1
     with pytest.raises(WeightPublishError, match="fails closed"):  # V's weights are gone: no generation
         eng.generate([TOK.encode("2+2=")], SamplingParams(max_new_tokens=4, seed=1))
+
+
+def test_engines_stamp_versions_and_finish_reasons():
+    tok = TOK
+    eng = TransformersEngine(tiny_qwen3(tok.vocab_size, seed=0), version=3)
+    b = eng.generate([tok.encode("1+2="), tok.encode("30+4=")], SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                                              eos_id=tok.eos_token_id, seed=0), n=4)
+    act = b["action_mask"]
+    assert bool((b["token_version"][act] == 3).all()) and bool((b["token_version"][b["attention_mask"] & ~act]
+                                                                == -1).all())
+    last = b["tokens"].gather(1, (b["attention_mask"].sum(-1) - 1)[:, None])[:, 0]
+    # stop exactly when the row's last token is EOS; otherwise it used its 6 tokens ("length")
+    assert b["finish_reason"].tolist() == [0 if int(t) == tok.eos_token_id else 1 for t in last]
+    assert all(int(n) == 6 for n, f in zip(act.sum(-1), b["finish_reason"]) if int(f) == 1)
+    validate(b, learner_version=3, max_staleness=0)

@@ -48,7 +48,7 @@ def _run_all(rank, world):
     return out
 
 
-# every test here reads the one 4-process run: keep them on one xdist worker (addopts: --dist loadgroup)
+# every test here reads the one 4-process run: one xdist worker for all (README test command: --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("sharding_execute")
 
 

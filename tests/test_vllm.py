@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / ".venv-vllm" / "bin" / "python"
-# every test here reads the one vLLM run: keep them on one xdist worker (addopts: --dist loadgroup)
+# every test here reads the one vLLM run: keep them on one xdist worker (the README test command runs --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("vllm")
 
 
