@@ -94,6 +94,13 @@ class AsyncTrainer(SyncTrainer):
             self._draws[step] = self.task.sample(P, step, attempt=0)
         return self._draws[step][g]
 
+    def _prune_draws(self) -> None:
+        """Forget the draws of steps no live, re-admittable or future unit can come from."""
+        P = self.cfg.rollout.prompts_per_step
+        low = min([u.key for u in self.buffer.units] + self._requeue + [self._next_key]) // P
+        for step in [s for s in self._draws if s < low]:
+            del self._draws[step]
+
     def _requests(self, unit: A.Unit) -> list[Request]:
         """The unit's n requests; uids as the SyncTrainer numbers them (step, prompt, sample)."""
         r = self.cfg.rollout
@@ -205,6 +212,7 @@ class AsyncTrainer(SyncTrainer):
             rows = [self._rows.pop(u.uid)[0] for u in taken]
             for u in taken:
                 self._units.pop(u.uid)
+            self._prune_draws()
             A.check_conservation(self.buffer)
             counters = {"async_admitted": self.buffer.admitted, "async_consumed": self.buffer.consumed,
                         "async_evicted": self.buffer.evicted, "async_in_flight": self.buffer.in_flight,

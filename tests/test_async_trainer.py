@@ -62,6 +62,7 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
     b = tr.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
+    assert len(tr._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
 
 class _FaultyEngine:

@@ -129,3 +129,12 @@ def test_request_errors_name_the_problem(engine):
     with pytest.raises(ValueError, match="differ in length"):
         Request(8, (5,), partial=(1, 2), partial_logprobs=(-1.0,), partial_versions=(0, 0))
     assert math.isfinite(float(engine.generate_requests([Request(9, (5, 6))], SP)["rollout_logprobs"].sum()))
+
+
+def test_a_multi_turn_row_is_not_resumed(engine):
+    from hyperrl.trajectory import stack_episodes
+
+    b = stack_episodes([dict(tokens=[5, 6, 7, 1, 8], action=[0, 1, 0, 0, 1], logprobs=[0, -1.0, 0, 0, -1.0],
+                             reward=0.0, group_id=0, version=0, sample_uid=3, finish_reason="aborted")])
+    with pytest.raises(ValueError, match="row 0 .sample_uid 3. has non-action tokens after its first action"):
+        resume_requests(b)

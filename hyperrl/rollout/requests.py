@@ -83,12 +83,16 @@ def requests_for(prompts: list[list[int]], n: int, *, uid_offset: int, group_off
 
 def resume_requests(batch: TensorDict) -> list[Request]:
     """The aborted rows of a ``generate_requests`` batch as requests that continue them: the prompt
-    (the tokens before the first action), the generated tokens with their log-probs and versions."""
+    (the tokens before the first action), the generated tokens with their log-probs and versions.
+    Single-turn rows only (a row with observation tokens after its first action is refused)."""
     out = []
     for i in (batch["finish_reason"] == _ABORTED).nonzero()[:, 0].tolist():
         n = int(batch["attention_mask"][i].sum())
         act = batch["action_mask"][i, :n]
         first = int(act.int().argmax()) if bool(act.any()) else n
+        if not bool(act[first:].all()):
+            raise ValueError(f"resume_requests: row {i} (sample_uid {int(batch['sample_uid'][i])}) has non-action "
+                             "tokens after its first action (a multi-turn episode); only single-turn rows resume")
         tok = batch["tokens"][i, :n].tolist()
         out.append(Request(int(batch["sample_uid"][i]), tuple(tok[:first]), int(batch["group_id"][i]),
                            tuple(tok[first:]), tuple(batch["rollout_logprobs"][i, first:n].tolist()),
