@@ -139,6 +139,11 @@ class AlgoConfig(_Frozen):
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     gate_threshold: float | None = Field(None, description="bit-exact gate: refuse the update above this "
                                          "trainer–rollout log-prob gap")
+    proximal: Literal["recompute", "interpolate"] = Field("recompute", description="the proximal policy π_prox "
+                                                          "(old_logprobs: PPO's anchor, decoupled PPO's "
+                                                          "π_prox/π_behav): recompute = a forward of the learner's "
+                                                          "version V; interpolate = A-3PO, log π_behav + α(log π_θ "
+                                                          "− log π_behav), α = (V − v_t)/(V + 1 − v_t), no forward")
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
 

@@ -104,6 +104,9 @@ class SyncTrainer:
         if "token_rewards" in needs and make_env is not None:
             raise ValueError(f"algo.advantage={cfg.algo.advantage.name!r} needs per-token step rewards, which a "
                              "multi-turn run (env) does not produce; use an outcome advantage (grpo, rloo, …)")
+        if cfg.algo.proximal == "interpolate" and cfg.algo.gate_threshold is not None:
+            raise ValueError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
+                             "(algo.gate_threshold) compares; use proximal: recompute with the gate")
         self.reference, self.critic, self.make_env = reference, critic, make_env
         self.device = next(policy.parameters()).device
         self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
@@ -302,7 +305,7 @@ class SyncTrainer:
             out.set("values", self._no_grad(self._values, batch))
         if "baseline_reward" in needs:
             out.set("baseline_reward", self._greedy_baseline(batch))
-        if self._single_pass():
+        if self._single_pass() or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in loss)
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
         with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
             lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
@@ -356,6 +359,9 @@ class SyncTrainer:
         plus the critic's value term; mismatch metrics from ``transforms.correction``."""
         p = self.pipeline
         lp, ent = self._logprobs(self.policy, part)
+        if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
+            part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
+                part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
         corr = p.correction(part) if p.correction is not None else None
         out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
                             **p.loss_kwargs(self.kl_state.beta))

@@ -180,3 +180,45 @@ def test_the_cli_config_runs_the_async_loop(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "staleness_max" in r]
     assert len(steps) == 6 and max(r["staleness_max"] for r in steps) <= 1
+
+
+def test_a3po_interpolates_the_proximal_policy_in_the_loss_without_a_forward(tmp_path):
+    """``algo.proximal=interpolate``: prepare runs no proximal forward, and the loss's old_logprobs are
+    log π_behav + α(log π_θ − log π_behav) with α = (V − v_t)/(V + 1 − v_t) — checked against a forward
+    of the policy at the moment the loss ran (first and only mini-batch: π_θ is version V)."""
+    import hyperrl.transforms as T
+    from hyperrl.forward import plain_logprobs_and_entropy
+
+    seen = []
+
+    @T.register_correction("_record_a3po", needs=("old_logprobs",))
+    def _record(batch):
+        seen.append(batch)
+        return T.Correction(batch["action_mask"].float(), batch["action_mask"])
+
+    try:
+        cfg = _cfg(tmp_path, "--rollout.max_new_tokens=8", "--algo.proximal=interpolate",
+                   "--algo.correction=_record_a3po")
+        tr = build_trainer(cfg, trainer=AsyncTrainer, max_staleness=2)
+        checked = 0
+        try:
+            for _ in range(6):
+                before = {k: v.clone() for k, v in tr.policy.state_dict().items()}
+                calls = len(seen)
+                m = tr.step()
+                part = seen[calls]
+                assert m.get("time_logprob_s", 0.0) < 0.05  # no proximal forward in prepare
+                now = {k: v.clone() for k, v in tr.policy.state_dict().items()}
+                tr.policy.load_state_dict(before)  # θ as the loss saw it
+                with torch.no_grad():
+                    lp, _ = plain_logprobs_and_entropy(tr.policy, part, 1.0)
+                tr.policy.load_state_dict(now)
+                want = T.interpolated_proximal_logprobs(part["rollout_logprobs"], lp, part["token_version"],
+                                                        part["action_mask"], m["policy_version"] - 1)
+                assert (want - part["old_logprobs"])[part["action_mask"]].abs().max() < 1e-5
+                checked += int((part["token_version"][part["action_mask"]] < m["policy_version"] - 1).sum())
+        finally:
+            tr.close()
+        assert checked > 0, "no stale token: the interpolation was never exercised"
+    finally:
+        T.CORRECTIONS._items.pop("_record_a3po", None)
