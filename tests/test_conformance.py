@@ -43,7 +43,8 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
 
-_NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"]}  # valid, but beyond the tiny config's budget
+# valid, but beyond the tiny config's budget
+_NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"]}
 
 
 def _reward_model_dir(path):
