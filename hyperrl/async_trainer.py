@@ -39,10 +39,12 @@ from tensordict import TensorDict
 from . import transforms as T
 from .rollout.requests import Request, resume_requests
 from .trainer import SyncTrainer, _Timer
-from .trajectory import TrajectoryError, cat_batches, validate
+from .trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 from .transforms import admission as A
 
 __all__ = ["AsyncTrainer", "WorkerError"]
+
+_ABORTED = FINISH_REASONS.index("aborted")
 
 
 class WorkerError(RuntimeError):
@@ -103,11 +105,9 @@ class AsyncTrainer(SyncTrainer):
 
     def _requests(self, unit: A.Unit) -> list[Request]:
         """The unit's n requests; uids as the SyncTrainer numbers them (step, prompt, sample)."""
-        r = self.cfg.rollout
-        step, g = divmod(unit.key, r.prompts_per_step)
-        base = step * r.max_generation_batches * r.prompts_per_step * r.n + g * r.n
+        step, g = divmod(unit.key, self.cfg.rollout.prompts_per_step)
         prompt = tuple(self.task.encode(self._sample(unit.key)))
-        return [Request(base + j, prompt, unit.key) for j in range(r.n)]
+        return [Request(self.sample_uid(step, 0, g, j), prompt, unit.key) for j in range(self.cfg.rollout.n)]
 
     def _top_up(self) -> None:
         """Admit what capacity allows (under the lock): evicted prompts first, then fresh ones."""
@@ -149,7 +149,7 @@ class AsyncTrainer(SyncTrainer):
     def _deliver(self, out: TensorDict) -> None:
         """Finished rows go to their unit (complete when all n are in); aborted rows resume."""
         resumed = resume_requests(out)
-        done = out[out["finish_reason"] != 2]
+        done = out[out["finish_reason"] != _ABORTED]
         unit_of = {}
         with self._cond:
             for u in self._units.values():

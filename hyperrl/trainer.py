@@ -165,12 +165,17 @@ class SyncTrainer:
                               top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_token_id, stop_ids=self._stop_ids,
                               seed=self.cfg.run.seed * 7919 + step + seed_offset)
 
-    def _uids(self, attempt: int) -> list[int]:
-        """This rank's ``sample_uid`` of every row of a training generation round: unique over the
-        run, a pure function of (step, attempt, global prompt index, sample) — resume needs no state."""
+    def sample_uid(self, step: int, attempt: int, prompt: int, sample: int) -> int:
+        """The ``sample_uid`` of sample ``j`` of global prompt ``g`` in generation round ``attempt``
+        of ``step``: unique over the run and a pure function of those — resume needs no state."""
         r = self.cfg.rollout
-        base = (self.step_idx * r.max_generation_batches + attempt) * r.prompts_per_step * r.n
-        return [base + g * r.n + j for g in self.parallel.shard(list(range(r.prompts_per_step))) for j in range(r.n)]
+        return ((step * r.max_generation_batches + attempt) * r.prompts_per_step + prompt) * r.n + sample
+
+    def _uids(self, attempt: int) -> list[int]:
+        """This rank's ``sample_uid`` of every row of a training generation round."""
+        r = self.cfg.rollout
+        return [self.sample_uid(self.step_idx, attempt, g, j)
+                for g in self.parallel.shard(list(range(r.prompts_per_step))) for j in range(r.n)]
 
     def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0, *,
                   uids: list[int] | None = None) -> TensorDict:
