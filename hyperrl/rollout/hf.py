@@ -56,6 +56,18 @@ def tiny_qwen3(vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int
     return model
 
 
+def _run_length(ctx: list[tuple]) -> int:
+    """``n`` when ``ctx`` is consecutive runs of exactly ``n`` identical items (else 1)."""
+    runs, i = [], 0
+    while i < len(ctx):
+        j = i
+        while j < len(ctx) and ctx[j] == ctx[i]:
+            j += 1
+        runs.append(j - i)
+        i = j
+    return runs[0] if len(set(runs)) == 1 else 1
+
+
 class TransformersEngine(TransactionalEngine):
     """Serve a ``transformers`` causal LM; ``generate`` returns trajectory batches.
 
@@ -162,9 +174,11 @@ class TransformersEngine(TransactionalEngine):
             raise WeightPublishError(f"{self._failed}; refusing to generate from unpublished weights")
         uids = torch.tensor([r.uid for r in requests])
         offsets = torch.tensor([len(r.partial) for r in requests])
+        ctx = [tuple(r.prompt) + tuple(r.partial) for r in requests]
+        n = _run_length(ctx)  # a fresh group: n identical contexts in a row share one prefill
         with self._eval():
-            b = self._generate([list(r.prompt) + list(r.partial) for r in requests], sampling, 1, 0,
-                               keys=(uids, offsets), budgets=budgets, abort=abort)
+            b = self._generate([list(c) for c in ctx[::n]], sampling, n, 0, keys=(uids, offsets), budgets=budgets,
+                               abort=abort)
         act, lp, tv = b["action_mask"].clone(), b["rollout_logprobs"].clone(), b["token_version"].clone()
         for i, r in enumerate(requests):  # the partial tokens are actions sampled under older weights
             P, K = len(r.prompt), len(r.partial)
