@@ -97,6 +97,14 @@ def arith_problems(ops: str, lo: int, hi: int) -> list[tuple[int, str, int, int]
     return out
 
 
+def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tuple[list, list]:
+    """A fixed ``frac`` of ``items`` held out by ``split_seed`` (not the run seed: every run evaluates on
+    one set): ``(train in the items' order, held out in the draw's order)``."""
+    order = np.random.default_rng([split_seed, salt]).permutation(len(items))
+    n_eval = max(1, round(frac * len(items)))
+    return [items[i] for i in np.sort(order[n_eval:])], [items[i] for i in order[:n_eval]]
+
+
 @dataclass
 class ArithTask(_InCodeTask):
     """Two-operand addition / subtraction, generated in code: prompt ``"37+48="``, answer ``"85"``
@@ -114,11 +122,8 @@ class ArithTask(_InCodeTask):
     rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_credit", "exact_answer"), "task.rewards"))
 
     def __post_init__(self):
-        probs = arith_problems(self.ops, self.min_operand, self.max_operand)
-        order = np.random.default_rng([self.split_seed, 7]).permutation(len(probs))
-        n_eval = max(1, round(self.held_out_frac * len(probs)))
-        self._eval = [probs[i] for i in order[:n_eval]]
-        self._train = [probs[i] for i in np.sort(order[n_eval:])]
+        self._train, self._eval = _held_out_split(arith_problems(self.ops, self.min_operand, self.max_operand),
+                                                  self.held_out_frac, self.split_seed, 7)
 
     @property
     def response_tokens(self) -> int:
@@ -162,12 +167,11 @@ class RepeatTask(_InCodeTask):
     def __post_init__(self):
         pairs = [(d, k) for d in range(10) for k in [*range(1, self.short_max + 1),
                                                      *range(self.tail_min, self.tail_max + 1)]]
-        order = np.random.default_rng([self.split_seed, 11]).permutation(len(pairs))
-        n_eval = max(1, round(self.held_out_frac * len(pairs)))
-        held = {pairs[i] for i in order[:n_eval]}
+        train, held = _held_out_split(pairs, self.held_out_frac, self.split_seed, 11)
+        held = set(held)
         self._eval = [p for p in pairs if p in held]
-        self._short = [p for p in pairs if p not in held and p[1] <= self.short_max]
-        self._tail = [p for p in pairs if p not in held and p[1] > self.short_max]
+        self._short = [p for p in train if p[1] <= self.short_max]
+        self._tail = [p for p in train if p[1] > self.short_max]
 
     @property
     def response_tokens(self) -> int:
