@@ -30,6 +30,7 @@ refill, the Ray executor (docs/async.md says what exists).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -38,55 +39,83 @@ from tensordict import TensorDict
 
 from . import transforms as T
 from .rollout.requests import Request, resume_requests
+from .rollout.workers import EXECUTORS, WorkerDied, WorkerError
 from .trainer import SyncTrainer, _Timer
 from .trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 from .transforms import admission as A
 
-__all__ = ["AsyncTrainer", "WorkerError"]
+__all__ = ["AsyncTrainer", "WorkerError", "SCHEDULES"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
-
-
-class WorkerError(RuntimeError):
-    """A rollout worker died, hung past its deadline, or returned rows that break the contract."""
+SCHEDULES = ("free", "gated")
 
 
 class AsyncTrainer(SyncTrainer):
-    def __init__(self, cfg, *, max_staleness: int, max_concurrent: int = 0, timeout_s: float = 120.0, **kw):
-        super().__init__(cfg, **kw)
-        r = cfg.rollout
-        if not getattr(self.engine, "resumable", False):
+    def __init__(self, cfg, *, engine, max_staleness: int | None = None, max_concurrent: int | None = None,
+                 timeout_s: float | None = None, schedule: str | None = None, executor=None, **kw):
+        """The ``async`` section of ``cfg`` gives every setting not passed here."""
+        r, a = cfg.rollout, getattr(cfg, "async")
+        max_staleness = a.max_staleness if max_staleness is None else max_staleness
+        max_concurrent = a.max_concurrent if max_concurrent is None else max_concurrent
+        timeout_s = a.timeout_s if timeout_s is None else timeout_s
+        schedule = a.schedule if schedule is None else schedule
+        if max_staleness is None:
+            raise ValueError("async.max_staleness: not set; the AsyncTrainer needs the staleness bound η ≥ 0")
+        if max_staleness < 0:
+            raise ValueError(f"async.max_staleness={max_staleness}: must be ≥ 0 (0 = synchronous)")
+        if not getattr(engine, "resumable", False):
             raise ValueError(f"rollout.engine={cfg.rollout.engine.name}: asynchronous RL needs an engine with "
                              "resumable requests (generate_requests: keyed sampling, abort, resume); the "
                              "transformers engine has them")
-        if getattr(self.engine, "shared", False):
+        if getattr(engine, "shared", False):
             raise ValueError("rollout.engine.share_weights: the engine would generate from weights the learner is "
                              "changing; an asynchronous run needs its own copy (share_weights: false)")
-        if self.make_env is not None or self.pipeline.filter is not None or "baseline_reward" in self.pipeline.needs:
-            raise ValueError("AsyncTrainer: multi-turn environments, group filters with refill and ReMax's greedy "
-                             "baseline are synchronous-only for now; use SyncTrainer")
-        if self.parallel.world > 1:
-            raise ValueError("AsyncTrainer: one process for now (the Ray executor is the multi-process one)")
-        self.eta, self.timeout_s = max_staleness, timeout_s
+        if schedule not in SCHEDULES:
+            raise ValueError(f"async.schedule={schedule!r}: one of {SCHEDULES}")
+        if schedule == "gated" and max_concurrent and max_concurrent < (max_staleness + 1) * r.prompts_per_step:
+            raise ValueError(f"async.max_concurrent={max_concurrent}: the gated schedule admits whole steps — set 0 "
+                             f"or ≥ (η + 1) · rollout.prompts_per_step = {(max_staleness + 1) * r.prompts_per_step}")
+        ex = executor if executor is not None else a.executor
+        self.executor = EXECUTORS.build(ex.name, **ex.args)(engine)
+        try:
+            super().__init__(cfg, engine=self.executor.engine, **kw)
+            if self.make_env is not None or self.pipeline.filter is not None or \
+                    "baseline_reward" in self.pipeline.needs:
+                raise ValueError("AsyncTrainer: multi-turn environments, group filters with refill and ReMax's greedy "
+                                 "baseline are synchronous-only for now; use SyncTrainer")
+            if self.parallel.world > 1:
+                raise ValueError("AsyncTrainer: one learner process (rollout workers scale with async.executor: "
+                                 "{name: ray, workers: N})")
+        except BaseException:
+            self.executor.close()
+            raise
+        self.eta, self.timeout_s, self.schedule = max_staleness, timeout_s, schedule
+        self.workers = list(self.executor.workers)
         self.buffer = A.buffer_init(max_staleness, r.prompts_per_step, max_concurrent or
                                     (max_staleness + 1) * r.prompts_per_step)
         self._cond = threading.Condition()
-        self._abort, self._paused, self._busy, self._stop = threading.Event(), False, False, False
-        self._pending: list[Request] = []  # requests for the worker (resumed ones first)
+        self._paused, self._stop = False, False
+        self._busy: set[str] = set()  # workers generating (or restarting): a publication waits for none
+        self._errors: dict[str, BaseException] = {}
+        self._pending: list[Request] = []  # requests for the workers (resumed ones first)
         self._rows: dict[int, list[TensorDict]] = {}  # unit uid → its finished rows
+        self._by: dict[int, set[str]] = {}  # unit uid → the workers that delivered its rows
         self._units: dict[int, A.Unit] = {}
         self._draws: dict[int, list] = {}  # step → the task's prompts of that step (unit key k: step k // P)
         self._requeue: list[int] = []  # keys of evicted units, admitted again first
-        self._next_key, self._worker_error = 0, None
-        self.start_worker()
+        self._next_key, self.restarts = 0, 0
+        self.start_workers()
 
-    def start_worker(self) -> None:
-        """Start (or, after :meth:`close`, restart) the rollout worker over ``self.engine``."""
+    def start_workers(self) -> None:
+        """Start (or, after :meth:`stop_workers`, restart) one driver thread per rollout worker."""
         with self._cond:
-            self._stop, self._worker_error = False, None
-            self._abort.clear()
-        self._worker = threading.Thread(target=self._work, name="rollout-worker-0", daemon=True)
-        self._worker.start()
+            self._stop, self._errors = False, {}
+        for w in self.workers:
+            w.resume()
+        self._threads = [threading.Thread(target=self._work, args=(w,), name=w.name, daemon=True)
+                         for w in self.workers]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------------ what a unit is
     def _sample(self, key: int):
@@ -115,7 +144,7 @@ class AsyncTrainer(SyncTrainer):
         self.buffer, new = A.admit(self.buffer, want, self.version)
         for u in new:
             self._units[u.uid] = u
-            self._rows[u.uid] = []
+            self._rows[u.uid], self._by[u.uid] = [], set()
             self._pending.extend(self._requests(u))
         keys = {u.key for u in new}
         self._requeue = [k for k in self._requeue if k not in keys]
@@ -123,8 +152,23 @@ class AsyncTrainer(SyncTrainer):
         if new:
             self._cond.notify_all()
 
-    # ------------------------------------------------------------------ the rollout worker
-    def _work(self) -> None:
+    # ------------------------------------------------------------------ the rollout workers' threads
+    def _take(self) -> list[Request]:
+        """A worker's share of the pending requests (under the lock). Free: an even share of what
+        waits. Gated: the next fixed chunk of the earliest step (⌈P·n / workers⌉ requests) — the
+        same calls, with the same rows, in every run."""
+        W = len(self.workers)
+        if self.schedule == "gated":
+            r = self.cfg.rollout
+            step = self._pending[0].group_id // r.prompts_per_step
+            same = sum(1 for q in self._pending if q.group_id // r.prompts_per_step == step)
+            k = min(same, math.ceil(r.prompts_per_step * r.n / W))
+        else:
+            k = math.ceil(len(self._pending) / W)
+        reqs, self._pending = self._pending[:k], self._pending[k:]
+        return reqs
+
+    def _work(self, w) -> None:
         try:
             if self.cfg.run.threads:  # torch's intra-op threads are per calling thread: the worker's own count
                 torch.set_num_threads(self.cfg.run.threads)
@@ -134,29 +178,38 @@ class AsyncTrainer(SyncTrainer):
                     self._cond.wait_for(lambda: self._stop or (self._pending and not self._paused))
                     if self._stop:
                         return
-                    reqs, self._pending, self._busy = self._pending, [], True
-                try:  # busy until the rows are delivered: a publication waits for both
-                    self._deliver(self.engine.generate_requests(reqs, sp, abort=self._abort))
+                    reqs = self._take()
+                    self._busy.add(w.name)
+                try:  # busy until the rows are delivered (or the worker restarted): a publication waits
+                    try:
+                        out = w.generate_requests(reqs, sp)
+                    except WorkerDied:  # its requests came back to nobody: they wait again, unchanged
+                        with self._cond:
+                            self._pending = reqs + self._pending
+                            self.restarts += 1
+                            self._cond.notify_all()
+                        w.restart()  # serving the current version (or a WorkerError naming it)
+                        continue
+                    self._deliver(out, w.name)
                 finally:
                     with self._cond:
-                        self._busy = False
+                        self._busy.discard(w.name)
                         self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 — reported to the learner, which fails the step naming it
             with self._cond:
-                self._worker_error = e
+                self._errors[w.name] = e
                 self._cond.notify_all()
 
-    def _deliver(self, out: TensorDict) -> None:
+    def _deliver(self, out: TensorDict, name: str) -> None:
         """Finished rows go to their unit (complete when all n are in); aborted rows resume."""
         resumed = resume_requests(out)
         done = out[out["finish_reason"] != _ABORTED]
-        unit_of = {}
         with self._cond:
-            for u in self._units.values():
-                unit_of[u.key] = u.uid
+            unit_of = {u.key: u.uid for u in self._units.values()}
             for i in range(done.batch_size[0]):
                 uid = unit_of[int(done["group_id"][i])]
                 self._rows[uid].append(done[i:i + 1])
+                self._by[uid].add(name)
                 if len(self._rows[uid]) == self.cfg.rollout.n:
                     self._complete(uid)
             self._pending = resumed + self._pending
@@ -166,33 +219,37 @@ class AsyncTrainer(SyncTrainer):
     def _complete(self, uid: int) -> None:
         rows = cat_batches(self._rows[uid], self.engine.pad_id)
         want = sorted(r.uid for r in self._requests(self._units[uid]))
-        try:  # the worker's contract: versions stamped, the unit's own uids, each once
+        try:  # the workers' contract: versions stamped, the unit's own uids, each once
             validate(rows)
             if sorted(rows["sample_uid"].tolist()) != want:
                 raise TrajectoryError(f"sample_uid: {sorted(rows['sample_uid'].tolist())}, expected {want}")
             self._rows[uid] = [rows]
             self.buffer = A.complete(self.buffer, uid)
         except TrajectoryError as e:
-            self.buffer = A.evict(self.buffer, uid, f"{self._worker.name}: {e}")
+            self.buffer = A.evict(self.buffer, uid, f"{', '.join(sorted(self._by[uid]))}: {e}")
             self._requeue.append(self._units.pop(uid).key)
             self._rows.pop(uid)
+            self._by.pop(uid)
 
     # ------------------------------------------------------------------ the learner's side
-    def _check_worker(self) -> None:
-        if self._worker_error is not None:
-            raise WorkerError(f"{self._worker.name} died: {type(self._worker_error).__name__}: "
-                              f"{self._worker_error}") from self._worker_error
-        if not self._worker.is_alive():
-            raise WorkerError(f"{self._worker.name} is not running")
+    def _check_workers(self) -> None:
+        for name, e in self._errors.items():
+            if isinstance(e, WorkerError):
+                raise WorkerError(str(e)) from e
+            raise WorkerError(f"{name} died: {type(e).__name__}: {e}") from e
+        for t in self._threads:
+            if not t.is_alive():
+                raise WorkerError(f"{t.name} is not running")
 
     def _wait(self, pred, what: str) -> None:
         """Wait (under the lock) for ``pred`` with the deadline; a dead or stuck worker is an error."""
         deadline = time.monotonic() + self.timeout_s
         while not pred():
-            self._check_worker()
+            self._check_workers()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError(f"{self._worker.name}: no progress in {self.timeout_s:.0f} s while {what} "
+                who = ", ".join(sorted(self._busy)) or ", ".join(w.name for w in self.workers)
+                raise WorkerError(f"{who}: no progress in {self.timeout_s:.0f} s while {what} "
                                   f"(in flight {self.buffer.in_flight}, ready {self.buffer.ready}); still serving "
                                   f"version {self.engine.policy_version}")
             self._cond.wait(min(left, 1.0))
@@ -212,11 +269,12 @@ class AsyncTrainer(SyncTrainer):
             rows = [self._rows.pop(u.uid)[0] for u in taken]
             for u in taken:
                 self._units.pop(u.uid)
+                self._by.pop(u.uid)
             self._prune_draws()
             A.check_conservation(self.buffer)
             counters = {"async_admitted": self.buffer.admitted, "async_consumed": self.buffer.consumed,
                         "async_evicted": self.buffer.evicted, "async_in_flight": self.buffer.in_flight,
-                        "async_ready": self.buffer.ready}
+                        "async_ready": self.buffer.ready, "async_restarts": self.restarts}
         batch = cat_batches(rows, self.engine.pad_id)
         validate(batch, learner_version=self.version, max_staleness=self.eta)  # every token within η
         samples = {u.key: self._sample(u.key) for u in taken}
@@ -226,34 +284,57 @@ class AsyncTrainer(SyncTrainer):
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
         return batch, {**counters, **{k: float(v) for k, v in st.items()}}
 
-    def publish(self) -> None:
-        """Pause (abort in-flight generation, wait for the worker to hand its rows back), publish
-        V + 1, resume; the aborted rows continue under the new weights."""
+    def _pause(self, what: str) -> None:
+        """Stop the workers taking requests and wait (deadline) until none is generating. Free: the
+        running generations are interrupted (their rows resume later). Gated: nothing is
+        interrupted — the pause waits until every admitted request is generated, so each batch
+        comes from exactly one version."""
         with self._cond:
-            self._paused = True
-            self._abort.set()
             try:
-                self._wait(lambda: not self._busy, f"pausing for the publication of version {self.version + 1}")
+                if self.schedule == "gated":
+                    self._wait(lambda: self.buffer.in_flight == 0 and not self._busy, what)
+                self._paused = True
+                if self.schedule == "free":
+                    for w in self.workers:
+                        w.interrupt()
+                self._wait(lambda: not self._busy, what)
             except WorkerError:
-                self._paused = False
-                self._abort.clear()
+                self._unpause()
                 raise
+
+    def _unpause(self) -> None:
+        """(under the lock) Let the workers take requests again."""
+        for w in self.workers:
+            w.resume()
+        self._paused = False
+        self._top_up()
+        self._cond.notify_all()
+
+    def publish(self) -> None:
+        """Pause (interrupt in-flight generation, wait for the workers to hand their rows back), publish
+        V + 1, resume; the interrupted rows continue under the new weights. Gated: wait for the
+        admitted requests instead of interrupting them."""
+        self._pause(f"pausing for the publication of version {self.version + 1}")
         try:
             super().publish()
         finally:
             with self._cond:
-                self._abort.clear()
-                self._paused = False
-                self._top_up()
-                self._cond.notify_all()
+                self._unpause()
 
-    def close(self) -> None:
-        """Stop the worker thread (the engine stays as it is)."""
+    def stop_workers(self) -> None:
+        """Stop the driver threads (the workers and the engine stay as they are)."""
         with self._cond:
             self._stop = True
-            self._abort.set()
+            for w in self.workers:
+                w.interrupt()
             self._cond.notify_all()
-        self._worker.join(timeout=self.timeout_s)
+        for t in self._threads:
+            t.join(timeout=self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the driver threads and release the workers (Ray actors, a Ray started for the run)."""
+        self.stop_workers()
+        self.executor.close()
 
     def __del__(self):
         try:
@@ -282,19 +363,14 @@ class AsyncTrainer(SyncTrainer):
             b = self.buffer
             self.buffer = A.Buffer(b.eta, b.batch, b.max_concurrent, (), st["consumed"] + st["evicted"],
                                    st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
-            self._units, self._rows, self._pending = {}, {}, []
+            self._units, self._rows, self._by, self._pending = {}, {}, {}, []
             self._requeue, self._next_key = list(st["live"]), st["next_key"]
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        with self._cond:  # the engine is the worker's: evaluate while it is paused
-            self._paused = True
-            self._abort.set()
-            self._wait(lambda: not self._busy, "pausing for evaluation")
+        self._pause("pausing for evaluation")  # the engine is the workers': evaluate while they are paused
         try:
             return super().evaluate()
         finally:
             with self._cond:
-                self._abort.clear()
-                self._paused = False
-                self._cond.notify_all()
+                self._unpause()

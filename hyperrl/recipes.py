@@ -98,10 +98,12 @@ def registries() -> dict[str, Registry]:
     from .envs import ENVIRONMENTS, REWARDS, TOOLS
     from .rewards import REWARD_FACTORIES
     from .rollout.engines import ENGINES
+    from .rollout.workers import EXECUTORS
     from .schedules import SCHEDULES
     from .tasks import TASKS
 
-    return {"task": TASKS, "env": ENVIRONMENTS, "rollout.engine": ENGINES, "algo.advantage": T.ADVANTAGES,
+    return {"task": TASKS, "env": ENVIRONMENTS, "rollout.engine": ENGINES, "async.executor": EXECUTORS,
+            "algo.advantage": T.ADVANTAGES,
             "algo.objective": T.OBJECTIVES, "algo.agg": T.AGGREGATIONS, "algo.kl.estimator": T.KL_ESTIMATORS,
             "algo.kl.controller": T.KL_CONTROLLERS, "algo.correction": T.CORRECTIONS, "algo.shaping": T.SHAPING,
             "algo.filter": T.FILTERS, "optim.schedule": SCHEDULES, "rewards": REWARDS, "rewards[].fn": REWARD_FACTORIES,
@@ -142,6 +144,7 @@ def resolve(cfg):
     task, _ = _check(regs["task"], cfg.task, "task")
     env = _check(regs["env"], cfg.env, "env")[0] if cfg.env is not None else None
     engine, _ = _check(regs["rollout.engine"], cfg.rollout.engine, "rollout.engine")
+    executor, _ = _check(regs["async.executor"], getattr(cfg, "async").executor, "async.executor")
     adv, fadv = _check(regs["algo.advantage"], a.advantage, "algo.advantage")
     obj, fobj = _check(regs["algo.objective"], a.objective, "algo.objective")
     agg, _ = _check(regs["algo.agg"], a.agg, "algo.agg")
@@ -173,6 +176,7 @@ def resolve(cfg):
     d = cfg.to_dict()
     d["task"], d["env"] = task.spec(), env.spec() if env else None
     d["rollout"]["engine"] = engine.spec()
+    d["async"]["executor"] = executor.spec()
     d["algo"].update(advantage=adv.spec(), objective=obj.spec(), agg=agg.spec(),
                      correction=corr[0].spec() if corr[0] else None, shaping=[s[0].spec() for s in shaping],
                      filter=filt[0].spec() if filt[0] else None)

@@ -136,14 +136,11 @@ def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **
         make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args)
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     if trainer is None:  # async.max_staleness set: the asynchronous loop over the same pieces
-        a = getattr(cfg, "async")
         trainer = SyncTrainer
-        if a.max_staleness is not None:
+        if getattr(cfg, "async").max_staleness is not None:  # the AsyncTrainer reads the rest of the section
             from .async_trainer import AsyncTrainer
 
             trainer = AsyncTrainer
-            trainer_kwargs = {"max_staleness": a.max_staleness, "max_concurrent": a.max_concurrent,
-                              "timeout_s": a.timeout_s, **trainer_kwargs}
     return trainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline, hooks=hooks,
                    reference=reference, critic=critic, make_env=make_env, rewards=rewards, parallel=parallel,
                    **trainer_kwargs)

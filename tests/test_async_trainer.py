@@ -10,6 +10,7 @@ import torch
 
 from hyperrl.async_trainer import AsyncTrainer, WorkerError
 from hyperrl.config import load_config
+from hyperrl.rollout import LocalWorker
 from hyperrl.train import build_trainer
 
 
@@ -89,9 +90,10 @@ class _FaultyEngine:
 
 
 def _restart_worker(tr, mode):
-    tr.close()
+    tr.stop_workers()
     tr.engine = _FaultyEngine(tr.engine, mode)
-    tr.start_worker()
+    tr.workers = [LocalWorker(tr.engine)]
+    tr.start_workers()
     return tr.engine
 
 
@@ -222,3 +224,32 @@ def test_a3po_interpolates_the_proximal_policy_in_the_loss_without_a_forward(tmp
         assert checked > 0, "no stale token: the interpolation was never exercised"
     finally:
         T.CORRECTIONS._items.pop("_record_a3po", None)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_the_gated_schedule_generates_each_batch_at_one_version_and_reproduces_bit_for_bit(tmp_path, eta):
+    """``async.schedule=gated``: batch k is generated whole at version max(0, k − η) — no request is
+    interrupted — so two runs give the same metrics and weights, bit for bit."""
+    runs = []
+    for name in ("a", "b"):
+        cfg = _cfg(tmp_path / name, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4",
+                   f"--async.max_staleness={eta}", "--async.schedule=gated")
+        tr = build_trainer(cfg, trainer=_Recording)
+        try:
+            ms = [tr.step() for _ in range(5)]
+        finally:
+            tr.close()
+        for k, (version, _, versions, _, _) in enumerate(tr.trained):
+            assert version == k and set(versions) == {max(0, k - eta)}  # one version per batch, exactly k − η
+        assert all(m["partial_rows_frac"] == 0 for m in ms)
+        runs.append((ms, {k: v.clone() for k, v in tr.policy.state_dict().items()}))
+    (ma, wa), (mb, wb) = runs
+    for a, b in zip(ma, mb):
+        same = {k: a[k] for k in a if not k.startswith("time_") and k != "tokens_per_s"}
+        assert same == {k: b[k] for k in same}
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_gated_needs_whole_steps_in_flight(tmp_path):
+    with pytest.raises(ValueError, match=r"async.max_concurrent=3: the gated schedule admits whole steps"):
+        build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--async.schedule=gated", "--async.max_concurrent=3"))

@@ -164,6 +164,18 @@ class TransactionalEngine:
             raise
         self._version = txn.version
 
+    def prepare(self) -> None:
+        """Check the staged publication complete — what :meth:`commit` checks before applying — so
+        that a group of engines can all agree before any of them commits (two-phase); a refusal
+        aborts the transaction."""
+        if self._txn is None:
+            raise WeightPublishError("prepare() without begin(version)")
+        try:
+            self._txn.complete()
+        except Exception:
+            self.abort()
+            raise
+
     def abort(self) -> None:
         """Drop the publication in flight (if any); the serving version is untouched."""
         self._txn = None

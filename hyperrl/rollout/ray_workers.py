@@ -1,0 +1,317 @@
+"""Rollout workers as Ray actors (``async.executor: {name: ray, workers: N}``).
+
+Each actor holds its own copy of the run's engine (a
+:class:`~hyperrl.rollout.hf.TransformersEngine`), born serving the engine's current version. The
+learner publishes to one :class:`RayEngine` — the engine protocol over the whole group, planned
+into by the :class:`~hyperrl.sharding.publisher.Publisher` like any engine — which ships the
+pieces once through Ray's object store (``ray.put``; every actor reads the same object) and
+commits in two phases: every live actor begins, stages and checks the set complete
+(``prepare``); only if all agree do they commit. A refused piece or an actor past its deadline
+aborts the transaction everywhere — the group keeps serving ``V`` — and the error names the
+worker. An actor that dies is started again by its :class:`RayWorker` handle from the object
+of the *current* version (no version is lost or mixed), up to ``max_restarts`` times; its
+requests, which came back to nobody, are generated again from their exact partial tokens.
+
+Why Ray and not ``torch.distributed`` here: the workers come and go (a restarted actor joins a
+running group), which fixed-world process groups cannot express; the object store gives every
+actor on a node the same copy of a publication. Interruption is a call id the actor checks
+before every decode step (a threaded actor: ``abort`` runs while ``generate_requests`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+
+import torch
+
+from ..sharding.publisher import WeightPublishError
+from .base import TransactionalEngine
+from .workers import WorkerDied, WorkerError, Workers
+
+__all__ = ["RayEngine", "RayWorker", "ray_workers"]
+
+
+class _Flag:
+    """``is_set()`` of one generation call: has the driver asked that call to stop?"""
+
+    def __init__(self, aborted: set, call: int):
+        self.aborted, self.call = aborted, call
+
+    def is_set(self) -> bool:
+        return self.call in self.aborted
+
+
+class _EngineActor:
+    """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`)."""
+
+    def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int):
+        from .hf import TransformersEngine
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.engine = TransformersEngine(model, pad_id=pad_id, version=born)
+        if weights is not None and version > born:  # a restart: the current version, checked like any publication
+            self.engine.load_weights(weights, version)
+        self._aborted: set[int] = set()
+
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "version": self.engine.policy_version}
+
+    def generate_requests(self, requests, sampling, call: int):
+        try:
+            return self.engine.generate_requests(requests, sampling, abort=_Flag(self._aborted, call))
+        finally:
+            self._aborted.discard(call)
+
+    def abort(self, call: int) -> None:
+        self._aborted.add(call)
+
+    def generate(self, prompts, sampling, n: int, group_offset: int):
+        return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
+
+    def prepare(self, weights, version: int) -> None:
+        self.engine.begin(version)
+        self.engine.stage(weights)
+        self.engine.prepare()
+
+    def commit(self) -> int:
+        self.engine.commit()
+        return self.engine.policy_version
+
+    def cancel(self) -> None:
+        self.engine.abort()
+
+
+_ACTOR = None
+
+
+def _actor_class():
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        _ACTOR = ray.remote(max_concurrency=4, max_restarts=0)(_EngineActor)
+    return _ACTOR
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The actor's own exception inside Ray's wrapper."""
+    return getattr(e, "cause", None) or e
+
+
+class RayWorker:
+    """The driver's handle on one actor: generation with a sticky interrupt, restart after death."""
+
+    def __init__(self, group: RayEngine, index: int, actor):
+        self.group, self.name, self.restarts, self.error = group, f"rollout-worker-{index}", 0, None
+        self._lock, self._ids, self._call, self._interrupted = threading.Lock(), itertools.count(), None, False
+        self.actor = actor
+
+    def generate_requests(self, requests, sampling):
+        import ray
+
+        if self.error is not None:
+            raise self.error
+        with self._lock:
+            call = self._call = next(self._ids)
+            ref = self.actor.generate_requests.remote(requests, sampling, call)
+            if self._interrupted:
+                self.actor.abort.remote(call)
+        try:
+            return ray.get(ref)  # no deadline here: the learner's waits carry it
+        except ray.exceptions.RayActorError as e:
+            raise WorkerDied(self.name, type(e).__name__) from e
+        finally:
+            with self._lock:
+                self._call = None
+
+    def generate(self, prompts, sampling, n: int, group_offset: int = 0):
+        """Plain generation (evaluation); a dead actor is restarted once and asked again."""
+        import ray
+
+        for attempt in (0, 1):
+            try:
+                return ray.get(self.actor.generate.remote(prompts, sampling, n, group_offset),
+                               timeout=self.group.timeout_s)
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise
+                self.restart()
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self._interrupted = True
+            if self._call is not None:
+                self.actor.abort.remote(self._call)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._interrupted = False
+
+    def restart(self) -> None:
+        """A new actor serving the group's current version (its object), counted against
+        ``max_restarts``; past them the worker fails with an error naming it."""
+        self.restart_at(self.group.policy_version, self.group._weights)
+
+    def restart_at(self, version: int, weights) -> None:
+        import ray
+
+        if self.restarts >= self.group.max_restarts:
+            raise WorkerError(f"{self.name} died and was restarted {self.restarts} times already "
+                              f"(async.executor.max_restarts={self.group.max_restarts}); giving up")
+        self.restarts += 1
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001, S110 — already gone
+            pass
+        self.actor = self.group._ready(self.name, self.group._start(version, weights), version)
+
+    def info(self) -> dict:
+        import ray
+
+        return ray.get(self.actor.info.remote(), timeout=self.group.timeout_s)
+
+
+class RayEngine(TransactionalEngine):
+    """The engine protocol over a group of actor engines: ``layout`` and the checks of each piece
+    are the local engine's (names, shapes, finite values — before anything is shipped);
+    ``commit`` publishes to every actor in two phases (module doc)."""
+
+    resumable = True
+
+    def __init__(self, engine, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
+                 timeout_s: float):
+        import ray
+
+        if not hasattr(engine, "model") or getattr(engine, "shared", False) or type(engine).__name__ != \
+                "TransformersEngine":
+            raise ValueError(f"async.executor=ray: rollout workers copy a transformers engine (rollout.engine: "
+                             f"transformers, share_weights: false, tp: 1), got {type(engine).__name__}")
+        if workers < 1:
+            raise ValueError(f"async.executor.workers={workers}: must be ≥ 1")
+        self.pad_id, self.num_cpus, self.threads = engine.pad_id, num_cpus, threads
+        self.max_restarts, self.timeout_s = max_restarts, timeout_s
+        self._version = self._born = engine.policy_version
+        self._layout = engine.layout(1)
+        self._meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in engine._expected().items()}
+        self._aliases = dict(engine._aliases)
+        self._model = ray.put(engine.model.cpu())  # every actor is born from this object
+        self._weights = None  # the current version's pieces (None: the born model is the current version)
+        actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
+        self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
+                        for i, a in enumerate(actors)]
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def layout(self, replicas: int = 1):
+        if replicas != 1:
+            raise ValueError(f"RayEngine.layout({replicas}): the group is published to from one learner process")
+        return self._layout
+
+    def _expected(self) -> dict[str, torch.Tensor]:
+        return self._meta
+
+    def _start(self, version: int, weights):
+        """A new actor (not yet waited for) serving ``version``: the born model, then ``weights``."""
+        return _actor_class().options(num_cpus=self.num_cpus, scheduling_strategy="SPREAD").remote(
+            self._model, self.pad_id, self._born, weights, version, self.threads)
+
+    def _ready(self, name: str, actor, version: int):
+        """``actor`` once it answers (deadline ``timeout_s``) serving ``version``; else killed and an error."""
+        import ray
+
+        try:
+            info = ray.get(actor.info.remote(), timeout=self.timeout_s)
+        except Exception as e:  # noqa: BLE001 — a start that failed or hung is the worker's error
+            ray.kill(actor, no_restart=True)
+            raise WorkerError(f"{name}: did not start serving version {version} within {self.timeout_s:.0f} s: "
+                              f"{_cause(e)!r}") from e
+        if info["version"] != version:
+            raise WorkerError(f"{name}: started serving version {info['version']}, expected {version}")
+        return actor
+
+    def _gather(self, calls: dict):
+        """Wait (deadline ``timeout_s``) for one call per worker: (results, dead, refused, stuck)."""
+        import ray
+
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=self.timeout_s)
+        ready, ok, dead, refused, stuck = set(ready), {}, [], {}, []
+        for w, ref in calls.items():
+            if ref not in ready:
+                stuck.append(w)
+                continue
+            try:
+                ok[w] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(w)
+            except Exception as e:  # noqa: BLE001 — the actor refused: reported by name
+                refused[w] = _cause(e)
+        return ok, dead, refused, stuck
+
+    def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
+        import ray
+
+        pieces = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
+        live = [w for w in self.workers if w.error is None]
+        _, dead, refused, stuck = self._gather({w: w.actor.prepare.remote(pieces, version) for w in live})
+        if refused or stuck:
+            for w in live:
+                if w not in dead:
+                    w.actor.cancel.remote()
+            if refused:
+                w, e = next(iter(refused.items()))
+                raise WeightPublishError(f"{w.name} refused version {version}: {e}; the group still serves "
+                                         f"version {self._version}")
+            raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:.0f} s while "
+                              f"staging version {version}; the group still serves version {self._version}")
+        _, dead2, refused2, stuck2 = self._gather({w: w.actor.commit.remote() for w in live if w not in dead})
+        self._weights = pieces
+        for w in dead + dead2 + list(refused2) + stuck2:  # gone (or wedged) mid-publication: born again at V+1
+            try:
+                w.restart_at(version, pieces)
+            except WorkerError as e:
+                w.error = e  # its driver thread reports it at its next generation
+
+    def generate(self, prompts, sampling, n: int = 1, *, group_offset: int = 0):
+        """Plain generation (evaluation) on the first worker."""
+        return self.workers[0].generate(prompts, sampling, n, group_offset)
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:  # noqa: BLE001, S110 — already gone
+                pass
+
+
+def ray_workers(engine, *, workers: int, num_cpus: float, threads: int, address: str | None, max_restarts: int,
+                timeout_s: float) -> Workers:
+    """Start Ray if needed, the actors, and the group engine (see :func:`~.workers.ray_executor`)."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        if address is None:
+            ray.init(num_cpus=max(1, math.ceil(workers * num_cpus)), include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+        started = True
+    group = RayEngine(engine, workers=workers, num_cpus=num_cpus, threads=threads, max_restarts=max_restarts,
+                      timeout_s=timeout_s)
+
+    def close():
+        group.close()
+        if started:
+            ray.shutdown()
+
+    return Workers(group, list(group.workers), close)

@@ -1,0 +1,103 @@
+"""Rollout workers: who generates an asynchronous run's requests, and where.
+
+A worker is a handle the asynchronous loop drives from one driver thread per worker:
+
+* ``name`` — what errors name (``rollout-worker-0``, …);
+* ``generate_requests(requests, sampling)`` — continue the requests
+  (:mod:`hyperrl.rollout.requests`) and return their rows; blocks until done or interrupted;
+* ``interrupt()`` / ``resume()`` — a sticky pause: while interrupted, a running or newly started
+  generation stops at its next decode step and returns the unfinished rows
+  ``finish_reason = aborted`` (publication is pause → publish → resume);
+* ``restart()`` — a worker that died (:class:`WorkerDied`) is started again serving the
+  engine's current version, or raises :class:`WorkerError` naming it when it may not.
+
+An **executor** (registry :data:`EXECUTORS`, config ``async.executor``) turns the run's engine
+into a :class:`Workers` set: ``engine`` — what the learner publishes to and evaluates with —
+and the worker handles. ``thread``: the engine itself, in this process (one worker); ``ray``:
+``workers`` Ray actors, each with its own engine copy, behind one engine that fans a publication
+out to all of them (:mod:`hyperrl.rollout.ray_workers`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ..registry import Registry
+
+__all__ = ["EXECUTORS", "register_executor", "Workers", "LocalWorker", "WorkerError", "WorkerDied"]
+
+EXECUTORS: Registry = Registry("rollout executor")
+register_executor = EXECUTORS.register
+
+
+class WorkerError(RuntimeError):
+    """A rollout worker died past its restarts, hung past its deadline, or returned rows that break
+    the contract; the message names it."""
+
+
+class WorkerDied(WorkerError):
+    """The worker's process is gone (its in-flight requests came back to nobody): restart it."""
+
+    def __init__(self, name: str, cause: BaseException | str):
+        super().__init__(f"{name} died: {cause}")
+        self.name = name
+
+
+@dataclass
+class Workers:
+    """An executor's result: the engine the learner publishes to (and evaluates with) and the
+    rollout workers generating from it; ``close()`` releases them."""
+
+    engine: object
+    workers: list
+    close: object = field(default=lambda: None)
+
+
+class LocalWorker:
+    """The engine itself, driven from a thread of this process; a stop flag passed to the
+    engine's decode loop is the interrupt."""
+
+    def __init__(self, engine, name: str = "rollout-worker-0"):
+        self.engine, self.name, self._flag = engine, name, threading.Event()
+
+    def generate_requests(self, requests, sampling):
+        return self.engine.generate_requests(requests, sampling, abort=self._flag)
+
+    def interrupt(self) -> None:
+        self._flag.set()
+
+    def resume(self) -> None:
+        self._flag.clear()
+
+    def restart(self) -> None:
+        raise WorkerError(f"{self.name}: a thread worker cannot be restarted (its engine lives in the learner's "
+                          f"process); use async.executor=ray for workers that survive their process")
+
+
+@register_executor("thread")
+def thread_executor(engine) -> Workers:
+    """One rollout worker: a thread of the learner's process driving the run's engine (no copy; the
+    learner publishes into it; the thread uses ``run.threads`` torch threads of its own)."""
+    return Workers(engine, [LocalWorker(engine)])
+
+
+_RAY_HINT = "pip install -c constraints.txt -e '.[async]' (Ray is the async extra)"
+
+
+@register_executor("ray", requires=(("ray", _RAY_HINT),))
+def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: int = 1, address: str | None = None,
+                 max_restarts: int = 10, timeout_s: float = 120.0) -> Workers:
+    """``workers`` Ray actors (``num_cpus`` each, spread over the cluster's nodes, ``threads`` torch
+    threads each), every one a copy of the run's engine born serving its version. A publication
+    reaches all of them through one engine (two-phase: every worker stages and checks the
+    pieces, then all commit; a refusal or a stuck worker aborts everywhere). A worker that dies
+    is restarted — serving the current version — up to ``max_restarts`` times each; its requests
+    are generated again from their exact partial tokens. ``address``: a running cluster
+    (``"auto"``, ``"ray://…"``); None = the already-initialised Ray, else a local one started
+    with ``num_cpus = workers · num_cpus``. ``timeout_s``: deadline of every call (start,
+    publication)."""
+    from .ray_workers import ray_workers
+
+    return ray_workers(engine, workers=workers, num_cpus=num_cpus, threads=threads, address=address,
+                       max_restarts=max_restarts, timeout_s=timeout_s)
