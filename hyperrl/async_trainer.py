@@ -30,16 +30,18 @@ refill, the Ray executor (docs/async.md says what exists).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import threading
 import time
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from . import transforms as T
 from .rollout.requests import Request, resume_requests
-from .rollout.workers import EXECUTORS, WorkerDied, WorkerError
+from .rollout.workers import EXECUTORS, LIVE, WorkerDied, WorkerError
 from .trainer import SyncTrainer, _Timer
 from .trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 from .transforms import admission as A
@@ -50,15 +52,43 @@ _ABORTED = FINISH_REASONS.index("aborted")
 SCHEDULES = ("free", "gated")
 
 
+@dataclasses.dataclass
+class _Log:
+    """A recorded free-running run: its worker calls (in the order they started) and its takes."""
+
+    calls: list[dict]
+    takes: dict[int, list]
+
+
+def _read_event_log(path) -> _Log:
+    """``async_events.jsonl`` of a free-running run → the calls to make and the batches to take."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"async.replay: {p} does not exist (a free-running run writes out_dir/async_events.jsonl)")
+    calls, takes = [], {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        e = json.loads(line)
+        if "resume" in e:
+            raise ValueError(f"async.replay: {p}:{n}: the recorded run was resumed from a checkpoint; only a run "
+                             "recorded from its start replays")
+        if "call" in e:
+            calls.append(e)
+        elif "take" in e:
+            takes[e["take"]] = e["keys"]
+    return _Log(sorted(calls, key=lambda e: e["call"]), takes)
+
+
 class AsyncTrainer(SyncTrainer):
     def __init__(self, cfg, *, engine, max_staleness: int | None = None, max_concurrent: int | None = None,
-                 timeout_s: float | None = None, schedule: str | None = None, executor=None, **kw):
+                 timeout_s: float | None = None, schedule: str | None = None, executor=None,
+                 replay: str | None = None, **kw):
         """The ``async`` section of ``cfg`` gives every setting not passed here."""
         r, a = cfg.rollout, getattr(cfg, "async")
         max_staleness = a.max_staleness if max_staleness is None else max_staleness
         max_concurrent = a.max_concurrent if max_concurrent is None else max_concurrent
         timeout_s = a.timeout_s if timeout_s is None else timeout_s
         schedule = a.schedule if schedule is None else schedule
+        replay = a.replay if replay is None else replay
         if max_staleness is None:
             raise ValueError("async.max_staleness: not set; the AsyncTrainer needs the staleness bound η ≥ 0")
         if max_staleness < 0:
@@ -72,6 +102,9 @@ class AsyncTrainer(SyncTrainer):
                              "changing; an asynchronous run needs its own copy (share_weights: false)")
         if schedule not in SCHEDULES:
             raise ValueError(f"async.schedule={schedule!r}: one of {SCHEDULES}")
+        if replay is not None and schedule != "free":
+            raise ValueError(f"async.replay with async.schedule={schedule}: an event log records a free-running run "
+                             "(a gated run reproduces without one)")
         if schedule == "gated" and max_concurrent and max_concurrent < (max_staleness + 1) * r.prompts_per_step:
             raise ValueError(f"async.max_concurrent={max_concurrent}: the gated schedule admits whole steps — set 0 "
                              f"or ≥ (η + 1) · rollout.prompts_per_step = {(max_staleness + 1) * r.prompts_per_step}")
@@ -104,6 +137,14 @@ class AsyncTrainer(SyncTrainer):
         self._draws: dict[int, list] = {}  # step → the task's prompts of that step (unit key k: step k // P)
         self._requeue: list[int] = []  # keys of evicted units, admitted again first
         self._next_key, self.restarts = 0, 0
+        # the event log: every worker call (its requests, version, decode steps before an interruption)
+        # and every batch taken — what a replay needs to run the same calls and takes (module doc)
+        self._replay = _read_event_log(replay) if replay is not None else None
+        self._log = Path(cfg.run.out_dir) / "async_events.jsonl" if schedule == "free" and replay is None else None
+        if self._log is not None and self.checkpointer.latest() is None:
+            self._log.parent.mkdir(parents=True, exist_ok=True)
+            self._log.write_text("")  # a fresh run: a fresh log (a resumed one appends)
+        self._seq = 0
         self.start_workers()
 
     def start_workers(self) -> None:
@@ -153,20 +194,45 @@ class AsyncTrainer(SyncTrainer):
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the rollout workers' threads
-    def _take(self) -> list[Request]:
-        """A worker's share of the pending requests (under the lock). Free: an even share of what
-        waits. Gated: the next fixed chunk of the earliest step (⌈P·n / workers⌉ requests) — the
-        same calls, with the same rows, in every run."""
-        W = len(self.workers)
-        if self.schedule == "gated":
-            r = self.cfg.rollout
-            step = self._pending[0].group_id // r.prompts_per_step
-            same = sum(1 for q in self._pending if q.group_id // r.prompts_per_step == step)
-            k = min(same, math.ceil(r.prompts_per_step * r.n / W))
+    def _can_take(self) -> bool:
+        """(under the lock) Is there a call for a worker to make? Replay: the log's next call, once its
+        requests wait and the engine serves its version."""
+        if self._paused:
+            return False
+        if self._replay is None:
+            return bool(self._pending)
+        calls = self._replay.calls
+        if not calls or calls[0]["version"] != self.engine.policy_version:
+            return False
+        waiting = {q.uid for q in self._pending}
+        return all(u in waiting for u in calls[0]["uids"])
+
+    def _take(self) -> tuple[list[Request], int | None, dict]:
+        """(under the lock) A worker's call: its requests, ``stop_after`` and its log record. Free: an
+        even share of what waits. Gated: the next fixed chunk of the earliest step (⌈P·n / workers⌉
+        requests) — the same calls, with the same rows, in every run. Replay: the log's next call."""
+        W, r = len(self.workers), self.cfg.rollout
+        stop_after = LIVE
+        if self._replay is not None:
+            call = self._replay.calls.pop(0)
+            by_uid = {q.uid: q for q in self._pending}
+            reqs = [by_uid[u] for u in call["uids"]]
+            taken = set(call["uids"])
+            self._pending = [q for q in self._pending if q.uid not in taken]
+            stop_after = call["steps"]
         else:
-            k = math.ceil(len(self._pending) / W)
-        reqs, self._pending = self._pending[:k], self._pending[k:]
-        return reqs
+            if self.schedule == "gated":
+                step = self._pending[0].group_id // r.prompts_per_step
+                same = sum(1 for q in self._pending if q.group_id // r.prompts_per_step == step)
+                k = min(same, math.ceil(r.prompts_per_step * r.n / W))
+            else:
+                k = math.ceil(len(self._pending) / W)
+            reqs, self._pending = self._pending[:k], self._pending[k:]
+        self._seq += 1
+        record = {"call": self._seq, "version": self.engine.policy_version, "uids": [q.uid for q in reqs]}
+        if self._replay is not None:
+            record["replayed"] = call
+        return reqs, stop_after, record
 
     def _work(self, w) -> None:
         try:
@@ -175,22 +241,24 @@ class AsyncTrainer(SyncTrainer):
             sp = dataclasses.replace(self._sampling(0), seed=self.cfg.run.seed * 7919)  # SyncTrainer's keyed seed
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or (self._pending and not self._paused))
+                    self._cond.wait_for(lambda: self._stop or self._can_take())
                     if self._stop:
                         return
-                    reqs = self._take()
+                    reqs, stop_after, record = self._take()
                     self._busy.add(w.name)
                 try:  # busy until the rows are delivered (or the worker restarted): a publication waits
                     try:
-                        out = w.generate_requests(reqs, sp)
+                        out, steps = w.generate_requests(reqs, sp, stop_after)
                     except WorkerDied:  # its requests came back to nobody: they wait again, unchanged
                         with self._cond:
                             self._pending = reqs + self._pending
+                            if self._replay is not None:
+                                self._replay.calls.insert(0, record["replayed"])
                             self.restarts += 1
                             self._cond.notify_all()
                         w.restart()  # serving the current version (or a WorkerError naming it)
                         continue
-                    self._deliver(out, w.name)
+                    self._deliver(out, w.name, {**record, "worker": w.name, "steps": steps})
                 finally:
                     with self._cond:
                         self._busy.discard(w.name)
@@ -200,11 +268,19 @@ class AsyncTrainer(SyncTrainer):
                 self._errors[w.name] = e
                 self._cond.notify_all()
 
-    def _deliver(self, out: TensorDict, name: str) -> None:
+    def _record(self, event: dict) -> None:
+        """(under the lock) Append one event to the run's log (free-running runs)."""
+        if self._log is not None:
+            with self._log.open("a") as f:
+                f.write(json.dumps(event) + "\n")
+
+    def _deliver(self, out: TensorDict, name: str, record: dict) -> None:
         """Finished rows go to their unit (complete when all n are in); aborted rows resume."""
         resumed = resume_requests(out)
         done = out[out["finish_reason"] != _ABORTED]
         with self._cond:
+            record.pop("replayed", None)
+            self._record(record)
             unit_of = {u.key: u.uid for u in self._units.values()}
             for i in range(done.batch_size[0]):
                 uid = unit_of[int(done["group_id"][i])]
@@ -259,13 +335,17 @@ class AsyncTrainer(SyncTrainer):
         with timer("wait"), self._cond:
             self._top_up()
 
+            keys = self._replayed_take()
+
             def ready():
-                self.buffer, got = A.take_batch(self.buffer, self.version)
+                self.buffer, got = A.take_batch(self.buffer, self.version) if keys is None else \
+                    A.take_units(self.buffer, keys)
                 if got is not None:
                     taken.extend(got)
                 return got is not None
 
             self._wait(ready, f"waiting for a batch at version {self.version}")
+            self._record({"take": self.step_idx, "keys": [u.key for u in taken]})
             rows = [self._rows.pop(u.uid)[0] for u in taken]
             for u in taken:
                 self._units.pop(u.uid)
@@ -284,17 +364,30 @@ class AsyncTrainer(SyncTrainer):
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
         return batch, {**counters, **{k: float(v) for k, v in st.items()}}
 
-    def _pause(self, what: str) -> None:
+    def _replayed_take(self) -> list | None:
+        """The unit keys the recorded run took at this step (None when not replaying)."""
+        if self._replay is None:
+            return None
+        if self.step_idx not in self._replay.takes:
+            raise ValueError(f"async.replay: the event log ends before step {self.step_idx} (it has "
+                             f"{len(self._replay.takes)} steps)")
+        return self._replay.takes[self.step_idx]
+
+    def _pause(self, what: str, *, drain: bool = True) -> None:
         """Stop the workers taking requests and wait (deadline) until none is generating. Free: the
         running generations are interrupted (their rows resume later). Gated: nothing is
         interrupted — the pause waits until every admitted request is generated, so each batch
-        comes from exactly one version."""
+        comes from exactly one version. Replay (``drain``: before a publication): the log's calls at
+        this version run first, each stopping where the recorded one was interrupted."""
         with self._cond:
             try:
-                if self.schedule == "gated":
+                if self._replay is not None and drain:
+                    calls = self._replay.calls
+                    self._wait(lambda: not self._busy and (not calls or calls[0]["version"] > self.version), what)
+                elif self.schedule == "gated":
                     self._wait(lambda: self.buffer.in_flight == 0 and not self._busy, what)
                 self._paused = True
-                if self.schedule == "free":
+                if self.schedule == "free" and self._replay is None:
                     for w in self.workers:
                         w.interrupt()
                 self._wait(lambda: not self._busy, what)
@@ -365,10 +458,11 @@ class AsyncTrainer(SyncTrainer):
                                    st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
             self._units, self._rows, self._by, self._pending = {}, {}, {}, []
             self._requeue, self._next_key = list(st["live"]), st["next_key"]
+            self._record({"resume": st.get("step", None)})
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        self._pause("pausing for evaluation")  # the engine is the workers': evaluate while they are paused
+        self._pause("pausing for evaluation", drain=False)  # the engine is the workers': evaluate while paused
         try:
             return super().evaluate()
         finally:

@@ -226,6 +226,9 @@ class AsyncConfig(_Frozen):
     schedule: Literal["free", "gated"] = Field("free", description="free: workers run ahead within η, publications "
                                                "interrupt and resume requests; gated: batch k is generated whole at "
                                                "version max(0, k − η) — the same run every time (docs/async.md)")
+    replay: str | None = Field(None, description="the event log (out_dir/async_events.jsonl) of a free-running run "
+                               "to replay bit for bit: the same worker calls, interrupted at the same decode steps, "
+                               "and the same batches")
     executor: Variant = Field(Variant(name="thread"), description="where the rollout workers run (hyperrl.rollout."
                               "EXECUTORS: thread | ray)")
 

@@ -4,6 +4,7 @@ or duplicated; a bad, dead or stuck worker fails the step naming it."""
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ def test_eta_zero_is_the_sync_trainer_bit_for_bit(tmp_path):
         assert same == {k: a[k] for k in same}
         assert a["staleness_max"] == 0 and a["async_evicted"] == 0
     assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
+
+
+# what depends on timing, not on what was generated and trained: how many groups were in flight or
+# ready (admitted) when the learner took its batch, and the clocks
+_TIMING = {"tokens_per_s", "async_admitted", "async_in_flight", "async_ready"}
 
 
 class _Recording(AsyncTrainer):
@@ -66,8 +72,19 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
     assert len(tr._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
 
+class _SlowFlag:
+    """The engine's stop flag, 10 ms slower per decode step (only the timing changes)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def is_set(self):
+        time.sleep(0.01)
+        return self.inner.is_set()
+
+
 class _FaultyEngine:
-    """Wraps the engine: ``mode`` = "corrupt" (one row's versions wiped once), "die" or "hang"."""
+    """Wraps the engine: ``mode`` = "corrupt" (one row's versions wiped once), "die", "hang" or "slow"."""
 
     def __init__(self, engine, mode):
         self.engine, self.mode, self.done, self.release = engine, mode, False, threading.Event()
@@ -76,6 +93,8 @@ class _FaultyEngine:
         return getattr(self.engine, name)
 
     def generate_requests(self, reqs, sp, abort=None):
+        if self.mode == "slow":
+            return self.engine.generate_requests(reqs, sp, abort=_SlowFlag(abort))
         out = self.engine.generate_requests(reqs, sp, abort=abort)
         if self.mode == "corrupt" and not self.done:
             self.done = True
@@ -253,3 +272,31 @@ def test_the_gated_schedule_generates_each_batch_at_one_version_and_reproduces_b
 def test_gated_needs_whole_steps_in_flight(tmp_path):
     with pytest.raises(ValueError, match=r"async.max_concurrent=3: the gated schedule admits whole steps"):
         build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--async.schedule=gated", "--async.max_concurrent=3"))
+
+
+def test_a_free_running_run_replays_from_its_event_log_bit_for_bit(tmp_path):
+    """A free-running run (η = 2, publications and an evaluation interrupting generation at whatever
+    decode step they land on) writes out_dir/async_events.jsonl; ``async.replay`` runs the same
+    worker calls — each stopped after the recorded number of decode steps — and takes the same
+    batches: the same metrics and weights, bit for bit."""
+    runs = []
+    for name, extra in (("free", ()), ("replay", (f"--async.replay={tmp_path / 'free' / 'async_events.jsonl'}",))):
+        cfg = _cfg(tmp_path / name, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4",
+                   "--async.max_staleness=2", "--run.eval_prompts=8", *extra)
+        tr = build_trainer(cfg)
+        _restart_worker(tr, "slow")  # 10 ms a decode step: publications land mid-generation
+        try:
+            ms = [tr.step() for _ in range(3)] + [tr.evaluate()] + [tr.step() for _ in range(3)]
+        finally:
+            tr.close()
+        runs.append((ms, {k: v.clone() for k, v in tr.policy.state_dict().items()}))
+    events = [json.loads(x) for x in (tmp_path / "free" / "async_events.jsonl").read_text().splitlines()]
+    assert any(e.get("steps") is not None for e in events), "no call was interrupted: the test would prove nothing"
+    assert any(m.get("partial_rows_frac", 0) > 0 for m in runs[0][0])
+    (ma, wa), (mb, wb) = runs
+    for a, b in zip(ma, mb):
+        same = {k: a[k] for k in a if k not in _TIMING and not k.startswith("time_")}
+        assert same == {k: b[k] for k in same}
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="async.replay: .* does not exist"):
+        build_trainer(_cfg(tmp_path / "x", "--async.max_staleness=2", f"--async.replay={tmp_path / 'none.jsonl'}"))

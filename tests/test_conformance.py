@@ -35,6 +35,7 @@ _KINDS = {
     "task": ("--task={}", []),
     "env": ("--env={}", []),
     "rollout.engine": ("--rollout.engine={}", []),
+    "async.executor": ("--async.executor={}", ["--async.max_staleness=1"]),
 }
 _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: given, or the load must fail naming it
     ("task", "parquet"): ["--task.path=tests/data/gsm8k_tiny.parquet"],
@@ -63,7 +64,8 @@ def _reward_model_dir(path):
 def _cases():
     for kind, (tmpl, extra) in _KINDS.items():
         for name in _REG[kind].names():
-            yield pytest.param(kind, name, tmpl.format(name), extra, id=f"{kind}:{name}")
+            marks = [pytest.mark.xdist_group("ray")] if (kind, name) == ("async.executor", "ray") else []
+            yield pytest.param(kind, name, tmpl.format(name), extra, id=f"{kind}:{name}", marks=marks)
     for name in _REG["algo.kl.estimator"].names():
         yield pytest.param("algo.kl.estimator", name + "+", f"--algo.kl.estimator={name}+", ["--algo.kl.coef=0.1"],
                            id=f"algo.kl.estimator:{name}+")
@@ -106,7 +108,8 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
             with pytest.raises(ConfigError, match="vllm is not installed"):
                 load_config(None, [override])
             return
-    _step(tmp_path, [override, *extra])
+    tr, _ = _step(tmp_path, [override, *extra])
+    getattr(tr, "close", lambda: None)()  # an asynchronous run's workers (a Ray the run started)
 
 
 @pytest.mark.parametrize("recipe", RECIPES.names())

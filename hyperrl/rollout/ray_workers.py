@@ -29,7 +29,7 @@ import torch
 
 from ..sharding.publisher import WeightPublishError
 from .base import TransactionalEngine
-from .workers import WorkerDied, WorkerError, Workers
+from .workers import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
 
@@ -63,9 +63,10 @@ class _EngineActor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "version": self.engine.policy_version}
 
-    def generate_requests(self, requests, sampling, call: int):
+    def generate_requests(self, requests, sampling, call: int, stop_after: int | None):
+        flag = decode_flag(_Flag(self._aborted, call), stop_after)
         try:
-            return self.engine.generate_requests(requests, sampling, abort=_Flag(self._aborted, call))
+            return self.engine.generate_requests(requests, sampling, abort=flag), flag.result
         finally:
             self._aborted.discard(call)
 
@@ -113,14 +114,14 @@ class RayWorker:
         self._lock, self._ids, self._call, self._interrupted = threading.Lock(), itertools.count(), None, False
         self.actor = actor
 
-    def generate_requests(self, requests, sampling):
+    def generate_requests(self, requests, sampling, stop_after: int | None = LIVE):
         import ray
 
         if self.error is not None:
             raise self.error
         with self._lock:
             call = self._call = next(self._ids)
-            ref = self.actor.generate_requests.remote(requests, sampling, call)
+            ref = self.actor.generate_requests.remote(requests, sampling, call, stop_after)
             if self._interrupted:
                 self.actor.abort.remote(call)
         try:

@@ -3,8 +3,11 @@
 A worker is a handle the asynchronous loop drives from one driver thread per worker:
 
 * ``name`` — what errors name (``rollout-worker-0``, …);
-* ``generate_requests(requests, sampling)`` — continue the requests
-  (:mod:`hyperrl.rollout.requests`) and return their rows; blocks until done or interrupted;
+* ``generate_requests(requests, sampling, stop_after=LIVE)`` — continue the requests
+  (:mod:`hyperrl.rollout.requests`); blocks until done or interrupted and returns ``(rows,
+  steps)``: ``steps`` = the decode steps that ran before an interruption (None: it was not
+  interrupted) — what an event log records. ``stop_after=k`` replays such a call: it stops after
+  exactly ``k`` decode steps (``None``: runs to the end), whatever ``interrupt`` says;
 * ``interrupt()`` / ``resume()`` — a sticky pause: while interrupted, a running or newly started
   generation stops at its next decode step and returns the unfinished rows
   ``finish_reason = aborted`` (publication is pause → publish → resume);
@@ -25,7 +28,10 @@ from dataclasses import dataclass, field
 
 from ..registry import Registry
 
-__all__ = ["EXECUTORS", "register_executor", "Workers", "LocalWorker", "WorkerError", "WorkerDied"]
+__all__ = ["EXECUTORS", "register_executor", "Workers", "LocalWorker", "WorkerError", "WorkerDied", "LIVE",
+           "decode_flag"]
+
+LIVE = -1  # ``stop_after`` of a live call: interruptible, its decode steps counted
 
 EXECUTORS: Registry = Registry("rollout executor")
 register_executor = EXECUTORS.register
@@ -42,6 +48,47 @@ class WorkerDied(WorkerError):
     def __init__(self, name: str, cause: BaseException | str):
         super().__init__(f"{name} died: {cause}")
         self.name = name
+
+
+class _Counting:
+    """A live call's stop flag: ``inner.is_set()``, counting the decode steps it let run."""
+
+    def __init__(self, inner):
+        self.inner, self.steps, self.fired = inner, 0, False
+
+    def is_set(self) -> bool:
+        if self.inner.is_set():
+            self.fired = True
+            return True
+        self.steps += 1
+        return False
+
+    @property
+    def result(self) -> int | None:
+        return self.steps if self.fired else None
+
+
+class _StopAfter:
+    """A replayed call's stop flag: set after exactly ``steps`` decode steps (never when None)."""
+
+    def __init__(self, steps: int | None):
+        self.steps, self.seen = steps, 0
+
+    def is_set(self) -> bool:
+        if self.steps is None:
+            return False
+        self.seen += 1
+        return self.seen > self.steps
+
+    @property
+    def result(self) -> int | None:
+        return self.steps
+
+
+def decode_flag(inner, stop_after: int | None):
+    """The flag an engine's decode loop checks before every step (``is_set()``), and whose
+    ``result`` is the call's recorded ``steps``: live (``stop_after = LIVE``) or replayed."""
+    return _Counting(inner) if stop_after == LIVE else _StopAfter(stop_after)
 
 
 @dataclass
@@ -61,8 +108,9 @@ class LocalWorker:
     def __init__(self, engine, name: str = "rollout-worker-0"):
         self.engine, self.name, self._flag = engine, name, threading.Event()
 
-    def generate_requests(self, requests, sampling):
-        return self.engine.generate_requests(requests, sampling, abort=self._flag)
+    def generate_requests(self, requests, sampling, stop_after: int | None = LIVE):
+        flag = decode_flag(self._flag, stop_after)
+        return self.engine.generate_requests(requests, sampling, abort=flag), flag.result
 
     def interrupt(self) -> None:
         self._flag.set()

@@ -19,6 +19,7 @@ from .admission import (
     evict,
     restart,
     take_batch,
+    take_units,
 )
 from .advantages import (
     ADVANTAGES,
@@ -134,5 +135,5 @@ __all__ = [
     "token_staleness", "staleness_mask", "staleness_metrics", "row_policy_version", "proximal_alpha",
     "interpolated_proximal_logprobs",
     "Unit", "Buffer", "check_admission", "capacity", "buffer_init", "admit", "complete", "restart", "evict",
-    "take_batch", "check_conservation",
+    "take_batch", "take_units", "check_conservation",
 ]

@@ -43,6 +43,7 @@ __all__ = [
     "restart",
     "evict",
     "take_batch",
+    "take_units",
     "check_conservation",
     "deadline_violations",
 ]
@@ -173,6 +174,19 @@ def take_batch(buf: Buffer, version: int) -> tuple[Buffer, tuple[Unit, ...] | No
         left += due[d]
         if left > (d - version) * buf.batch:
             return buf, None
+    rest = tuple(u for u in buf.units if u.uid not in taken)
+    return replace(buf, units=rest, consumed=buf.consumed + len(chosen)), tuple(chosen)
+
+
+def take_units(buf: Buffer, keys: list) -> tuple[Buffer, tuple[Unit, ...] | None]:
+    """Take the live units with these ``keys`` (a replayed consumption: the learner takes what the
+    recorded run took), or ``None`` (wait) while any of them is missing or still running. They
+    leave the buffer in the order given (``consumed`` += len(keys))."""
+    by_key = {u.key: u for u in buf.units}
+    chosen = [by_key.get(k) for k in keys]
+    if any(u is None or u.state != READY for u in chosen):
+        return buf, None
+    taken = {u.uid for u in chosen}
     rest = tuple(u for u in buf.units if u.uid not in taken)
     return replace(buf, units=rest, consumed=buf.consumed + len(chosen)), tuple(chosen)
 
