@@ -5,8 +5,12 @@ Each mode trains the same config in its own process; evaluation time is excluded
 * ``sync``: SyncTrainer, every phase on all ``--cores`` torch threads (generation, then update);
 * ``async η``: AsyncTrainer with ``async.max_staleness = η``: the rollout worker thread and the
   learner each use ``--cores / 2`` threads (disjoint cores), generation overlapping the update;
-* ``async η, decoupled``: the same with the decoupled-PPO behaviour correction (``algo.correction:
-  tis``: the learner recomputes the proximal policy, tokens weighted by ``π_prox / π_behav``).
+* ``async η, decoupled`` (mode ``ηd``): the same with the decoupled-PPO behaviour correction
+  (``algo.correction: tis``: the learner recomputes the proximal policy, tokens weighted by
+  ``π_prox / π_behav``);
+* ``async η, Ray`` (mode ``ηr``, ``ηdr``): the rollout worker is a Ray actor — its own process,
+  pinned to the second half of the cores while the learner is pinned to the first half (no GIL
+  shared with the learner).
 
     python benchmarks/async.py                       # the long-tail repeat task, 21-token budget
     python benchmarks/async.py --modes sync 1 4 4d --steps 400 --target 0.6
@@ -39,15 +43,32 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int) -> dict:
     from hyperrl.config import load_config
     from hyperrl.train import build_trainer
 
-    eta, decoupled = (None, False) if mode == "sync" else (int(mode.rstrip("d")), mode.endswith("d"))
+    ray_ = mode.endswith("r")
+    core = mode.rstrip("r")
+    eta, decoupled = (None, False) if core == "sync" else (int(core.rstrip("d")), core.endswith("d"))
     threads = cores if eta is None else max(1, cores // 2)
     ov = BASE + [f"--run.out_dir={tempfile.mkdtemp()}", f"--run.seed={seed}", f"--run.threads={threads}"]
     if eta is not None:
         ov.append(f"--async.max_staleness={eta}")
     if decoupled:
         ov.append("--algo.correction=tis")
+    if ray_:
+        import os
+
+        import ray
+
+        learner, rollout = set(range(threads)), set(range(threads, 2 * threads))
+        os.sched_setaffinity(0, learner)
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ov.append(f"--async.executor={{name: ray, workers: 1, num_cpus: 1, threads: {threads}}}")
     torch.set_num_threads(threads)
     tr = build_trainer(load_config(None, ov))
+    if ray_:
+        def pin(actor):  # every thread of the actor's process (its calls run on a thread pool)
+            for tid in os.listdir("/proc/self/task"):
+                os.sched_setaffinity(int(tid), rollout)
+
+        ray.get(tr.workers[0].actor.__ray_call__.remote(pin))
     clock, evals, phases, tokens = 0.0, [], {}, 0
     try:
         for s in range(1, steps + 1):
@@ -98,18 +119,20 @@ def main():
     for r in res:
         t, ph = reach(r), r["phases"]
         ratio = "" if sync is None or t is None or reach(sync) is None else f"{reach(sync) / t:.2f}×"
-        name = "sync" if r["mode"] == "sync" else f"async η={r['mode'].rstrip('d')}" + \
-            (" decoupled" if r["mode"].endswith("d") else "")
+        core = r["mode"].rstrip("r")
+        name = "sync" if core == "sync" else f"async η={core.rstrip('d')}" + \
+            (" decoupled" if core.endswith("d") else "") + (" (Ray actor)" if r["mode"].endswith("r") else "")
         rows.append([name, r["threads"], round(r["clock_s"] / args.steps, 3), t if t is not None else "—", ratio,
                      r["evals"][-1][2], round(ph.get("time_generate_s", 0.0), 3), round(ph.get("time_wait_s", 0.0), 3),
                      round(ph.get("time_update_s", 0.0), 3), r["staleness_max"], r["evicted"],
                      round(r["tokens_per_s"])])
     cmd = " ".join(["python benchmarks/async.py", *sys.argv[1:]])
-    append_results("async vs sync (one process, rollout-worker thread)",
+    append_results("async vs sync (rollout worker: a thread, or a Ray actor pinned to its own cores)",
                    f"`{cmd}`: task repeat (answers of 1–3 digits, 20 % of 12–20; 21-token budget), 32 prompts × "
                    f"8, {args.steps} steps, seed {args.seed}; held-out `{METRIC}` every {args.every} steps "
                    f"(evaluation off the clock). Sync: "
-                   f"{args.cores} torch threads per phase; async: worker and learner {max(1, args.cores // 2)} each. "
+                   f"{args.cores} torch threads per phase; async: worker and learner {max(1, args.cores // 2)} each "
+                   f"(Ray: the actor and the learner pinned to disjoint cores). "
                    f"`time to ≥ {args.target}` = wall seconds of training:\n\n"
                    + table(["mode", "threads", "s/step", f"s to ≥ {args.target}", "vs sync", "final held-out",
                             "generate s", "learner wait s", "update s", "max staleness", "evicted", "tokens/s"],

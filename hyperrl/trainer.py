@@ -180,7 +180,7 @@ class SyncTrainer:
     def _generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0, *,
                   uids: list[int] | None = None) -> TensorDict:
         """Rollout of ``n`` samples per prompt. Training rounds (``uids`` given) on an engine with
-        resumable requests sample keyed by (seed, sample_uid, token index) — what an asynchronous
+        keyed resumable requests sample keyed by (seed, sample_uid, token index) — what an asynchronous
         run does too, so the two agree at η = 0; the seed is then the run's (the step enters
         through the uid)."""
         if self.make_env is not None:  # multi-turn: the environment scores the episode
@@ -190,7 +190,7 @@ class SyncTrainer:
                                     limits=Limits(max_turns=self.cfg.rollout.max_turns), group_offset=group_offset)
             return batch
         prompts = [self.task.encode(s) for s in samples]
-        if uids is not None and getattr(self.engine, "resumable", False):
+        if uids is not None and getattr(self.engine, "keyed", False):
             reqs = [Request(u, tuple(p), group_offset + i) for (i, p), u in
                     zip([(i, p) for i, p in enumerate(prompts) for _ in range(n)], uids)]
             return self.engine.generate_requests(reqs, dataclasses.replace(sampling, seed=self._keyed_seed(sampling)))

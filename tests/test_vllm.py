@@ -112,3 +112,18 @@ def test_vllm_serves_published_lora_adapters(reports):
     assert r["versions"] == list(range(1, 9)) and r["lora_B_max"] > 0.01  # the adapters really changed
     assert r["mismatch_max"] < 1e-4  # and vLLM's log-probs follow them step by step
     assert r["bad"] == "WeightPublishError" and r["served"] == 8
+
+
+def test_vllm_resumable_requests_and_the_async_trainer(reports):
+    """vLLM's engine loop as resumable requests: aborted mid-generation (``abort_request``), resubmitted as
+    prompt + partial token ids, the partial tokens kept with their versions; the AsyncTrainer over it."""
+    r = _part(reports, "check_vllm_async")
+    assert r["trainer"] == "AsyncTrainer" and r["engine"] == "VLLMEngine"
+    assert max(r["staleness"]) <= 1 and r["evicted"] == 0 and r["conservation"] and r["consumed"] == 5 * 4
+    assert r["version"] == r["served"] == 5
+    assert r["same_twice"]  # one seed per (run seed, uid, partial length): the same request, the same tokens
+    assert set(r["cut_reasons"]) == {2} and max(r["cut_lengths"]) < 12  # aborted mid-generation
+    assert r["resumed_prefix_kept"] and r["resumed_lengths"] == [12] * 4 and set(r["resumed_reasons"]) == {1}
+    assert r["gap_same_weights"] < 1e-4
+    assert r["versions_old"] == [5] and r["versions_new"] == [6] and r["policy_version"] == [5] * 4
+    assert r["gap_new_tokens"] < 1e-4  # the resumed tokens come from the published weights

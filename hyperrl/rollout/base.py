@@ -132,7 +132,8 @@ class TransactionalEngine:
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
-    resumable: bool = False  # has generate_requests (keyed sampling, abort, resume from partial tokens)
+    resumable: bool = False  # has generate_requests (abort, resume from partial tokens)
+    keyed: bool = False  # its generate_requests samples each token keyed by (seed, uid, index): interruption-invisible
 
     def begin(self, version: int, *, partial: bool = False) -> None:
         if self._txn is not None:

@@ -77,7 +77,7 @@ class TransformersEngine(TransactionalEngine):
     optimizer, so a refused publication cannot fall back to ``V``: the engine then refuses to
     generate (the run fails closed) instead of serving unpublished weights."""
 
-    resumable = True  # generate_requests: keyed sampling, abort, resume
+    resumable = keyed = True  # generate_requests: keyed sampling, abort, resume
 
     def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0,
                  shared: bool = False):

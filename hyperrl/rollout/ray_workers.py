@@ -50,12 +50,18 @@ class _EngineActor:
     def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int):
         from .hf import TransformersEngine
 
-        if threads:
-            torch.set_num_threads(threads)
+        self.threads = threads
+        self._threads()
         self.engine = TransformersEngine(model, pad_id=pad_id, version=born)
         if weights is not None and version > born:  # a restart: the current version, checked like any publication
             self.engine.load_weights(weights, version)
         self._aborted: set[int] = set()
+
+    def _threads(self) -> None:
+        """torch's intra-op thread count is per calling thread, and a threaded actor runs its calls on a
+        pool: set it on every call that computes."""
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     def info(self) -> dict:
         import ray
@@ -64,6 +70,7 @@ class _EngineActor:
                 "version": self.engine.policy_version}
 
     def generate_requests(self, requests, sampling, call: int, stop_after: int | None):
+        self._threads()
         flag = decode_flag(_Flag(self._aborted, call), stop_after)
         try:
             return self.engine.generate_requests(requests, sampling, abort=flag), flag.result
@@ -74,9 +81,11 @@ class _EngineActor:
         self._aborted.add(call)
 
     def generate(self, prompts, sampling, n: int, group_offset: int):
+        self._threads()
         return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
 
     def prepare(self, weights, version: int) -> None:
+        self._threads()
         self.engine.begin(version)
         self.engine.stage(weights)
         self.engine.prepare()
@@ -184,7 +193,7 @@ class RayEngine(TransactionalEngine):
     are the local engine's (names, shapes, finite values — before anything is shipped);
     ``commit`` publishes to every actor in two phases (module doc)."""
 
-    resumable = True
+    resumable = keyed = True
 
     def __init__(self, engine, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
                  timeout_s: float):

@@ -24,7 +24,7 @@ from tensordict import TensorDict
 
 from ..trajectory import FINISH_REASONS
 
-__all__ = ["Request", "keyed_uniform", "keyed_sample", "resume_requests", "requests_for"]
+__all__ = ["Request", "keyed_uniform", "keyed_sample", "keyed_seed", "resume_requests", "requests_for"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
 _M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64 multipliers as signed int64
@@ -65,6 +65,16 @@ def keyed_uniform(seed: int, uids: torch.Tensor, index: torch.Tensor) -> torch.T
     h = _mix(h ^ uids.long())
     h = _mix(h ^ index.long())
     return _srl(h, 11).double() * 2.0 ** -53
+
+
+def keyed_seed(seed: int, uid: int, index: int) -> int:
+    """A non-negative 63-bit seed, a pure function of ``(seed, uid, index)`` — for an engine that
+    takes one seed per request (vLLM): a request continued from ``index`` generated tokens gets its
+    own stream, the same in every run (deterministic, but not interruption-invisible)."""
+    h = _mix(torch.tensor([seed], dtype=torch.int64) + _GOLDEN)
+    h = _mix(h ^ uid)
+    h = _mix(h ^ index)
+    return int(_srl(h, 1)[0])
 
 
 def keyed_sample(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

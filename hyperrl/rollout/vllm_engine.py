@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import stack_episodes
+from ..trajectory import NO_VERSION, stack_episodes
 from .base import SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
 
 __all__ = ["VLLMEngine"]
@@ -109,6 +109,62 @@ class VLLMEngine(TransactionalEngine):
                 rows.append(dict(tokens=list(p) + ids, action=[False] * len(p) + [True] * len(ids),
                                  logprobs=[0.0] * len(p) + lps, reward=0.0, group_id=group_offset + i,
                                  version=self._version, finish_reason=_FINISH.get(c.finish_reason, "aborted")))
+        return stack_episodes(rows, self.pad_id)
+
+    resumable = True  # generate_requests: abort, resume from partial tokens (one seed per request: keyed_seed)
+
+    def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
+        """Continue every :class:`~hyperrl.rollout.requests.Request` — resubmitted to vLLM's engine
+        loop as ``prompt + partial`` token ids, ``max_new_tokens − len(partial)`` more — stepping
+        vLLM's engine until done or ``abort.is_set()`` (checked before every engine step), when the
+        unfinished requests are aborted in vLLM (``abort_request``) and return ``finish_reason =
+        aborted`` with their tokens so far. Each request samples with its own seed
+        ``keyed_seed(seed, uid, len(partial))``: a resumed request is the same in every run, but
+        (unlike the transformers engine's per-token keys) an interruption changes its later draws."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        from .requests import keyed_seed
+
+        if not requests:
+            raise ValueError("requests: empty")
+        if sampling.seed is None:
+            raise ValueError("sampling.seed: resumable requests need a seed (each request's is keyed by it)")
+        eng, ids = self.llm.llm_engine, {}
+        for r in requests:
+            budget = sampling.max_new_tokens - len(r.partial)
+            if budget < 1:
+                raise ValueError(f"Request {r.uid}: {len(r.partial)} tokens generated already, no budget left under "
+                                 f"max_new_tokens={sampling.max_new_tokens}; it is finished (length), not resumable")
+            sp = VSP(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                     max_tokens=budget, logprobs=0, seed=keyed_seed(sampling.seed, r.uid, len(r.partial)),
+                     stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
+            self._requests = getattr(self, "_requests", 0) + 1
+            rid = f"hyperrl-{self._requests}"
+            ids[rid] = r
+            eng.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.partial)), sp,
+                            lora_request=self._lora)
+        latest = {}
+        while eng.has_unfinished_requests():
+            if abort is not None and abort.is_set():
+                eng.abort_request([rid for rid in ids if rid not in latest or not latest[rid].finished])
+                break
+            for out in eng.step():
+                latest[out.request_id] = out
+        rows = []
+        for rid, r in ids.items():
+            out = latest.get(rid)
+            c = out.outputs[0] if out is not None and out.outputs else None
+            new = list(c.token_ids) if c is not None else []
+            lps = [float(step[t].logprob) for t, step in zip(new, c.logprobs)] if c is not None else []
+            finished = out is not None and out.finished and c is not None  # else aborted (or never stepped)
+            reason = _FINISH.get(c.finish_reason, "aborted") if finished else "aborted"
+            P, K = len(r.prompt), len(r.partial)
+            rows.append(dict(tokens=list(r.prompt) + list(r.partial) + new,
+                             action=[False] * P + [True] * (K + len(new)),
+                             logprobs=[0.0] * P + list(r.partial_logprobs) + lps, reward=0.0, group_id=r.group_id,
+                             version=self._version, token_versions=[NO_VERSION] * P + list(r.partial_versions) +
+                             [self._version] * len(new), finish_reason=reason, sample_uid=r.uid))
         return stack_episodes(rows, self.pad_id)
 
     def load_lora(self, peft_model, version: int) -> None:
