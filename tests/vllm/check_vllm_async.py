@@ -34,7 +34,8 @@ def run() -> dict:
 
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}",
                              f"--run.out_dir={tempfile.mkdtemp()}", "--task=modsum", "--rollout.max_new_tokens=8",
-                             "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.eval_every=0", "--async.max_staleness=1"])
+                             "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.eval_every=0",
+                             "--async.max_staleness=1"])
     tr = build_trainer(cfg)
     res = {"trainer": type(tr).__name__, "engine": type(tr.engine).__name__}
     stale, partial = [], []
