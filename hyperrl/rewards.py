@@ -152,9 +152,11 @@ class RewardSet:
                 continue
             vals, extras = _call(r, [prompts[i] for i in rows], [texts[i] for i in rows], [ids[i] for i in rows],
                                  [samples[i] for i in rows])
-            for i, v in zip(rows, vals):
-                if v is not None:
-                    comps[i, k], applicable[i, k] = v, True
+            got = [(i, float(v)) for i, v in zip(rows, vals) if v is not None]  # one write per reward, not per row
+            if got:
+                idx = torch.tensor([i for i, _ in got])
+                comps[idx, k] = torch.tensor([v for _, v in got])
+                applicable[idx, k] = True
             for key in sorted({key for e in extras for key in e}):
                 got = [e[key] for e in extras if key in e]
                 metrics[f"reward_{r.name}_{key}_mean"] = sum(got) / len(got)

@@ -294,8 +294,9 @@ def _wandb(cfg: TrainConfig):
 
 
 def _truncate_log(jsonl: Path, step: int) -> None:
-    """Drop the records a killed run logged after its last checkpoint (and a torn last line): the
-    resumed run logs those steps again, so the file ends as an uninterrupted run's would."""
+    """Drop the records a killed run logged after its last checkpoint (and a torn last line), and
+    the evaluation at the checkpoint's own step: the resumed run logs those again (it re-evaluates at
+    that step when an evaluation was due there), so the file ends as an uninterrupted run's would."""
     if not jsonl.exists():
         return
     keep = []
@@ -304,7 +305,7 @@ def _truncate_log(jsonl: Path, step: int) -> None:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("step", 0) <= step:
+        if rec.get("step", 0) < step or (rec.get("step", 0) == step and rec.get("event") != "eval"):
             keep.append(line)
     tmp = jsonl.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in keep))
@@ -341,7 +342,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         if cfg.run.wandb_project:
             hooks.append(_wandb(cfg))
     trainer.hooks.extend(hooks)
-    if resume and trainer.resume():
+    resumed = resume and trainer.resume()
+    if resumed:
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
         if rank == 0:
             _truncate_log(jsonl, trainer.step_idx)
@@ -356,8 +358,9 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         trainer.hooks.append(hook)
     t0 = time.perf_counter()
     last_eval = None
-    if trainer.step_idx == 0 and cfg.run.eval_every:
-        last_eval = trainer.evaluate()
+    if cfg.run.eval_every and (trainer.step_idx == 0 or (resumed and (trainer.step_idx % cfg.run.eval_every == 0 or
+                                                                      trainer.step_idx >= cfg.run.steps))):
+        last_eval = trainer.evaluate()  # at the start, or again at a resumed step whose evaluation was due
     while trainer.step_idx < cfg.run.steps:
         trainer.step()
         if cfg.run.eval_every and trainer.step_idx % cfg.run.eval_every == 0:

@@ -230,7 +230,11 @@ class SyncTrainer:
             weights.append(torch.ones(1))
         rs = self.reward_set
         if rs is not None:
-            texts = [decode_response(self.tok, i, self._stop_ids) for i in ids]
+            seen: dict[tuple, str] = {}  # a group's samples often repeat a response: decode each once
+            for i in ids:
+                if tuple(i) not in seen:
+                    seen[tuple(i)] = decode_response(self.tok, i, self._stop_ids)
+            texts = [seen[tuple(i)] for i in ids]
             c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
             comps.append(c)
             app.append(a)

@@ -198,12 +198,9 @@ class TransformersEngine(TransactionalEngine):
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
         B, P, dev = len(rows), max(len(p) for p in rows), self.device
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(B, P, dtype=torch.long)
-        for i, p in enumerate(rows):  # left-pad for batched decoding
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
-        ids, attn = ids.to(dev), attn.to(dev)
+        # left-pad for batched decoding (one tensor built from lists: no per-row tensor)
+        ids = torch.tensor([[self.pad_id] * (P - len(p)) + p for p in rows], dtype=torch.long, device=dev)
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], dtype=torch.long, device=dev)
         gen = torch.Generator(device=dev)
         if sampling.seed is not None:
             gen.manual_seed(sampling.seed)
