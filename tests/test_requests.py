@@ -138,3 +138,25 @@ def test_a_multi_turn_row_is_not_resumed(engine):
                              reward=0.0, group_id=0, version=0, sample_uid=3, finish_reason="aborted")])
     with pytest.raises(ValueError, match="row 0 .sample_uid 3. has non-action tokens after its first action"):
         resume_requests(b)
+
+
+def test_finished_rows_stop_being_computed_and_each_row_is_what_it_would_be_alone(engine):
+    """Rows with budgets of 1–12 tokens: once half the computed rows have finished, the decode step
+    runs on the live rows only (the forward's batch shrinks) — and every row's tokens are what it
+    generates alone (keyed sampling), log-probs within float rounding."""
+    reqs = [Request(50 + i, tuple(TOK.encode(p)), i % 3, tuple([7] * k), tuple([0.0] * k), tuple([0] * k))
+            for i, (p, k) in enumerate([("1+2=", 11), ("3+4=", 11), ("5+6=", 10), ("7+8=", 0), ("9+1=", 11),
+                                        ("2+2=", 9), ("8*9=", 11), ("4*4=", 2)])]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3)  # no stop token: each row runs its budget
+    sizes = []
+    hook = engine.model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    try:
+        batch = engine.generate_requests(reqs, sp)
+    finally:
+        hook.remove()
+    assert sizes[0] == 8 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)  # 8 rows → the long one
+    assert batch["action_mask"].sum(-1).tolist() == [12] * 8
+    for r in reqs:
+        (t0, lp0, _), (t1, lp1, _) = _row(batch, r.uid), _row(engine.generate_requests([r], sp), r.uid)
+        assert torch.equal(t0, t1) and (lp0 - lp1).abs().max() < 1e-5

@@ -215,6 +215,7 @@ class TransformersEngine(TransactionalEngine):
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         past = step_ids = None
         steps = sampling.max_new_tokens if budgets is None else int(budgets.max())
+        rows_c = torch.arange(B, device=dev)  # the rows still computed (keyed sampling drops finished ones)
         for t in range(steps):
             if abort is not None and abort.is_set():
                 aborted = alive.clone()
@@ -236,18 +237,27 @@ class TransformersEngine(TransactionalEngine):
             if keys is None:
                 tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
             else:
-                tok = keyed_sample(logp, keyed_uniform(sampling.seed, keys[0], keys[1] + t)).to(dev)
-            tok = torch.where(alive, self._agree(tok), self.pad_id)
-            out_tok[:, t] = tok
-            out_lp[:, t] = torch.where(alive, logp.gather(-1, tok[:, None])[:, 0], 0.0)
+                u = keyed_uniform(sampling.seed, keys[0][rows_c.cpu()], keys[1][rows_c.cpu()] + t)
+                tok = keyed_sample(logp, u).to(dev)
+            live = alive[rows_c]
+            tok = torch.where(live, self._agree(tok), self.pad_id)
+            out_tok[rows_c, t] = tok
+            out_lp[rows_c, t] = torch.where(live, logp.gather(-1, tok[:, None])[:, 0], 0.0)
             lengths += alive.long()
             if stops.numel():
-                stopped = stopped | (alive & torch.isin(tok, stops))
+                stopped = stopped | (alive & torch.isin(out_tok[:, t], stops))
                 alive = alive & ~stopped
             if budgets is not None:
                 alive = alive & (lengths < budgets.to(dev))
             if not alive.any():
                 break
+            live = alive[rows_c]
+            if keys is not None and int(live.sum()) * 2 <= rows_c.numel():
+                # half the computed rows have finished: compute only the live ones from here (their tokens
+                # are keyed by row, not by batch position; the n samples' shared cache rows are split already)
+                keep = live.nonzero()[:, 0]
+                past.batch_select_indices(keep)
+                rows_c, tok, attn, pos = rows_c[keep], tok[keep], attn[keep], pos[keep]
             step_ids = tok[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # finished rows' outputs are unused
             pos = pos[:, -1:] + 1
