@@ -81,7 +81,7 @@ def _read_event_log(path) -> _Log:
 class AsyncTrainer(SyncTrainer):
     def __init__(self, cfg, *, engine, max_staleness: int | None = None, max_concurrent: int | None = None,
                  timeout_s: float | None = None, schedule: str | None = None, executor=None,
-                 replay: str | None = None, **kw):
+                 replay: str | None = None, kv_cache: str | None = None, **kw):
         """The ``async`` section of ``cfg`` gives every setting not passed here."""
         r, a = cfg.rollout, getattr(cfg, "async")
         max_staleness = a.max_staleness if max_staleness is None else max_staleness
@@ -89,6 +89,7 @@ class AsyncTrainer(SyncTrainer):
         timeout_s = a.timeout_s if timeout_s is None else timeout_s
         schedule = a.schedule if schedule is None else schedule
         replay = a.replay if replay is None else replay
+        kv_cache = a.kv_cache if kv_cache is None else kv_cache
         if max_staleness is None:
             raise ValueError("async.max_staleness: not set; the AsyncTrainer needs the staleness bound η ≥ 0")
         if max_staleness < 0:
@@ -105,6 +106,11 @@ class AsyncTrainer(SyncTrainer):
         if replay is not None and schedule != "free":
             raise ValueError(f"async.replay with async.schedule={schedule}: an event log records a free-running run "
                              "(a gated run reproduces without one)")
+        if kv_cache not in ("reprefill", "keep"):
+            raise ValueError(f"async.kv_cache={kv_cache!r}: one of reprefill, keep")
+        if kv_cache == "keep" and replay is not None:
+            raise ValueError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
+                             "event log; replay a run recorded with kv_cache: reprefill")
         if schedule == "gated" and max_concurrent and max_concurrent < (max_staleness + 1) * r.prompts_per_step:
             raise ValueError(f"async.max_concurrent={max_concurrent}: the gated schedule admits whole steps — set 0 "
                              f"or ≥ (η + 1) · rollout.prompts_per_step = {(max_staleness + 1) * r.prompts_per_step}")
@@ -124,6 +130,14 @@ class AsyncTrainer(SyncTrainer):
             raise
         self.eta, self.timeout_s, self.schedule = max_staleness, timeout_s, schedule
         self.workers = list(self.executor.workers)
+        self.keep_kv = kv_cache == "keep" and schedule == "free"
+        if self.keep_kv:
+            if not all(hasattr(w, "hold") for w in self.workers):
+                self.executor.close()
+                raise ValueError(f"async.kv_cache=keep: the {ex.name} executor's workers cannot park mid-generation "
+                                 "(the thread executor's can); use kv_cache: reprefill")
+            for w in self.workers:
+                w.keep_kv = True
         self.buffer = A.buffer_init(max_staleness, r.prompts_per_step, max_concurrent or
                                     (max_staleness + 1) * r.prompts_per_step)
         self._cond = threading.Condition()
@@ -387,6 +401,11 @@ class AsyncTrainer(SyncTrainer):
                 elif self.schedule == "gated":
                     self._wait(lambda: self.buffer.in_flight == 0 and not self._busy, what)
                 self._paused = True
+                if self.keep_kv:  # park every running generation at its next step, its cache kept
+                    for w in self.workers:
+                        w.hold(self._notify)
+                    self._wait(lambda: all(w.parked or w.name not in self._busy for w in self.workers), what)
+                    return
                 if self.schedule == "free" and self._replay is None:
                     for w in self.workers:
                         w.interrupt()
@@ -395,10 +414,16 @@ class AsyncTrainer(SyncTrainer):
                 self._unpause()
                 raise
 
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _unpause(self) -> None:
-        """(under the lock) Let the workers take requests again."""
+        """(under the lock) Let the workers take requests again (and parked generations go on)."""
         for w in self.workers:
             w.resume()
+            if self.keep_kv:
+                w.release()
         self._paused = False
         self._top_up()
         self._cond.notify_all()

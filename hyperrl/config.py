@@ -226,6 +226,11 @@ class AsyncConfig(_Frozen):
     schedule: Literal["free", "gated"] = Field("free", description="free: workers run ahead within η, publications "
                                                "interrupt and resume requests; gated: batch k is generated whole at "
                                                "version max(0, k − η) — the same run every time (docs/async.md)")
+    kv_cache: Literal["reprefill", "keep"] = Field("reprefill", description="what a publication does to a request "
+                                                   "being generated: reprefill — interrupt it and continue from its "
+                                                   "tokens under the new weights (its cache recomputed); keep — park "
+                                                   "it and continue over its old KV cache (in-flight update; "
+                                                   "kv_version records it per token; thread executor)")
     replay: str | None = Field(None, description="the event log (out_dir/async_events.jsonl) of a free-running run "
                                "to replay bit for bit: the same worker calls, interrupted at the same decode steps, "
                                "and the same batches")

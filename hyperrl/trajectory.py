@@ -25,6 +25,11 @@ optional: ``tool_calls``      ``[B]``      int64     tool calls the environment 
 optional: ``token_version``   ``[B, T]``   int64     weight version that sampled each action token;
                                                      ``NO_VERSION`` (−1) on prompt / observation
                                                      tokens; padding ignored (docs/async.md)
+optional: ``kv_version``      ``[B, T]``   int64     oldest weight version among the keys / values each
+                                                     action token was sampled from (= its
+                                                     ``token_version`` unless a cache was kept across a
+                                                     publication: ``async.kv_cache: keep``); NO_VERSION
+                                                     elsewhere
 optional: ``sample_uid``      ``[B]``      int64     unique id of the sample over the run
 optional: ``finish_reason``   ``[B]``      int64     0 stop, 1 length, 2 aborted (``FINISH_REASONS``)
 ============================  ===========  ========  =============================================
@@ -97,6 +102,7 @@ FIELDS: dict[str, _Field] = {
     "returns": _Field(_F32, True, False, finite=True),
     "tool_calls": _Field(torch.int64, False, False),
     "token_version": _Field(torch.int64, True, False),
+    "kv_version": _Field(torch.int64, True, False),
     "sample_uid": _Field(torch.int64, False, False),
     "finish_reason": _Field(torch.int64, False, False),
 }
@@ -250,6 +256,16 @@ def _validate_async(batch: TensorDict, learner_version: int | None, max_stalenes
         r = int(wrong.nonzero()[0])
         _fail("policy_version", f"row {r} says {int(batch['policy_version'][r])} but its oldest action token was "
               f"sampled at {int(oldest[r])}; policy_version is the oldest token's version")
+    if "kv_version" in keys:
+        kv = batch["kv_version"]
+        bad = act & ((kv < 0) | (kv > tv))
+        if bool(bad.any()):
+            b, t = bad.nonzero()[0].tolist()
+            _fail("kv_version", f"action token [{b}, {t}] has kv_version {int(kv[b, t])} with token_version "
+                  f"{int(tv[b, t])}; the cache a token is sampled from is at most as new as the token")
+        if bool((attn & ~act & (kv != NO_VERSION)).any()):
+            b, t = (attn & ~act & (kv != NO_VERSION)).nonzero()[0].tolist()
+            _fail("kv_version", f"token [{b}, {t}] is not an action but carries kv_version {int(kv[b, t])}")
     if max_staleness is not None:
         if learner_version is None:
             raise ValueError("validate: max_staleness needs learner_version")
@@ -365,7 +381,7 @@ def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
         for k in b.keys():
             v = b[k]
             if k in TOKEN_FIELDS and extra:
-                fill = pad_id if k == "tokens" else NO_VERSION if k == "token_version" else 0
+                fill = pad_id if k == "tokens" else NO_VERSION if k in ("token_version", "kv_version") else 0
                 v = torch.nn.functional.pad(v, (0, extra), value=fill)
             fields[k] = v
         padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))

@@ -92,10 +92,10 @@ class _FaultyEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def generate_requests(self, reqs, sp, abort=None):
+    def generate_requests(self, reqs, sp, abort=None, **kw):
         if self.mode == "slow":
-            return self.engine.generate_requests(reqs, sp, abort=_SlowFlag(abort))
-        out = self.engine.generate_requests(reqs, sp, abort=abort)
+            return self.engine.generate_requests(reqs, sp, abort=_SlowFlag(abort), **kw)
+        out = self.engine.generate_requests(reqs, sp, abort=abort, **kw)
         if self.mode == "corrupt" and not self.done:
             self.done = True
             tv = out["token_version"].clone()
@@ -112,6 +112,7 @@ def _restart_worker(tr, mode):
     tr.stop_workers()
     tr.engine = _FaultyEngine(tr.engine, mode)
     tr.workers = [LocalWorker(tr.engine)]
+    tr.workers[0].keep_kv = tr.keep_kv
     tr.start_workers()
     return tr.engine
 
@@ -300,3 +301,40 @@ def test_a_free_running_run_replays_from_its_event_log_bit_for_bit(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(ValueError, match="async.replay: .* does not exist"):
         build_trainer(_cfg(tmp_path / "x", "--async.max_staleness=2", f"--async.replay={tmp_path / 'none.jsonl'}"))
+
+
+def test_kv_cache_keep_continues_each_generation_over_its_cache_across_publications(tmp_path):
+    """``async.kv_cache=keep``: a publication parks the running generation at its next decode step,
+    replaces the weights in place and lets it go on — nothing is interrupted or resumed, the tokens
+    after the switch carry the new version, and ``kv_version`` records that they were sampled over a
+    cache of the older version."""
+    cfg = _cfg(tmp_path, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4", "--async.max_staleness=1",
+               "--async.kv_cache=keep")
+    seen = []
+
+    class _Kv(AsyncTrainer):
+        def collect(self, timer):
+            batch, info = super().collect(timer)
+            seen.append((self.version, batch.clone()))
+            return batch, info
+
+    tr = build_trainer(cfg, trainer=_Kv)
+    _restart_worker(tr, "slow")  # 10 ms a decode step: publications land mid-generation
+    try:
+        ms = [tr.step() for _ in range(6)]
+    finally:
+        tr.close()
+    uids = [u for _, b in seen for u in b["sample_uid"].tolist()]
+    assert len(uids) == len(set(uids)) == 6 * 4 * 4
+    assert max(m["staleness_max"] for m in ms) <= 1
+    spanned = 0
+    for _, b in seen:
+        act, tv, kv = b["action_mask"], b["token_version"], b["kv_version"]
+        assert set(b["finish_reason"].tolist()) <= {0, 1}  # nothing interrupted
+        first = torch.where(act, tv, 10**9).amin(-1)
+        assert bool((kv[act] == first[:, None].expand_as(act)[act]).all())  # the cache of the row's first version
+        spanned += int((act & (kv < tv)).any(-1).sum())  # rows whose later tokens met newer weights
+    assert spanned > 0, "no generation was parked across a publication"
+    with pytest.raises(ValueError, match="async.kv_cache=keep with async.replay"):
+        build_trainer(_cfg(tmp_path / "r", "--async.max_staleness=1", "--async.kv_cache=keep",
+                           f"--async.replay={tmp_path / 'x.jsonl'}"))

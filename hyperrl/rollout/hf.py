@@ -153,13 +153,19 @@ class TransformersEngine(TransactionalEngine):
         return tok
 
     @torch.no_grad()
-    def generate_requests(self, requests: list[Request], sampling: SamplingParams, *, abort=None) -> TensorDict:
+    def generate_requests(self, requests: list[Request], sampling: SamplingParams, *, abort=None,
+                          hold=None) -> TensorDict:
         """Continue every :class:`~hyperrl.rollout.requests.Request` from ``prompt + partial``
         (re-prefill) for up to ``max_new_tokens − len(partial)`` more tokens, sampling keyed by
         ``(sampling.seed, uid, response index)``. ``abort`` (anything with ``is_set()``, e.g. a
         ``threading.Event``) is checked before every decode step: once set, unfinished rows stop
-        and return ``finish_reason = aborted`` with their tokens so far. Rows carry ``sample_uid``,
-        ``token_version`` (the partial tokens keep theirs) and ``policy_version`` = the oldest."""
+        and return ``finish_reason = aborted`` with their tokens so far. ``hold`` (anything with
+        ``wait()``) is called before every decode step after that check: it may block while a
+        publication replaces the weights in place, and the generation then continues over its KV
+        cache, computed by the older weights — each token stamped with the version that sampled it,
+        and ``kv_version`` (the cache's oldest version: the version at this call's prefill) recorded
+        per token. Rows carry ``sample_uid``, ``token_version`` (the partial tokens keep theirs) and
+        ``policy_version`` = the oldest."""
         if not requests:
             raise ValueError("requests: empty")
         if sampling.seed is None:
@@ -176,25 +182,35 @@ class TransformersEngine(TransactionalEngine):
         offsets = torch.tensor([len(r.partial) for r in requests])
         ctx = [tuple(r.prompt) + tuple(r.partial) for r in requests]
         n = _run_length(ctx)  # a fresh group: n identical contexts in a row share one prefill
+        steps: list[int] = []  # the version each decode step ran at (a held publication changes it mid-call)
         with self._eval():
             b = self._generate([list(c) for c in ctx[::n]], sampling, n, 0, keys=(uids, offsets), budgets=budgets,
-                               abort=abort)
+                               abort=abort, hold=hold, versions=steps)
         act, lp, tv = b["action_mask"].clone(), b["rollout_logprobs"].clone(), b["token_version"].clone()
+        kv = torch.full_like(tv, NO_VERSION)
+        if steps:  # generated index g of row i sits at len(ctx_i) + g
+            g = torch.arange(tv.shape[1])[None, :] - torch.tensor([len(c) for c in ctx])[:, None]
+            tv = torch.where(act, torch.tensor(steps)[g.clamp(0, len(steps) - 1)], tv)
+            kv = torch.where(act, steps[0], kv)
         for i, r in enumerate(requests):  # the partial tokens are actions sampled under older weights
             P, K = len(r.prompt), len(r.partial)
             if K:
                 act[i, P:P + K] = True
                 lp[i, P:P + K] = torch.tensor(r.partial_logprobs)
                 tv[i, P:P + K] = torch.tensor(r.partial_versions)
+                kv[i, P:P + K] = torch.tensor(r.partial_kv_versions or r.partial_versions)
         oldest = torch.where(act, tv, torch.iinfo(torch.int64).max).min(-1).values
+        extra = {"kv_version": kv} if hold is not None else {}
         return make_trajectory(**{**b.to_dict(), "action_mask": act, "rollout_logprobs": lp, "token_version": tv,
                                   "policy_version": torch.where(act.any(-1), oldest, self._version),
-                                  "sample_uid": uids, "group_id": torch.tensor([r.group_id for r in requests])})
+                                  "sample_uid": uids, "group_id": torch.tensor([r.group_id for r in requests]),
+                                  **extra})
 
     def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int, *, keys=None, budgets=None,
-                  abort=None) -> TensorDict:
+                  abort=None, hold=None, versions: list | None = None) -> TensorDict:
         """``keys = (uids [B], offsets [B])``: keyed sampling (else one generator stream);
-        ``budgets [B]``: per-row token limits; ``abort``: checked before every decode step."""
+        ``budgets [B]``: per-row token limits; ``abort``: checked before every decode step, then
+        ``hold.wait()``; ``versions``: gets the serving version of every decode step."""
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
         B, P, dev = len(rows), max(len(p) for p in rows), self.device
@@ -220,6 +236,10 @@ class TransformersEngine(TransactionalEngine):
             if abort is not None and abort.is_set():
                 aborted = alive.clone()
                 break
+            if hold is not None:
+                hold.wait()  # a publication may replace the weights here; the cache stays
+            if versions is not None:
+                versions.append(self._version)
             # only the last position's logits are needed: no [B, P, V] prefill logits (a large saving at
             # real vocabularies)
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows

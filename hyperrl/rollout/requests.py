@@ -39,12 +39,15 @@ class Request:
     partial: tuple[int, ...] = ()  # response tokens generated so far (under older weights)
     partial_logprobs: tuple[float, ...] = ()
     partial_versions: tuple[int, ...] = ()
+    partial_kv_versions: tuple[int, ...] | None = None  # None: each partial token's own version (re-prefilled)
 
     def __post_init__(self):
         if not self.prompt:
             raise ValueError(f"Request {self.uid}: empty prompt")
         if not len(self.partial) == len(self.partial_logprobs) == len(self.partial_versions):
             raise ValueError(f"Request {self.uid}: partial, partial_logprobs and partial_versions differ in length")
+        if self.partial_kv_versions is not None and len(self.partial_kv_versions) != len(self.partial):
+            raise ValueError(f"Request {self.uid}: partial_kv_versions and partial differ in length")
 
 
 def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -106,5 +109,6 @@ def resume_requests(batch: TensorDict) -> list[Request]:
         tok = batch["tokens"][i, :n].tolist()
         out.append(Request(int(batch["sample_uid"][i]), tuple(tok[:first]), int(batch["group_id"][i]),
                            tuple(tok[first:]), tuple(batch["rollout_logprobs"][i, first:n].tolist()),
-                           tuple(batch["token_version"][i, first:n].tolist())))
+                           tuple(batch["token_version"][i, first:n].tolist()),
+                           tuple(batch["kv_version"][i, first:n].tolist()) if "kv_version" in batch.keys() else None))
     return out

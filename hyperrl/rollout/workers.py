@@ -101,22 +101,67 @@ class Workers:
     close: object = field(default=lambda: None)
 
 
+class _Hold:
+    """The decode loop's hold point (``wait()`` before every step): once asked, the loop parks there
+    — its KV cache intact — until released (a publication replaces the weights meanwhile)."""
+
+    def __init__(self):
+        self._cond, self._asked, self.parked = threading.Condition(), False, False
+        self.on_park = None  # told (outside this lock) when the loop has parked
+
+    def ask(self) -> None:
+        with self._cond:
+            self._asked = True
+
+    def wait(self) -> None:
+        with self._cond:
+            if not self._asked:
+                return
+            self.parked = True
+        if self.on_park is not None:
+            self.on_park()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._asked)
+            self.parked = False
+
+    def release(self) -> None:
+        with self._cond:
+            self._asked = False
+            self._cond.notify_all()
+
+
 class LocalWorker:
     """The engine itself, driven from a thread of this process; a stop flag passed to the
-    engine's decode loop is the interrupt."""
+    engine's decode loop is the interrupt. ``keep_kv``: a publication instead parks the decode
+    loop at its next step (:meth:`hold`, :attr:`parked`, :meth:`release`) and the generation goes
+    on over its cache under the new weights (``async.kv_cache: keep``)."""
 
     def __init__(self, engine, name: str = "rollout-worker-0"):
-        self.engine, self.name, self._flag = engine, name, threading.Event()
+        self.engine, self.name, self._flag, self._hold, self.keep_kv = engine, name, threading.Event(), _Hold(), False
 
     def generate_requests(self, requests, sampling, stop_after: int | None = LIVE):
         flag = decode_flag(self._flag, stop_after)
-        return self.engine.generate_requests(requests, sampling, abort=flag), flag.result
+        hold = {"hold": self._hold} if self.keep_kv else {}
+        return self.engine.generate_requests(requests, sampling, abort=flag, **hold), flag.result
 
     def interrupt(self) -> None:
         self._flag.set()
+        self._hold.release()  # a parked loop must reach its stop check
 
     def resume(self) -> None:
         self._flag.clear()
+
+    def hold(self, on_park=None) -> None:
+        """Park a running generation at its next decode step (``on_park()`` is called once it has)."""
+        self._hold.on_park = on_park
+        self._hold.ask()
+
+    @property
+    def parked(self) -> bool:
+        return self._hold.parked
+
+    def release(self) -> None:
+        self._hold.release()
 
     def restart(self) -> None:
         raise WorkerError(f"{self.name}: a thread worker cannot be restarted (its engine lives in the learner's "
