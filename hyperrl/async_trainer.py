@@ -1,30 +1,39 @@
 """AsyncTrainer: rollout and learning overlap, every trained token at most η versions stale.
 
-A rollout worker (here a thread that owns the engine) generates admitted requests while the
-learner trains on earlier ones. The pure pieces decide everything that matters:
+Rollout workers (``async.executor``: a thread of this process driving the run's engine, or Ray
+actors each holding a copy — :mod:`hyperrl.rollout.workers`) generate admitted requests while the
+learner trains on earlier ones, one driver thread per worker. The pure pieces decide everything
+that matters:
 
 * **admission** (:func:`hyperrl.transforms.admission.admit`): a prompt group is admitted only
-  while ``(η + V + 1)·batch`` bounds the live-or-consumed groups — the worker never runs ahead
+  while ``(η + V + 1)·batch`` bounds the live-or-consumed groups — the workers never run ahead
   further than η can absorb;
 * **consumption** (:func:`~hyperrl.transforms.admission.take_batch`): earliest deadline first;
   the learner waits rather than trains a group past ``v_admitted + η`` (nothing is discarded);
-* **publication** is pause → publish → resume: the learner sets the abort flag, the worker stops
-  at its next decode step and hands its unfinished rows back (``finish_reason = aborted``), the new
+* **publication** is pause → publish → resume: the learner interrupts the workers, each stops at
+  its next decode step and hands its unfinished rows back (``finish_reason = aborted``), the new
   weights are published, and those rows resume from their exact partial tokens under version
   ``V + 1`` (:func:`hyperrl.rollout.resume_requests`) — one row, several versions, every token
-  stamped. Each wait has a deadline (``timeout_s``): a stuck or dead worker fails the step with
-  an error naming it, and the engine keeps serving the old version.
+  stamped (``async.kv_cache: keep``: parked at the step instead, and continued over the old KV
+  cache). Each wait has a deadline (``timeout_s``): a stuck worker fails the step naming it, and
+  the engines keep serving the old version; a dead Ray worker is restarted at the current version
+  and its requests generated again.
+
+**Schedules** (``async.schedule``): ``free`` as above, every call and take written to
+``out_dir/async_events.jsonl`` (``async.replay`` runs them again, bit for bit); ``gated`` —
+batch k generated whole at version ``max(0, k − η)``, reproducible without a log.
 
 Every step validates the batch against the contract with the bound
 (``validate(..., learner_version=V, max_staleness=η)``) and reports ``staleness_*`` and the
-buffer's counters (``async_admitted``, ``async_consumed``, ``async_evicted``, …; the conservation
-law is checked each step). A group whose rows break the contract is evicted with the reason and
-its prompt re-admitted: nothing trained on it, nothing lost. ``η = 0`` is synchronous: the same
-batches, metrics and weights as :class:`~hyperrl.trainer.SyncTrainer` (tested bit for bit).
+buffer's counters (``async_admitted``, ``async_consumed``, ``async_evicted``, ``async_restarts``,
+…; the conservation law is checked each step). A group whose rows break the contract is evicted
+with the reason naming the worker and its prompt re-admitted: nothing trained on it, nothing
+lost. ``η = 0`` is synchronous: the same batches, metrics and weights as
+:class:`~hyperrl.trainer.SyncTrainer` (tested bit for bit).
 
 The steps are those of the SyncTrainer (rewards, prepare, the pipeline, the learner, the
 publisher); only collection differs. Not yet here: multi-turn environments, group filters with
-refill, the Ray executor (docs/async.md says what exists).
+refill (docs/async.md says what exists).
 """
 
 from __future__ import annotations
