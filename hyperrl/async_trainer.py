@@ -317,6 +317,7 @@ class AsyncTrainer(SyncTrainer):
 
     def _complete(self, uid: int) -> None:
         rows = cat_batches(self._rows[uid], self.engine.pad_id)
+        rows = rows[torch.argsort(rows["sample_uid"])]  # the unit's rows in uid order, whichever worker came first
         want = sorted(r.uid for r in self._requests(self._units[uid]))
         try:  # the workers' contract: versions stamped, the unit's own uids, each once
             validate(rows)
