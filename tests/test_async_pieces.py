@@ -16,6 +16,7 @@ from hyperrl.transforms.admission import (
     evict,
     restart,
     take_batch,
+    take_units,
 )
 from hyperrl.transforms.staleness import (
     NO_VERSION,
@@ -124,6 +125,17 @@ def test_duplicates_and_unknown_uids_are_refused():
         complete(buf, 7)
     buf = evict(buf, 1, "worker returned versions staler than η")
     assert buf.evictions == ((1, "p1", "worker returned versions staler than η"),)
+    check_conservation(buf)
+
+
+def test_take_units_takes_exactly_the_recorded_units_once_ready():
+    """A replayed consumption: the given keys, in the given order, only once all are ready."""
+    buf, _ = admit(buffer_init(2, 2, 8), ["a", "b", "c"], 0)
+    buf = complete(complete(buf, 0), 2)  # "a" and "c" ready, "b" running
+    assert take_units(buf, ["a", "b"])[1] is None  # "b" still running: wait
+    assert take_units(buf, ["a", "z"])[1] is None  # never admitted: wait (the replay's deadline reports it)
+    buf, taken = take_units(buf, ["c", "a"])
+    assert [u.key for u in taken] == ["c", "a"] and buf.consumed == 2 and [u.key for u in buf.units] == ["b"]
     check_conservation(buf)
 
 

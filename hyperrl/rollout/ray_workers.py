@@ -47,12 +47,12 @@ class _Flag:
 class _EngineActor:
     """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`)."""
 
-    def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int):
+    def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int, device: str = "cpu"):
         from .hf import TransformersEngine
 
         self.threads = threads
         self._threads()
-        self.engine = TransformersEngine(model, pad_id=pad_id, version=born)
+        self.engine = TransformersEngine(model, pad_id=pad_id, version=born, device=device)
         if weights is not None and version > born:  # a restart: the current version, checked like any publication
             self.engine.load_weights(weights, version)
         self._aborted: set[int] = set()
@@ -206,6 +206,8 @@ class RayEngine(TransactionalEngine):
         if workers < 1:
             raise ValueError(f"async.executor.workers={workers}: must be ≥ 1")
         self.pad_id, self.num_cpus, self.threads = engine.pad_id, num_cpus, threads
+        # an engine on an accelerator: each actor gets one of its own (Ray sets its visible devices)
+        self.device = torch.device(engine.device).type
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self._version = self._born = engine.policy_version
         self._layout = engine.layout(1)
@@ -231,8 +233,9 @@ class RayEngine(TransactionalEngine):
 
     def _start(self, version: int, weights):
         """A new actor (not yet waited for) serving ``version``: the born model, then ``weights``."""
-        return _actor_class().options(num_cpus=self.num_cpus, scheduling_strategy="SPREAD").remote(
-            self._model, self.pad_id, self._born, weights, version, self.threads)
+        gpus = {"num_gpus": 1} if self.device == "cuda" else {}
+        return _actor_class().options(num_cpus=self.num_cpus, scheduling_strategy="SPREAD", **gpus).remote(
+            self._model, self.pad_id, self._born, weights, version, self.threads, self.device)
 
     def _ready(self, name: str, actor, version: int):
         """``actor`` once it answers (deadline ``timeout_s``) serving ``version``; else killed and an error."""
