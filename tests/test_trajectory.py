@@ -163,6 +163,19 @@ def test_async_field_violations_name_the_field(key, change, words):
         validate(b)
 
 
+def test_kv_version_is_at_most_the_token_version_on_actions_only():
+    """Row 0's third action (v4) was sampled over a cache of v3 (a kept KV cache): valid; a cache newer
+    than the token, or a kv_version off the actions, is refused naming the field."""
+    b = _async_batch()
+    kv = torch.where(b["action_mask"], torch.tensor([[0, 0, 3, 3, 3], [0, 2, 0, 4, 0]]), -1)
+    validate(b.copy().set("kv_version", kv))
+    with pytest.raises(TrajectoryError, match=r"^kv_version: action token \[1, 1\] has kv_version 3 with "
+                                              r"token_version 2"):
+        validate(b.copy().set("kv_version", kv.index_put((torch.tensor([1]), torch.tensor([1])), torch.tensor(3))))
+    with pytest.raises(TrajectoryError, match=r"^kv_version: token \[0, 0\] is not an action"):
+        validate(b.copy().set("kv_version", kv.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(1))))
+
+
 def test_padding_keeps_the_version_contract():
     from hyperrl.trajectory import NO_VERSION, cat_batches
 
