@@ -199,8 +199,9 @@ class RayEngine(TransactionalEngine):
                  timeout_s: float):
         import ray
 
-        if not hasattr(engine, "model") or getattr(engine, "shared", False) or type(engine).__name__ != \
-                "TransformersEngine":
+        from .hf import TransformersEngine
+
+        if type(engine) is not TransformersEngine or engine.shared:  # (subclasses — the TP engine — split it)
             raise ValueError(f"async.executor=ray: rollout workers copy a transformers engine (rollout.engine: "
                              f"transformers, share_weights: false, tp: 1), got {type(engine).__name__}")
         if workers < 1:

@@ -62,22 +62,23 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def keyed_uniform(seed: int, uids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """One uniform in ``[0, 1)`` per row, a pure function of ``(seed, uid, index)`` ``[B]`` (float64)."""
+def _key(seed: int, uids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 hash of ``(seed, uid, index)`` per row (int64, wrapping)."""
     h = _mix(torch.full_like(uids, seed, dtype=torch.int64) + _GOLDEN)
     h = _mix(h ^ uids.long())
-    h = _mix(h ^ index.long())
-    return _srl(h, 11).double() * 2.0 ** -53
+    return _mix(h ^ index.long())
+
+
+def keyed_uniform(seed: int, uids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One uniform in ``[0, 1)`` per row, a pure function of ``(seed, uid, index)`` ``[B]`` (float64)."""
+    return _srl(_key(seed, uids, index), 11).double() * 2.0 ** -53
 
 
 def keyed_seed(seed: int, uid: int, index: int) -> int:
     """A non-negative 63-bit seed, a pure function of ``(seed, uid, index)`` — for an engine that
     takes one seed per request (vLLM): a request continued from ``index`` generated tokens gets its
     own stream, the same in every run (deterministic, but not interruption-invisible)."""
-    h = _mix(torch.tensor([seed], dtype=torch.int64) + _GOLDEN)
-    h = _mix(h ^ uid)
-    h = _mix(h ^ index)
-    return int(_srl(h, 1)[0])
+    return int(_srl(_key(seed, torch.tensor([uid]), torch.tensor([index])), 1)[0])
 
 
 def keyed_sample(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ Use under an ``if __name__ == "__main__":`` guard (vLLM starts worker processes)
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import tempfile
@@ -50,6 +51,7 @@ class VLLMEngine(TransactionalEngine):
         from vllm import LLM
 
         self.model_dir, self.pad_id, self._version = Path(model_dir), pad_id, version
+        self._request_ids = itertools.count()  # vLLM request ids of generate_requests (unique per engine)
         self._shapes: dict[str, torch.Tensor] = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
             with safe_open(str(f), "pt") as sf:
@@ -139,8 +141,7 @@ class VLLMEngine(TransactionalEngine):
             sp = VSP(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                      max_tokens=budget, logprobs=0, seed=keyed_seed(sampling.seed, r.uid, len(r.partial)),
                      stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
-            self._requests = getattr(self, "_requests", 0) + 1
-            rid = f"hyperrl-{self._requests}"
+            rid = f"hyperrl-{next(self._request_ids)}"
             ids[rid] = r
             eng.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.partial)), sp,
                             lora_request=self._lora)
