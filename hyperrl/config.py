@@ -153,9 +153,13 @@ class OptimConfig(_Frozen):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
-    micro_batch_tokens: int = Field(0, ge=0, description="gradient-accumulation budget per micro-batch "
-                                    "(0 = whole mini-batch)")
+    micro_batch_tokens: int = Field(0, ge=0, description="gradient-accumulation budget per micro-batch, in "
+                                    "padded tokens (rows x longest row): rows grouped by length, a prompt's samples "
+                                    "together, each micro-batch cut to its longest row (0 = whole mini-batch)")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
+    pack_tokens: int = Field(0, ge=0, description="padding-free trainer forwards: each micro-batch's rows packed "
+                             "into sequences of at most this many tokens (position ids restart per row, no padding "
+                             "computed; replaces the shared-prefix forward; one process only); 0 = off")
     schedule: str = Field("constant", description="lr schedule (hyperrl.schedules.SCHEDULES)")
     warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="where linear/cosine end, as a fraction of lr")

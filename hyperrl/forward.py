@@ -23,8 +23,8 @@ from tensordict import TensorDict
 
 from . import transforms as T
 
-__all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "policy_logprobs",
-           "prefix_groups", "choose"]
+__all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
+           "policy_logprobs", "prefix_groups", "choose"]
 
 
 def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
@@ -43,6 +43,43 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
     lp, ent = T.logprobs_and_entropy(logits, tokens[:, a:], temperature)
     pad = torch.nn.functional.pad
     return pad(lp, (a, 0)), pad(ent, (a, 0))
+
+
+def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0):
+    """As :func:`plain_logprobs_and_entropy` on action positions, padding-free (MindSpeed-RL's
+    remove-padding): the rows' real tokens are concatenated into sequences of at most
+    ``max_tokens`` (first-fit decreasing bins, :func:`hyperrl.transforms.micro_batches_by_token_budget`;
+    0 = one sequence; a longer row alone), with position ids restarting at 0 at each row and no
+    attention mask — transformers then builds the block-diagonal causal mask from the position ids
+    (``masking_utils.find_packed_sequence_indices``), so a row never attends to another and no
+    padding token is computed. Logits only where a row predicts one of its action tokens. Rows must
+    be right-padded (real tokens a prefix of the row). Returns ``[B, T]`` each, 0 off those positions.
+
+    Cost: ``Σ_b len_b`` tokens through the linear layers (vs ``B · T`` padded); attention is
+    computed over each packed sequence's full square by SDPA on CPU (the mask does not skip
+    blocks), which a flash-attention varlen kernel would not."""
+    tokens, attn, act = batch["tokens"], batch["attention_mask"].bool(), batch["action_mask"].bool()
+    B, Tn = tokens.shape
+    lengths = attn.sum(-1)
+    if not torch.equal(attn, torch.arange(Tn, device=attn.device)[None, :] < lengths[:, None]):
+        raise ValueError("attention_mask: the packed forward needs right-padded rows (real tokens a prefix of each "
+                         "row); use optim.pack=0")
+    nxt = torch.nn.functional.pad(act[:, 1:], (0, 1))  # position t predicts an action at t + 1
+    rows_, cols_ = attn.nonzero(as_tuple=True)  # row-major: the packed order
+    lp_out = torch.zeros(B, Tn, dtype=torch.float32, device=tokens.device)
+    ent_out = torch.zeros_like(lp_out)
+    budget = max(max_tokens or int(lengths.sum()), int(lengths.max()), 1)
+    for rows in T.micro_batches_by_token_budget(lengths, budget):
+        sel = torch.isin(rows_, torch.tensor(rows, device=tokens.device))
+        r, c = rows_[sel], cols_[sel]
+        keep = nxt[r, c].nonzero(as_tuple=True)[0]
+        if not len(keep):
+            continue
+        logits = model(input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep, use_cache=False).logits
+        lp, ent = T.logprobs_and_entropy(logits, tokens[r[keep], c[keep] + 1][None], temperature)
+        lp_out = lp_out.index_put((r[keep], c[keep] + 1), lp[0])
+        ent_out = ent_out.index_put((r[keep], c[keep] + 1), ent[0])
+    return lp_out, ent_out
 
 
 def prefix_groups(batch: TensorDict):

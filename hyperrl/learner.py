@@ -2,7 +2,8 @@
 
 ``Learner.update(batch, loss_fn)`` runs ``epochs × mini-batches × micro-batches``: a seeded
 mini-batch order, the step's global normaliser (from the data-parallel strategy), micro-batches
-by token budget (padded across ranks with zero-weight passes), ``backward`` of
+by padded token budget, each cut to its own longest row (padded across ranks with zero-weight
+passes), ``backward`` of
 ``loss_fn(micro, normalizer).loss`` scaled by the strategy, then one clipped optimizer step per
 mini-batch for every module. The policy and a critic are just two entries of ``modules``; the
 critic's value loss is one more ``loss_*`` term of the same loss function.
@@ -26,18 +27,24 @@ from tensordict import TensorDict
 from . import transforms as T
 from .parallel import LocalParallel
 from .schedules import lr_multiplier
+from .trajectory import real_extent, trim_padding
 
 __all__ = ["Learner", "Optimized", "micro_batches", "map_micro_batches"]
 
 
 def micro_batches(batch: TensorDict, budget: int) -> list[list[int]]:
-    """Row indices of ``batch`` packed into micro-batches of at most ``budget`` tokens (attention
-    mask sums; 0 = one micro-batch; a row longer than the budget gets one of its own)."""
-    lengths = batch["attention_mask"].sum(-1)
-    if not len(lengths):
+    """Row indices of ``batch`` in micro-batches whose padded cost — rows × the longest row, what
+    the forward computes once each is cut to its own width (:func:`hyperrl.trajectory.trim_padding`)
+    — is at most ``budget`` tokens (0 = one micro-batch). The samples of a prompt (``group_id``)
+    stay together while they fit (a shared-prefix forward runs their prompt once) and rows are
+    grouped by length (:func:`hyperrl.transforms.micro_batches_by_padded_budget`)."""
+    B = batch.batch_size[0]
+    if not B:
         return []
-    budget = budget or int(lengths.sum())
-    return T.micro_batches_by_token_budget(lengths, max(budget, int(lengths.max())))
+    if not budget:
+        return [list(range(B))]
+    groups = batch["group_id"] if "group_id" in batch.keys() else torch.arange(B)
+    return T.micro_batches_by_padded_budget(real_extent(batch), groups, budget)
 
 
 @torch.no_grad()
@@ -47,13 +54,15 @@ def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParalle
     Ranks with fewer micro-batches call ``fn(batch[:1])`` and drop the result (FSDP's lockstep)."""
     parallel = parallel or LocalParallel()
     outs, order = [], []
+    Tn = batch["tokens"].shape[1]
     for micro in parallel.pad_micro_batches(micro_batches(batch, budget)):
         if micro is None:
-            fn(batch[:1])
+            fn(trim_padding(batch[:1]))
             continue
         idx = torch.tensor(micro)
-        r = fn(batch[idx])
-        outs.append(r if isinstance(r, tuple) else (r,))
+        r = fn(trim_padding(batch[idx]))
+        r = r if isinstance(r, tuple) else (r,)  # per-token outputs [b, width] back to [b, T]
+        outs.append(tuple(torch.nn.functional.pad(x, (0, Tn - x.shape[1])) if x.dim() == 2 else x for x in r))
         order.append(idx)
     if not outs:
         raise ValueError("map_micro_batches: the batch has no rows")
@@ -95,9 +104,9 @@ class Learner:
                 step_terms: dict[str, float] = {}
                 for micro in self.parallel.pad_micro_batches(micro_batches(mini, micro_batch_tokens)):
                     if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
-                        (loss_fn(batch[:1], norm).loss * 0.0).backward()
+                        (loss_fn(trim_padding(batch[:1]), norm).loss * 0.0).backward()
                         continue
-                    out = loss_fn(mini[torch.tensor(micro)], norm)
+                    out = loss_fn(trim_padding(mini[torch.tensor(micro)]), norm)
                     (out.loss * self.parallel.loss_scale).backward()
                     for k, v in out.terms.items():
                         step_terms[k] = step_terms.get(k, 0.0) + float(v.detach()) * self.parallel.loss_scale

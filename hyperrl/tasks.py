@@ -118,22 +118,25 @@ class ArithTask(_InCodeTask):
     max_operand: int = 19
     held_out_frac: float = 0.1
     split_seed: int = 0
+    pad: bool = False
     seed: int = 0
     rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_credit", "exact_answer"), "task.rewards"))
 
     def __post_init__(self):
-        self._train, self._eval = _held_out_split(arith_problems(self.ops, self.min_operand, self.max_operand),
-                                                  self.held_out_frac, self.split_seed, 7)
+        problems = arith_problems(self.ops, self.min_operand, self.max_operand)
+        self._width = len(str(self.max_operand)) if self.pad else 0
+        self._answer_width = max(len(str(p[3])) for p in problems) if self.pad else 0
+        self._train, self._eval = _held_out_split(problems, self.held_out_frac, self.split_seed, 7)
 
     @property
     def response_tokens(self) -> int:
         """The response budget an exact answer needs: the longest answer's digits + EOS."""
         return max(len(str(p[3])) for p in self._train + self._eval) + 1
 
-    @staticmethod
-    def _sample(p: tuple[int, str, int, int]) -> Sample:
+    def _sample(self, p: tuple[int, str, int, int]) -> Sample:
         a, op, b, ans = p
-        return Sample(f"{a}{op}{b}=", str(ans), f"arith:{a}{op}{b}", {})
+        w = self._width
+        return Sample(f"{a:0{w}d}{op}{b:0{w}d}=", f"{ans:0{self._answer_width}d}", f"arith:{a}{op}{b}", {})
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """``k`` training problems for ``step``, uniformly with replacement — a pure function of
@@ -286,7 +289,7 @@ def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
 
 @register_task("arith", produces=("reward",))
 def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_operand: int = 19,
-          held_out_frac: float = 0.1, split_seed: int = 0,
+          held_out_frac: float = 0.1, split_seed: int = 0, pad: bool = False,
           rewards: tuple[RewardName, ...] = ("digit_credit", "exact_answer")) -> ArithTask:
     """``a op b`` for ``op`` in ``ops`` (``+``, ``-``: ``a ≥ b``) with operands ``min_operand..max_operand``,
     a fixed ``held_out_frac`` of the problems held out for evaluation (``configs/arith.yaml``). By
@@ -300,7 +303,7 @@ def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_ope
         raise ValueError(f"task.min_operand={min_operand}, task.max_operand={max_operand}: need 0 ≤ min ≤ max")
     if not 0 < held_out_frac < 1:
         raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
-    return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, seed,
+    return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, pad, seed,
                      _reward_fns(rewards, "task.rewards"))
 
 

@@ -109,6 +109,10 @@ def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     parallel = make_parallel(cfg.run.tp)
+    if cfg.optim.pack_tokens and parallel.world > 1:
+        raise ValueError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent number "
+                         f"of model calls, which {parallel.world} FSDP ranks cannot keep in step; set "
+                         "optim.pack_tokens=0 (or run one process)")
     if cfg.run.tp > 1:
         if critic is not None:
             raise ValueError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={cfg.algo.advantage.name!r}) is not "

@@ -29,7 +29,7 @@ from . import transforms as T
 from .checkpointer import Checkpointer
 from .config import TrainConfig
 from .device import compute_context, torch_dtype
-from .forward import policy_logprobs
+from .forward import packed_logprobs_and_entropy, policy_logprobs
 from .learner import Learner, Optimized, map_micro_batches
 from .lora import MergedView, TrainableView, is_lora, trainable_parameters
 from .parallel import LocalParallel, make_parallel
@@ -355,6 +355,9 @@ class SyncTrainer:
         # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
         shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
         with self._amp():
+            if self.cfg.optim.pack_tokens:
+                return packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                   self.cfg.optim.pack_tokens)
             return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
                                    agree=self.parallel.agree_forward())
 

@@ -59,6 +59,8 @@ from tensordict import TensorDict
 __all__ = [
     "stack_episodes",
     "cat_batches",
+    "trim_padding",
+    "real_extent",
     "TOKEN_FIELDS",
     "SEQ_FIELDS",
     "REQUIRED",
@@ -363,6 +365,28 @@ def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
                            policy_version=torch.where(act.any(-1), oldest, version), token_version=tv,
                            group_id=torch.tensor([r["group_id"] for r in rows]),
                            reward=torch.tensor([float(r["reward"]) for r in rows]), **extra)
+
+
+def real_extent(batch: TensorDict) -> torch.Tensor:
+    """``[B]``: one past each row's last real token (``attention_mask``) — the width the row needs."""
+    attn = batch["attention_mask"]
+    return (torch.arange(1, attn.shape[1] + 1, device=attn.device) * attn).amax(-1)
+
+
+def trim_padding(batch: TensorDict) -> TensorDict:
+    """The batch with every token field ``[B, T]`` cut to its widest row (:func:`real_extent`): the
+    padding columns no row needs are dropped (a new TensorDict; the input is not changed). Keys
+    outside ``TOKEN_FIELDS`` (``[B]``, ``[B, K]`` reward components, …) are kept as they are — a
+    per-token key unknown here keeps width ``T`` and fails loudly against the cut ones."""
+    Tn = batch["tokens"].shape[1]
+    width = int(real_extent(batch).max()) if batch.batch_size[0] else 0
+    if width == Tn:
+        return batch
+    fields = {}
+    for k in batch.keys():
+        v = batch[k]
+        fields[k] = v[:, :width] if k in TOKEN_FIELDS else v
+    return TensorDict(fields, batch_size=batch.batch_size, device=batch.device)
 
 
 def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:

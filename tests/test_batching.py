@@ -4,7 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyperrl.transforms import balanced_partition, micro_batches_by_token_budget, partition_spread
+from hyperrl.transforms import (
+    balanced_partition,
+    micro_batches_by_padded_budget,
+    micro_batches_by_token_budget,
+    padded_cost,
+    partition_spread,
+)
 
 lengths_st = st.lists(st.integers(0, 300), min_size=0, max_size=60)
 
@@ -20,6 +26,31 @@ def test_micro_batches_cover_once_and_respect_budget(lengths, budget):
     # [110, 191, 191, 191, 191] at budget 300: total/budget says 3, OPT is 5
     lower = max(-(-sum(lengths) // budget), sum(1 for x in lengths if 2 * x > budget))
     assert len(mbs) <= 11 * lower / 9 + 1 + 1e-9 or len(mbs) <= 1
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 6)), max_size=60), st.integers(1, 2000))
+def test_padded_micro_batches_cover_once_keep_groups_and_respect_budget(rows, budget):
+    lengths, groups = [n for n, _ in rows], [g for _, g in rows]
+    mbs = micro_batches_by_padded_budget(lengths, groups, budget)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(rows)))
+    assert all(mb == sorted(mb) and mb for mb in mbs)
+    # within budget, or one row alone (longer than the budget)
+    assert all(padded_cost(lengths, mb) <= budget or len(mb) == 1 for mb in mbs)
+    where = {i: k for k, mb in enumerate(mbs) for i in mb}
+    for g in set(groups):  # a group whose padded cost fits the budget is never split
+        members = [i for i in range(len(rows)) if groups[i] == g]
+        if padded_cost(lengths, members) <= budget:
+            assert len({where[i] for i in members}) == 1, (g, members, mbs)
+
+
+def test_padded_micro_batches_golden():
+    # groups {0,1} (5, 3), {2,3} (8, 2), {4,5} (7, 1), budget 12: {2,3} costs 16 and {4,5} 14, so they split
+    # into single rows; units by longest row: [2] 8, [4] 7, [0,1] 5, [3] 2, [5] 1; merging while rows × the
+    # first row's length ≤ 12: [2] | [4] (2·8 > 12) | [0,1] (3·7 > 12) | [3,5] (3·5 > 12, then 2·2 = 4)
+    assert micro_batches_by_padded_budget([5, 3, 8, 2, 7, 1], [0, 0, 1, 1, 2, 2], 12) == [[2], [4], [0, 1], [3, 5]]
+    assert micro_batches_by_padded_budget([5, 3, 8, 2, 7, 1], [0, 0, 1, 1, 2, 2], 100) == [[0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="groups: 1 ids for 2 lengths"):
+        micro_batches_by_padded_budget([1, 2], [0], 10)
 
 
 def test_micro_batch_errors():

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperrl.forward import (
+    packed_logprobs_and_entropy,
     plain_logprobs_and_entropy,
     policy_logprobs,
     prefix_groups,
@@ -76,6 +77,43 @@ def test_shared_prefix_equals_plain_values_and_grads(prompts, rows):
     torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
     for a, c in zip(g1, g0):
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(row_shape, min_size=1, max_size=8), budget=st.integers(0, 30))
+def test_packed_equals_plain_values_and_grads(rows, budget):
+    """The padding-free forward (rows packed into sequences of ≤ budget tokens, position ids restarting
+    per row) gives the plain forward's log-probs, entropies and gradients on every action position,
+    and computes no padding token."""
+    b = _batch([([1, 5, 6][: 1 + k], [(segs[0][0], True)] + segs[1:]) for k, segs in rows])
+    act = b["action_mask"]
+    w = torch.randn(act.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
+    params = list(MODEL.parameters())
+    count = _Count(MODEL)
+    out = []
+    try:
+        for f in (plain_logprobs_and_entropy, lambda m, x, t: packed_logprobs_and_entropy(m, x, t, budget)):
+            lp, ent = f(MODEL, b, 0.9)
+            g = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
+            out.append((lp[act].detach(), ent[act].detach(), g, lp[~act], ent[~act]))
+    finally:
+        count.h.remove()
+    (lp0, e0, g0, *_), (lp1, e1, g1, off_lp, off_ent) = out
+    torch.testing.assert_close(lp1, lp0, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(e1, e0, atol=1e-6, rtol=1e-6)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
+    assert not off_lp.any() and not off_ent.any()
+    packed = count.calls[1:]
+    assert sum(n for _, n in packed) == int(b["attention_mask"].sum())  # every real token once, no padding
+    assert all(n <= max(budget, int(b["attention_mask"].sum(-1).max())) for _, n in packed) or budget == 0
+
+
+def test_packed_refuses_rows_that_are_not_right_padded():
+    b = _batch([([1, 5], [([7, 8], True)]), ([1], [([9], True)])])
+    left = b.copy().set("attention_mask", b["attention_mask"].flip(-1))
+    with pytest.raises(ValueError, match="right-padded rows"):
+        packed_logprobs_and_entropy(MODEL, left, 1.0)
 
 
 class _Count:

@@ -60,7 +60,11 @@ def test_micro_batching_under_the_global_normaliser_equals_the_full_batch(budget
     b = _batch(seed=seed)
     a, c = _Linear(), _Linear()
     ma = _learner(a).update(b, _loss_fn(a))
-    mc = _learner(c).update(b, _loss_fn(c), micro_batch_tokens=budget)
+    widths = []
+    loss_c = _loss_fn(c)
+    mc = _learner(c).update(b, lambda p, n: widths.append((p["tokens"].shape[1], p["attention_mask"].sum(-1).max()))
+                            or loss_c(p, n), micro_batch_tokens=budget)
+    assert all(w == int(longest) for w, longest in widths)  # every micro-batch cut to its own longest row
     assert torch.allclose(a.w, c.w, atol=1e-6)
     assert ma["loss_policy"] == pytest.approx(mc["loss_policy"], abs=1e-6)  # weighted by rows: the same mean
 
@@ -241,8 +245,9 @@ def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
     b = _batch(seed=seed)
     seen = []
 
-    def fn(rows):
-        seen.append(int(rows["attention_mask"].sum()))
+    def fn(rows):  # each micro-batch arrives cut to its longest row: what it computes is rows × that width
+        assert rows["tokens"].shape[1] == int(rows["attention_mask"].sum(-1).max())
+        seen.append((rows["tokens"].numel(), int(rows["attention_mask"].sum())))
         return policy_logprobs(model, rows, 1.0, shared_prefix=False)
 
     with torch.no_grad():
@@ -251,7 +256,7 @@ def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
     m = b["action_mask"]
     assert torch.allclose(lp[m], whole[0][m], atol=1e-5) and torch.allclose(ent[m], whole[1][m], atol=1e-5)
     longest = int(b["attention_mask"].sum(-1).max())
-    assert max(seen) <= max(budget, longest) and sum(seen) == int(b["attention_mask"].sum())
+    assert max(c for c, _ in seen) <= max(budget, longest) and sum(n for _, n in seen) == int(b["attention_mask"].sum())
 
 
 def test_one_process_publisher_fuses_into_an_engine_with_vllm_parameters():

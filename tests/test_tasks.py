@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hyperrl.config import load_config
-from hyperrl.envs.rewards import REWARDS, digit_credit, exact_answer
+from hyperrl.envs.rewards import REWARDS, digit_credit, digit_match, exact_answer
 from hyperrl.tasks import TASKS, arith_problems
 from hyperrl.tokenizer import char_tokenizer, decode_response
 from hyperrl.train import build_trainer
@@ -83,6 +83,29 @@ def test_exact_and_digit_credit_golden():
         assert digit_credit(resp, _S("85")) == pytest.approx(credit)
         assert exact_answer(resp, _S("85")) == float(resp == "85")
     assert REWARDS.get("digit_credit") is digit_credit
+
+
+def test_digit_match_golden():
+    # answer "085" (fixed width): target "085⏹", 4 positions of 1/4 each, compared place by place
+    for resp, credit in [("085", 1), ("075", 3 / 4), ("08", 2 / 4), ("0851", 3 / 4), ("185", 3 / 4), ("", 0),
+                         ("58", 1 / 4), ("5", 0)]:  # "58⏹" vs "085⏹": only the 8 is in place
+        assert digit_match(resp, _S("085")) == pytest.approx(credit)
+    assert REWARDS.get("digit_match") is digit_match
+
+
+@given(st.text(alphabet="0123456789", max_size=5), st.integers(0, 999))
+def test_digit_match_is_one_exactly_on_the_answer_and_never_below_the_prefix_credit(resp, answer):
+    assert (digit_match(resp, _S(answer)) == 1.0) == (exact_answer(resp, _S(answer)) == 1.0)
+    assert digit_match(resp, _S(answer)) >= digit_credit(resp, _S(answer)) - 1e-12
+
+
+def test_arith_pad_writes_fixed_width_operands_and_answers():
+    task = TASKS.build("arith", pad=True)(CHAR, 0)  # sums of 0..19: operands 2 digits, answers 2 (00..38)
+    for s in task.sample(64, 0) + task.held_out(10**6):
+        a, b = s.prompt[:-1].split("+")
+        assert len(a) == len(b) == 2 and len(s.answer) == 2 and int(s.answer) == int(a) + int(b)
+    assert task.response_tokens == 3 and {s.source for s in task.held_out(10**6)} == \
+        {s.source for s in TASKS.build("arith")(CHAR, 0).held_out(10**6)}  # the same held-out problems
 
 
 @given(st.text(alphabet="0123456789x", max_size=6), st.integers(0, 198), st.booleans())

@@ -3,7 +3,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyperrl.trajectory import TrajectoryError, from_packed, make_trajectory, to_packed, validate
+from hyperrl.trajectory import (
+    TrajectoryError,
+    from_packed,
+    make_trajectory,
+    real_extent,
+    to_packed,
+    trim_padding,
+    validate,
+)
 
 from .conftest import random_batch
 
@@ -186,3 +194,17 @@ def test_padding_keeps_the_version_contract():
     assert both["token_version"][2, 3:].tolist() == [NO_VERSION, NO_VERSION]
     validate(both)
     validate(from_packed(to_packed(b)))  # padding restored as 0: ignored (only real tokens are checked)
+
+
+@given(st.integers(1, 10), st.integers(4, 16), st.integers(0, 50))
+def test_trim_padding_cuts_token_fields_to_the_widest_row_and_keeps_the_rest(B, T, seed):
+    b = random_batch(B=B, T=T, group_size=1, seed=seed, holes=True)
+    b = b.set("advantages", torch.randn(B, T) * b["action_mask"]).set("reward_components", torch.ones(B, T))
+    t = trim_padding(b)
+    w = int(b["attention_mask"].sum(-1).max())  # right-padded rows: the widest row's length
+    assert t["tokens"].shape == (B, w) and t["advantages"].shape == (B, w) and t["action_mask"].shape == (B, w)
+    assert t["reward_components"].shape == (B, T)  # not a token field ([B, K] here K = T): left alone
+    for k in ("tokens", "attention_mask", "action_mask", "rollout_logprobs", "advantages"):
+        assert torch.equal(t[k], b[k][:, :w]) and not b[k][:, w:].any()  # only padding was cut
+    assert torch.equal(real_extent(t), b["attention_mask"].sum(-1)) and b["tokens"].shape == (B, T)  # input kept
+    validate(t)

@@ -11,7 +11,7 @@ from pydantic import AfterValidator
 from ..registry import Registry
 
 __all__ = ["REWARDS", "register_reward", "extract_gsm8k_answer", "normalize_number", "gsm8k_exact", "first_char_exact",
-           "exact_answer", "digit_credit", "starts_with_digit", "RewardName"]
+           "exact_answer", "digit_credit", "digit_match", "starts_with_digit", "RewardName"]
 
 REWARDS: Registry = Registry("reward function")
 register_reward = REWARDS.register
@@ -84,6 +84,17 @@ def digit_credit(response: str, sample) -> float:
             break
         n += 1
     return n / (len(ans) + 1)
+
+
+@register_reward("digit_match")
+def digit_match(response: str, sample) -> float:
+    """Dense credit position by position: the share of the ``len(answer) + 1`` positions of
+    ``answer + EOS`` that ``response + EOS`` matches (a digit right after a wrong one still counts,
+    unlike :func:`digit_credit`'s prefix) — meant for fixed-width answers (``task.pad``), where a
+    position is a place value; 1.0 exactly when :func:`exact_answer` is 1.
+    E.g. answer ``"085"``: ``"085"`` → 1, ``"075"`` → 3/4, ``"08"`` → 2/4, ``"0851"`` → 3/4."""
+    ans, got = str(sample.answer) + "\0", response + "\0"
+    return sum(a == r for a, r in zip(ans, got)) / len(ans)
 
 
 def _digit_credit_tokens(pieces: list, sample) -> list[float]:

@@ -43,7 +43,13 @@ from .advantages import (
     scores_to_token_rewards,
 )
 from .aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregation
-from .batching import balanced_partition, micro_batches_by_token_budget, partition_spread
+from .batching import (
+    balanced_partition,
+    micro_batches_by_padded_budget,
+    micro_batches_by_token_budget,
+    padded_cost,
+    partition_spread,
+)
 from .chain import bind, chain
 from .correction import (
     CORRECTIONS,
@@ -129,7 +135,8 @@ __all__ = [
     "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated",
     "informative_groups", "dynamic_sampling_filter",
     "dpo_loss", "DPOLoss",
-    "micro_batches_by_token_budget", "balanced_partition", "partition_spread",
+    "micro_batches_by_token_budget", "micro_batches_by_padded_budget", "padded_cost", "balanced_partition",
+    "partition_spread",
     "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",
     # asynchronous RL: staleness, the proximal policy, admission and the buffer
     "token_staleness", "staleness_mask", "staleness_metrics", "row_policy_version", "proximal_alpha",

@@ -2,6 +2,9 @@
 
 * :func:`micro_batches_by_token_budget` — first-fit decreasing packing of sequences into
   micro-batches of at most ``max_tokens`` tokens (dynamic batch size);
+* :func:`micro_batches_by_padded_budget` — the same budget counted as a padded forward computes it
+  (rows × the longest row), groups kept whole and filled longest first, so each micro-batch holds
+  rows of similar length and can be cut to its own longest row (remove-padding by sorting);
 * :func:`balanced_partition` — split sequences across ``k`` data-parallel ranks with balanced
   token counts by the Karmarkar–Karp largest-differencing method (as MindSpeed-RL's and verl's
   dynamic batch size do); ``equal_size=True`` also gives every rank the same number of sequences.
@@ -12,7 +15,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["micro_batches_by_token_budget", "balanced_partition", "partition_spread"]
+__all__ = ["micro_batches_by_token_budget", "micro_batches_by_padded_budget", "padded_cost", "balanced_partition",
+           "partition_spread"]
 
 
 def _as_list(lengths) -> list[int]:
@@ -46,6 +50,47 @@ def micro_batches_by_token_budget(lengths: Sequence[int], max_tokens: int) -> li
             bins.append([i])
             room.append(max_tokens - lens[i])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def padded_cost(lengths: Sequence[int], rows: Sequence[int]) -> int:
+    """What a right-padded forward over ``rows`` computes: ``len(rows) · max(lengths[rows])``."""
+    lens = _as_list(lengths)
+    return len(rows) * max((lens[i] for i in rows), default=0)
+
+
+def micro_batches_by_padded_budget(lengths: Sequence[int], groups: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Micro-batches whose padded cost (:func:`padded_cost`) is ``≤ max_tokens`` — a row longer than
+    the budget alone in its own — keeping each group (rows with one ``groups`` id: the samples of a
+    prompt, whose prompt a shared-prefix forward runs once) whole when it fits; a group that does not
+    is split, longest rows first. Units are taken longest row first and appended to the current
+    micro-batch while it stays within budget, so neighbours are similar in length and a micro-batch
+    cut to its longest row carries little padding. Every index appears exactly once; indices ascend
+    inside a micro-batch."""
+    lens, gids = _as_list(lengths), [int(g) for g in (groups.tolist() if hasattr(groups, "tolist") else groups)]
+    if len(gids) != len(lens):
+        raise ValueError(f"groups: {len(gids)} ids for {len(lens)} lengths")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens={max_tokens}: must be > 0")
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(gids):
+        members.setdefault(g, []).append(i)
+    units = [unit for rows in members.values()
+             for unit in _chunks([[i] for i in sorted(rows, key=lambda i: (-lens[i], i))], lens, max_tokens)]
+    units.sort(key=lambda rows: (-lens[rows[0]], rows[0]))  # a unit's first row is its longest
+    return [sorted(mb) for mb in _chunks(units, lens, max_tokens)]
+
+
+def _chunks(units: list[list[int]], lens: list[int], budget: int) -> list[list[int]]:
+    """Consecutive units (row lists, by decreasing first-row length) merged while ``rows × the
+    first row's length ≤ budget`` (a chunk holds at least one unit)."""
+    out, cur = [], []
+    for unit in units:
+        width = lens[cur[0]] if cur else lens[unit[0]]
+        if cur and (len(cur) + len(unit)) * width > budget:
+            out.append(cur)
+            cur = []
+        cur = cur + unit
+    return out + ([cur] if cur else [])
 
 
 def balanced_partition(lengths: Sequence[int], k: int, *, equal_size: bool = False) -> list[list[int]]:
