@@ -1,10 +1,10 @@
-"""End-to-end: hyperrl's SyncTrainer vs TRL's GRPOTrainer, side by side, on the default task
+"""End-to-end: hyperrl's SyncTrainer vs TRL's GRPOTrainer, side by side, on the first default task (modsum)
 (``--shape default``) and at realistic shapes (``--shape long256x4`` / ``long512x8``).
 
 Same tiny Qwen3 (random init, same seed), same character tokenizer (wrapped as an HF fast
 tokenizer for TRL), same (a+b) mod 10 prompts, the same prompts × completions per step as
 hyperrl's default config, one-token completions, lr 1e-3, β = 0, temperature 1; TRL otherwise
-with its defaults (hyperrl with its: entropy bonus 0.05, clip-higher 0.28). Reports seconds per
+with its defaults (hyperrl with its: entropy bonus 0.1, clip-higher 0.28). Reports seconds per
 step, tokens/s and the reward reached; appends to benchmarks/RESULTS.md.
 
     python benchmarks/e2e.py --steps 200      # needs the bench extra (trl)
@@ -60,13 +60,13 @@ def hf_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
-DEFAULTS = load_config()  # the same batch for both: prompts × group size from hyperrl's default config
+DEFAULTS = load_config()  # the same batch for both: prompts × group size from hyperrl's default config (modsum task)
 P, N = DEFAULTS.rollout.prompts_per_step, DEFAULTS.rollout.n
 
 
 def run_hyperrl(steps: int, seed: int, *overrides: str):
     cfg = load_config(None, [f"--run.steps={steps}", f"--run.seed={seed}", "--run.out_dir=/tmp/e2e_hyperrl",
-                             "--run.eval_every=0", *overrides])
+                             "--run.eval_every=0", "--task=modsum", "--rollout.max_new_tokens=1", *overrides])
     tr = build_trainer(cfg)
     rewards, tokens = [], 0
     t0 = time.perf_counter()
@@ -308,7 +308,7 @@ def main():
             ["TRL s/step / hyperrl s/step", "", round(t_t / t_h, 2), round((tok_h / t_h) / (tok_t / t_t), 2), ""],
             ["TRL s/step / hyperrl plain s/step", "", round(t_t / t_p, 2), round((tok_p / t_p) / (tok_t / t_t), 2),
              ""]]
-    append_results("e2e", f"Default task, tiny Qwen3, {P} prompts x {N} completions/step, lr 1e-3, beta 0 "
+    append_results("e2e", f"modsum task (the first default), tiny Qwen3, {P} prompts x {N} completions/step, lr 1e-3, beta 0 "
                    "(tokens = prompt + completion tokens processed; reward = mean over the last 10% of steps):\n\n"
                    + table(["trainer", "steps", "s/step", "tokens/s", "train reward (last 10%)"], rows))
 

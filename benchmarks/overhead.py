@@ -28,7 +28,8 @@ sys.path.insert(0, sys.argv[1])
 from hyperrl.config import load_config
 from hyperrl.train import build_trainer
 warmup, steps = int(sys.argv[2]), int(sys.argv[3])
-cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f"--run.steps={warmup + steps}"])
+cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f"--run.steps={warmup + steps}",
+                         "--task=modsum", "--rollout.max_new_tokens=1"])  # the first default job, on old commits too
 tr = build_trainer(cfg)
 for _ in range(warmup):
     tr.step()

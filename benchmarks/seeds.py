@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--at", type=int, nargs="+", default=[500, 1000, 1500])
     ap.add_argument("--metric", default="eval_reward_exact_answer_mean", help="the held-out metric to report")
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--floor", type=float, default=0.8, help="also count the seeds at or above this at the last step")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides, e.g. --extra=--algo.recipe=dapo")
     args = ap.parse_args()
     rows = []
@@ -54,9 +55,11 @@ def main():
                          round(wall, 1)])
     last = len(args.at)
     ok = sum(1 for r in rows if isinstance(r[last], float) and r[last] >= args.target)
+    floor = sum(1 for r in rows if isinstance(r[last], float) and r[last] >= args.floor)
     append_results("learning over seeds (hyperrl train, defaults)",
                    f"`hyperrl train --run.seed=S {' '.join(args.extra)}`, held-out `{args.metric}` at steps "
-                   f"{args.at}; {ok}/{len(rows)} seeds ≥ {args.target} at step {args.at[-1]}:\n\n"
+                   f"{args.at}; {ok}/{len(rows)} seeds ≥ {args.target} and {floor}/{len(rows)} ≥ {args.floor} at step "
+                   f"{args.at[-1]}:\n\n"
                    + table(["seed", *[f"step {k}" for k in args.at], f"train s to ≥ {args.target}",
                             "wall s (incl. start-up)"], rows))
 

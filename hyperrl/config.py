@@ -97,7 +97,8 @@ class RolloutConfig(_Frozen):
     engine: Variant = Field(Variant(name="transformers"), description="rollout engine (hyperrl.rollout.ENGINES)")
     prompts_per_step: int = Field(32, ge=1, description="prompts (groups) per step, over all ranks")
     n: int = Field(16, ge=1, description="samples per prompt (the group size)")
-    max_new_tokens: int = Field(1, ge=1, description="response budget per turn")
+    max_new_tokens: int = Field(3, ge=1, description="response budget per turn (the default task's answers: 2 "
+                                "digits + EOS)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also divides the trainer's logits)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1 = off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
@@ -179,7 +180,7 @@ class DataConfig(_Frozen):
 
 
 class RunConfig(_Frozen):
-    steps: int = Field(1000, ge=0, description="training steps")
+    steps: int = Field(4000, ge=0, description="training steps")
     seed: int = Field(0, description="seed of data, sampling, init and update order")
     eval_every: int = Field(100, ge=0, description="held-out evaluation every k steps (0 = off)")
     eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation")
@@ -244,7 +245,7 @@ class AsyncConfig(_Frozen):
 
 class _TrainConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
-    task: Variant = Field(Variant(name="modsum"), description="task (hyperrl.tasks.TASKS)")
+    task: Variant = Field(Variant(name="arith"), description="task (hyperrl.tasks.TASKS)")
     data: DataConfig = Field(default_factory=DataConfig)
     env: Variant | None = Field(None, description="multi-turn environment (hyperrl.envs.ENVIRONMENTS); null = "
                                 "single-turn")

@@ -49,8 +49,10 @@ def micro_batches(batch: TensorDict, budget: int) -> list[list[int]]:
 
 @torch.no_grad()
 def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParallel | None = None):
-    """``fn(rows) -> tensor | tuple of tensors`` (each ``[b, …]``) over micro-batches of ``budget``
-    tokens, reassembled in row order — a no-grad forward whose memory is bounded by the micro-batch.
+    """``fn(rows) -> tensor | tuple of tensors`` (each ``[b]`` or per-token ``[b, w]``) over the
+    micro-batches of :func:`micro_batches`, each cut to its own width ``w``; per-token outputs are
+    padded back to ``T`` with zeros, everything reassembled in row order — a no-grad forward whose
+    memory is bounded by the micro-batch.
     Ranks with fewer micro-batches call ``fn(batch[:1])`` and drop the result (FSDP's lockstep)."""
     parallel = parallel or LocalParallel()
     outs, order = [], []
@@ -60,9 +62,12 @@ def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParalle
             fn(trim_padding(batch[:1]))
             continue
         idx = torch.tensor(micro)
-        r = fn(trim_padding(batch[idx]))
-        r = r if isinstance(r, tuple) else (r,)  # per-token outputs [b, width] back to [b, T]
-        outs.append(tuple(torch.nn.functional.pad(x, (0, Tn - x.shape[1])) if x.dim() == 2 else x for x in r))
+        rows = trim_padding(batch[idx])
+        r = fn(rows)
+        r = r if isinstance(r, tuple) else (r,)
+        w = rows["tokens"].shape[1]  # per-token outputs [b, w] back to [b, T] (zeros on the cut padding)
+        outs.append(tuple(torch.nn.functional.pad(x, (0, Tn - w)) if x.dim() == 2 and x.shape[1] == w else x
+                          for x in r))
         order.append(idx)
     if not outs:
         raise ValueError("map_micro_batches: the batch has no rows")

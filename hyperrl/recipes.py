@@ -39,8 +39,8 @@ _recipe("grpo", "GRPO (Shao et al. 2024) as verl's default actor: group z-score 
         advantage={"name": "grpo", "singleton": "raw"}, objective={**_PPO, "dual_clip": 3.0},
         agg="token-mean", kl={"coef": 0.001, "estimator": "k3", "clamp_input": 20.0, "clamp_output": 10.0})
 _recipe("grpo_clip_higher", "The embedded default: GRPO advantages, PPO clip with DAPO clip-higher "
-        "(0.2 / 0.28), token-mean, entropy bonus 0.05, no KL (≥ 0.9 held-out on 5/5 seeds).",
-        advantage="grpo", objective={**_PPO, "clip_high": 0.28}, agg="token-mean", entropy_coef=0.05)
+        "(0.2 / 0.28), token-mean, entropy bonus 0.1, no KL (the default arith task: see README's seeds table).",
+        advantage="grpo", objective={**_PPO, "clip_high": 0.28}, agg="token-mean", entropy_coef=0.1)
 _recipe("dr_grpo", "Dr. GRPO (Liu et al. 2025): s − μ_g (no std), PPO clip 0.2, seq-mean-token-sum-norm with the "
         "response budget as L_const (TRL loss_type=dr_grpo).",
         advantage="dr_grpo", objective=_PPO, agg="seq-mean-token-sum-norm")

@@ -6,10 +6,11 @@ is, chat messages through the tokenizer's chat template), ``rewards`` (named
 reward functions ``(response, sample) -> float``; several fill ``reward_components`` ``[B, K]``),
 ``state()`` / ``load_state()`` (its data cursor, for resume).
 
-``modsum`` (the embedded default, generated in code): prompt ``"a+b="`` with digits ``a, b``;
-the answer is ``(a + b) mod m``; reward 1 when the first generated character is the answer
-digit. A random policy over the ~90-token vocabulary scores ≈ 0.01–0.02; the task allows partial
-progress (first learn to emit digits, then the right one).
+``arith`` (the embedded default, generated in code): ``"17+38="`` → ``"55"`` + EOS, two-digit
+operands ``0..49`` written at a fixed width, 250 operand pairs held out for evaluation; reward: the
+dense per-place :func:`~hyperrl.envs.rewards.digit_match` plus exact match.
+``modsum`` (the first default): prompt ``"a+b="`` with digits ``a, b``; the answer is
+``(a + b) mod m``, one token; reward 1 when the first generated character is the answer digit.
 """
 
 from __future__ import annotations
@@ -108,19 +109,21 @@ def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tup
 @dataclass
 class ArithTask(_InCodeTask):
     """Two-operand addition / subtraction, generated in code: prompt ``"37+48="``, answer ``"85"``
-    (1–3 digits; the policy must end it with EOS). ``held_out`` problems — a fixed fraction of all
+    (the policy must end it with EOS); ``pad``: operands and answers zero-padded to a fixed width
+    (``"07+12="`` → ``"19"``, ``"01+04="`` → ``"05"``: a digit's place is its position), else as is
+    (answers of 1–3 digits). ``held_out`` problems — a fixed fraction of all
     ``(a, op, b)``, drawn with ``split_seed`` (the same for every run seed, so runs compare on one
     held-out set) — are never trained on."""
 
     tokenizer: object
     ops: str = "+"
     min_operand: int = 0
-    max_operand: int = 19
+    max_operand: int = 49
     held_out_frac: float = 0.1
     split_seed: int = 0
-    pad: bool = False
+    pad: bool = True
     seed: int = 0
-    rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_credit", "exact_answer"), "task.rewards"))
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_match", "exact_answer"), "task.rewards"))
 
     def __post_init__(self):
         problems = arith_problems(self.ops, self.min_operand, self.max_operand)
@@ -288,15 +291,18 @@ def modsum(tokenizer, seed: int, *, modulus: int = 10, max_operand: int = 9,
 
 
 @register_task("arith", produces=("reward",))
-def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_operand: int = 19,
-          held_out_frac: float = 0.1, split_seed: int = 0, pad: bool = False,
-          rewards: tuple[RewardName, ...] = ("digit_credit", "exact_answer")) -> ArithTask:
+def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_operand: int = 49,
+          held_out_frac: float = 0.1, split_seed: int = 0, pad: bool = True,
+          rewards: tuple[RewardName, ...] = ("digit_match", "exact_answer")) -> ArithTask:
     """``a op b`` for ``op`` in ``ops`` (``+``, ``-``: ``a ≥ b``) with operands ``min_operand..max_operand``,
-    a fixed ``held_out_frac`` of the problems held out for evaluation (``configs/arith.yaml``). By
-    default sums of ``0..19`` — answers of 1–2 digits + EOS, carries included, 40 held-out
-    problems; reward: exact match plus the dense ``digit_credit`` (exact match alone never fires
-    from random weights: a random policy emits the right 2–3 tokens with probability ≈ 1e-6).
-    ``ops="+-", max_operand=99``: two-digit operands, answers of 1–3 digits (``rollout.max_new_tokens=4``)."""
+    a fixed ``held_out_frac`` of the problems held out for evaluation. The default task of
+    ``hyperrl train``: sums of ``0..49`` with carries, written at a fixed width (``pad``: ``"07+25="``
+    → ``"32"`` + EOS, answers ``00..98``), 250 of the 2,500 problems held out; reward: exact match
+    plus the dense per-place ``digit_match`` (exact match alone never fires from random weights: a
+    random policy emits the right 3 tokens with probability ≈ 1e-6). Enough problems that a tiny
+    model cannot memorise them in the budget: it learns the digit-wise rule, which transfers to the
+    held-out pairs (sums of ``0..19``: 360 training problems, memorised, 0.75 held out).
+    ``ops="+-", max_operand=99``: answers of up to 3 digits (``rollout.max_new_tokens=4``)."""
     if not ops or set(ops) - {"+", "-"} or len(set(ops)) != len(ops):
         raise ValueError(f"task.ops={ops!r}: a string of distinct operators from '+-'")
     if not 0 <= min_operand <= max_operand:

@@ -1,7 +1,8 @@
 """``hyperrl train``: build everything from a frozen config and run the SyncTrainer.
 
 With no arguments: a tiny Qwen3-architecture model randomly initialised from a config, the
-character tokenizer, and the in-code ``modsum`` task — it learns on 2 CPU cores in minutes.
+character tokenizer, and the in-code ``arith`` task (two-digit sums, held-out operand pairs) — it
+learns on 2 CPU cores in minutes.
 Outputs in ``run.out_dir``: ``metrics.jsonl``, ``reward_curve.png``, ``config.json``,
 ``checkpoints/step_<k>/``.
 """

@@ -22,7 +22,7 @@ def test_arith_problems_cover_every_pair_and_never_go_negative():
     assert len(arith_problems("+", 10, 19)) == 100
 
 
-TWO_DIGIT = {"ops": "+-", "max_operand": 99}
+TWO_DIGIT = {"ops": "+-", "max_operand": 99, "pad": False}
 
 
 def test_arith_holds_out_problems_it_never_trains_on():
@@ -35,8 +35,8 @@ def test_arith_holds_out_problems_it_never_trains_on():
     assert {s.prompt for s in TASKS.build("arith", **TWO_DIGIT)(CHAR, 7).held_out(10**6)} == held
     again = TASKS.build("arith", **TWO_DIGIT)(CHAR, 0)
     assert [s.prompt for s in task.sample(8, 3)] == [s.prompt for s in again.sample(8, 3)]
-    small = TASKS.build("arith")(CHAR, 0)  # the factory's defaults: sums of 0..19, 40 held out
-    assert len(small.held_out(10**6)) == 40 and small.response_tokens == 3 and task.response_tokens == 4
+    default = TASKS.build("arith")(CHAR, 0)  # the factory's defaults: sums of 0..49 at a fixed width, 250 held out
+    assert len(default.held_out(10**6)) == 250 and default.response_tokens == 3 and task.response_tokens == 4
     s = task.sample(1, 0)[0]
     a, op, b = s.prompt[:-1].replace("-", " - ").replace("+", " + ").split()
     assert s.answer == str(int(a) + int(b) if op == "+" else int(a) - int(b))
@@ -52,7 +52,8 @@ def test_arith_bad_hyperparameters_are_named(args, match):
 
 
 def test_a_response_budget_too_short_for_the_answers_is_named_before_building(tmp_path):
-    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--task=arith", "--task.max_operand=99"])
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--task=arith", "--task.max_operand=99", "--task.pad=false",
+                             "--rollout.max_new_tokens=1"])
     with pytest.raises(ValueError, match="rollout.max_new_tokens=1: task 'arith' has answers of up to 3 tokens"):
         build_trainer(cfg)
 
@@ -100,12 +101,15 @@ def test_digit_match_is_one_exactly_on_the_answer_and_never_below_the_prefix_cre
 
 
 def test_arith_pad_writes_fixed_width_operands_and_answers():
-    task = TASKS.build("arith", pad=True)(CHAR, 0)  # sums of 0..19: operands 2 digits, answers 2 (00..38)
+    task = TASKS.build("arith", pad=True)(CHAR, 0)  # sums of 0..49: operands 2 digits, answers 2 (00..98)
     for s in task.sample(64, 0) + task.held_out(10**6):
         a, b = s.prompt[:-1].split("+")
         assert len(a) == len(b) == 2 and len(s.answer) == 2 and int(s.answer) == int(a) + int(b)
     assert task.response_tokens == 3 and {s.source for s in task.held_out(10**6)} == \
-        {s.source for s in TASKS.build("arith")(CHAR, 0).held_out(10**6)}  # the same held-out problems
+        {s.source for s in TASKS.build("arith", pad=False)(CHAR, 0).held_out(10**6)}  # the same held-out problems
+    plain = TASKS.build("arith", pad=False)(CHAR, 0).sample(16, 3)  # the same draw, written without padding
+    assert [s.source for s in plain] == [s.source for s in task.sample(16, 3)]
+    assert all(int(p.answer) == int(q.answer) for p, q in zip(plain, task.sample(16, 3)))
 
 
 @given(st.text(alphabet="0123456789x", max_size=6), st.integers(0, 198), st.booleans())
@@ -186,7 +190,8 @@ def test_the_arith_task_shows_a_clear_rise_short_ci_config(tmp_path):
     # random policy emits the right 2 tokens with p ≈ 1e-4) to a clear share of the training batch in
     # 120 steps (≈15 s), the dense credit with it
     cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=4",
-                             "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=32", "--rollout.n=8",
+                             "--task.pad=false", "--task.rewards=[digit_credit,exact_answer]",
+                             "--algo.entropy_coef=0.05", "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=32", "--rollout.n=8",
                              "--model.hidden=64", "--model.intermediate=128", "--optim.lr=3e-3", "--run.steps=120"])
     tr = build_trainer(cfg)
     ms = [tr.step() for _ in range(cfg.run.steps)]

@@ -39,6 +39,21 @@ def test_default_task_learns_short_ci_config(tmp_path):
     assert steps[-1]["policy_version"] == 80 and steps[-1]["mismatch_max_abs"] < 1e-5
 
 
+def test_the_default_arith_task_rises_in_a_short_ci_run(tmp_path):
+    # the default job (two-digit sums, fixed width, 250 held-out operand pairs; digit_match + exact_answer)
+    # for 300 of its steps, one thread, fixed seed: held-out per-place credit from ≈ 0 (random weights)
+    # to ≥ 0.35 (seed 0 on 2 threads: 0.008 → 0.49; the whole run reaches ≥ 0.9 exact — benchmarks/seeds.py)
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--run.steps=300", "--run.eval_every=150",
+                             "--run.export=false"])
+    assert cfg.task.name == "arith" and cfg.rollout.max_new_tokens == 3
+    train(cfg, progress=False)
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    first, last = evals[0]["eval_reward_digit_match_mean"], evals[-1]["eval_reward_digit_match_mean"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 300
+    assert first < 0.1 and last >= 0.35, evals
+    assert evals[-1]["eval_reward_exact_answer_mean"] >= evals[0]["eval_reward_exact_answer_mean"]
+
+
 def _run_steps(cfg, n, resume=False):
     tr = build_trainer(cfg)
     if resume:
