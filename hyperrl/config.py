@@ -154,7 +154,7 @@ class OptimConfig(_Frozen):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch")
-    micro_batch_tokens: int = Field(0, ge=0, description="gradient-accumulation budget per micro-batch, in "
+    micro_batch_tokens: int = Field(8192, ge=0, description="gradient-accumulation budget per micro-batch, in "
                                     "padded tokens (rows x longest row): rows grouped by length, a prompt's samples "
                                     "together, each micro-batch cut to its longest row (0 = whole mini-batch)")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
