@@ -308,7 +308,8 @@ def main():
             ["TRL s/step / hyperrl s/step", "", round(t_t / t_h, 2), round((tok_h / t_h) / (tok_t / t_t), 2), ""],
             ["TRL s/step / hyperrl plain s/step", "", round(t_t / t_p, 2), round((tok_p / t_p) / (tok_t / t_t), 2),
              ""]]
-    append_results("e2e", f"modsum task (the first default), tiny Qwen3, {P} prompts x {N} completions/step, lr 1e-3, beta 0 "
+    append_results("e2e", f"modsum task (the first default), tiny Qwen3, {P} prompts x {N} completions/step, "
+                   "lr 1e-3, beta 0 "
                    "(tokens = prompt + completion tokens processed; reward = mean over the last 10% of steps):\n\n"
                    + table(["trainer", "steps", "s/step", "tokens/s", "train reward (last 10%)"], rows))
 

@@ -191,7 +191,8 @@ def test_the_arith_task_shows_a_clear_rise_short_ci_config(tmp_path):
     # 120 steps (≈15 s), the dense credit with it
     cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.threads=1", "--task=arith", "--task.max_operand=4",
                              "--task.pad=false", "--task.rewards=[digit_credit,exact_answer]",
-                             "--algo.entropy_coef=0.05", "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=32", "--rollout.n=8",
+                             "--algo.entropy_coef=0.05", "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=32",
+                             "--rollout.n=8",
                              "--model.hidden=64", "--model.intermediate=128", "--optim.lr=3e-3", "--run.steps=120"])
     tr = build_trainer(cfg)
     ms = [tr.step() for _ in range(cfg.run.steps)]
