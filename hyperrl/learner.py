@@ -64,16 +64,16 @@ def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParalle
         idx = torch.tensor(micro)
         rows = trim_padding(batch[idx])
         r = fn(rows)
-        r = r if isinstance(r, tuple) else (r,)
+        single = not isinstance(r, tuple)
         w = rows["tokens"].shape[1]  # per-token outputs [b, w] back to [b, T] (zeros on the cut padding)
         outs.append(tuple(torch.nn.functional.pad(x, (0, Tn - w)) if x.dim() == 2 and x.shape[1] == w else x
-                          for x in r))
+                          for x in ((r,) if single else r)))
         order.append(idx)
     if not outs:
         raise ValueError("map_micro_batches: the batch has no rows")
     inverse = torch.argsort(torch.cat(order))
     res = tuple(torch.cat(parts, 0)[inverse] for parts in zip(*outs))
-    return res if isinstance(r, tuple) else res[0]
+    return res[0] if single else res
 
 
 @dataclass

@@ -259,6 +259,16 @@ def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
     assert max(c for c, _ in seen) <= max(budget, longest) and sum(n for _, n in seen) == int(b["attention_mask"].sum())
 
 
+def test_a_single_per_token_output_comes_back_as_one_tensor_at_full_width():
+    # what the critic's values forward returns: one [b, w] tensor per micro-batch (not a tuple) → [B, T]
+    from hyperrl.learner import map_micro_batches
+
+    b = _batch(B=8, T_=9, seed=3)
+    out = map_micro_batches(lambda rows: rows["advantages"] * rows["attention_mask"], b, 12)
+    assert isinstance(out, torch.Tensor) and out.shape == (8, 9)
+    assert torch.equal(out, b["advantages"] * b["attention_mask"])
+
+
 def test_one_process_publisher_fuses_into_an_engine_with_vllm_parameters():
     """A one-process publisher into vLLM's layout (fused qkv / gate_up, padded vocab) copies each
     slice into place (LocalExecutor), element-exact; a plain engine keeps the no-copy identity."""

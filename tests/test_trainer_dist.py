@@ -169,7 +169,8 @@ def _bf16_worker(rank, world, out_dir):
     from hyperrl.sharding.dtensor import local
     from hyperrl.train import build_trainer
 
-    cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4",
+    cfg = load_config(None, [f"--run.out_dir={out_dir}", "--task=modsum", "--rollout.prompts_per_step=8",
+                             "--rollout.n=4",
                              "--model.hidden=64", "--model.intermediate=128", "--model.dtype=bfloat16",
                              "--rollout.max_new_tokens=2", "--run.eval_prompts=3", "--run.eval_n=2"])
     tr = build_trainer(cfg)

@@ -20,7 +20,7 @@ def run() -> dict:
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}", f"--run.out_dir={out}",
                              "--run.steps=150",
-                             "--task=modsum",
+                             "--task=modsum", "--algo.entropy_coef=0.05",  # the setting its threshold was set with
                              "--rollout.max_new_tokens=1",
                              "--run.eval_every=0"])
     tr = build_trainer(cfg)
