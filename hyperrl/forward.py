@@ -63,7 +63,7 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
     lengths = attn.sum(-1)
     if not torch.equal(attn, torch.arange(Tn, device=attn.device)[None, :] < lengths[:, None]):
         raise ValueError("attention_mask: the packed forward needs right-padded rows (real tokens a prefix of each "
-                         "row); use optim.pack=0")
+                         "row); use optim.pack_tokens=0")
     nxt = torch.nn.functional.pad(act[:, 1:], (0, 1))  # position t predicts an action at t + 1
     rows_, cols_ = attn.nonzero(as_tuple=True)  # row-major: the packed order
     lp_out = torch.zeros(B, Tn, dtype=torch.float32, device=tokens.device)
