@@ -19,6 +19,8 @@ from hyperrl.config import load_config
 from hyperrl.rollout import WeightPublishError
 from hyperrl.train import build_trainer
 
+from .async_helpers import assert_every_sample_trained_once, kill_and_resume
+
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray instance at a time (README: --dist loadgroup)
 
 
@@ -213,26 +215,7 @@ def test_a_killed_ray_run_resumes_losslessly(cluster, tmp_path):
     sample is trained once, the data cursor continues exactly, and the new actors serve the resumed
     weights."""
     cfg = _cfg(tmp_path, "--rollout.max_new_tokens=8", "--async.max_staleness=2")
-    a = build_trainer(cfg, trainer=_Recording)
-    try:
-        for _ in range(3):
-            a.step()
-        a.save()
-        state = a._loop_state()["async"]
-    finally:
-        a.close()
-    assert state["live"], "nothing was in flight at the checkpoint: the test would prove nothing"
-    b = build_trainer(cfg, trainer=_Recording)
-    try:
-        assert b.resume() and b.step_idx == 3 and b._next_key == state["next_key"]
-        _assert_serving(b)  # the new actors were born at version 0 and got the resumed weights
-        for _ in range(3):
-            b.step()
-        live_end = {u.key for u in b.buffer.units} | set(b._requeue)
-    finally:
-        b.close()
-    key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
-    uids = [u for t in (a.trained, b.trained) for _, us in t for u in us]
-    assert len(uids) == len(set(uids)) == 6 * 4 * 4
-    trained = {key(u) for u in uids}
-    assert set(state["live"]) <= trained | live_end and trained | live_end == set(range(b._next_key))
+    # after resume: the new actors were born at version 0 and got the resumed weights
+    a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=_Recording),
+                                            after_resume=_assert_serving)
+    assert_every_sample_trained_once(cfg, a, b, state, live_end)

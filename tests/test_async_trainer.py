@@ -14,6 +14,8 @@ from hyperrl.config import load_config
 from hyperrl.rollout import LocalWorker
 from hyperrl.train import build_trainer
 
+from .async_helpers import assert_every_sample_trained_once, kill_and_resume
+
 
 def _cfg(tmp_path, *extra):
     return load_config(None, ["--task=modsum", "--rollout.max_new_tokens=1", f"--run.out_dir={tmp_path}",
@@ -164,29 +166,8 @@ def test_kill_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
     from the checkpoint: the live groups are admitted again first (same sample_uids, regenerated
     under the resumed weights), the data cursor continues exactly, every sample is trained once."""
     cfg = _cfg(tmp_path, "--rollout.max_new_tokens=8", "--async.max_staleness=2")
-    a = build_trainer(cfg, trainer=_Recording, max_staleness=2)
-    try:
-        for _ in range(3):
-            a.step()
-        a.save()
-        state = a._loop_state()["async"]
-    finally:
-        a.close()
-    assert state["live"], "nothing was in flight at the checkpoint: the test would prove nothing"
-    b = build_trainer(cfg, trainer=_Recording, max_staleness=2)
-    try:
-        assert b.resume() and b.step_idx == 3 and b._next_key == state["next_key"]
-        for _ in range(3):
-            b.step()
-        live_end = [u.key for u in b.buffer.units] + b._requeue
-    finally:
-        b.close()
-    key = lambda u: (u // 128) * 8 + (u // 4) % 8  # uid = step·128 + g·4 + j → the prompt's key step·8 + g
-    uids = [u for t in (a.trained, b.trained) for _, us, _, _, _ in t for u in us]
-    assert len(uids) == len(set(uids)) == 6 * 8 * 4  # nothing trained twice (accounting by sample_uid)
-    trained = {key(u) for u in uids}
-    assert set(state["live"]) <= trained | set(live_end)  # what was live at the kill is trained or still live
-    assert trained | set(live_end) == set(range(b._next_key))  # every admitted prompt accounted for
+    a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=_Recording, max_staleness=2))
+    assert_every_sample_trained_once(cfg, a, b, state, live_end)
 
 
 def test_the_cli_config_runs_the_async_loop(tmp_path):

@@ -89,7 +89,7 @@ def _chunks(units: list[list[int]], lens: list[int], budget: int) -> list[list[i
         if cur and (len(cur) + len(unit)) * width > budget:
             out.append(cur)
             cur = []
-        cur = cur + unit
+        cur.extend(unit)
     return out + ([cur] if cur else [])
 
 
