@@ -20,6 +20,7 @@ forward), the plain padded forward, length-sorted micro-batches cut to their lon
 (``optim.micro_batch_tokens``) and the padding-free packed forward (``optim.pack_tokens``).
 
     python benchmarks/e2e.py --shape long256x4 --steps 8
+    python benchmarks/e2e.py --shape long256x4 --steps 12 --variants micro --target 0.3   # time to a reward
 """
 
 from __future__ import annotations
@@ -181,18 +182,19 @@ def run_hyperrl_long(shape: dict, steps: int, seed: int, *extra: str) -> dict:
     tr = build_trainer(load_config(None, [*_long_overrides(shape, steps + 1, seed), *extra]))
     tr.step()
     ph = {"generate": 0.0, "logprob": 0.0, "update": 0.0}
-    total, tokens, resp, rewards = 0.0, 0, [], []
+    total, tokens, resp, rewards, times = 0.0, 0, [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         m = tr.step()
-        total += time.perf_counter() - t0
+        times.append(time.perf_counter() - t0)
+        total += times[-1]
         for k in ph:
             ph[k] += m.get(f"time_{k}_s", 0.0)
         tokens += round(m["tokens_per_s"] * sum(v for k, v in m.items() if k.startswith("time_") and k.endswith("_s")))
         resp.append(m["response_len_mean"])
         rewards.append(m["reward_mean"])
     return {"phases": _phases(ph["generate"] / steps, ph["logprob"] / steps, ph["update"] / steps, total / steps),
-            "tokens_s": tokens / total, "resp": float(np.mean(resp)), "reward": rewards}
+            "tokens_s": tokens / total, "resp": float(np.mean(resp)), "reward": rewards, "times": times}
 
 
 def run_trl_long(shape: dict, steps: int, seed: int) -> dict:
@@ -258,21 +260,44 @@ def run_trl_long(shape: dict, steps: int, seed: int) -> dict:
     resp_tokens = float(np.mean(log["resp"][1:])) * P * N * steps
     return {"phases": _phases(gen, lp, total - collect, total),
             "tokens_s": (prompt_tokens + resp_tokens) / t[:, 0].sum(), "resp": float(np.mean(log["resp"][1:])),
-            "reward": log["reward"][1:]}
+            "reward": log["reward"][1:], "times": t[:, 0].tolist()}
 
 
-def main_long(name: str, steps: int, seed: int) -> None:
+def time_to(r: dict, target: float):
+    """Seconds of timed steps until the train reward (batch mean) first reached ``target``; None if never."""
+    spent = 0.0
+    for dt, rew in zip(r["times"], r["reward"]):
+        spent += dt
+        if rew >= target:
+            return round(spent, 1)
+    return None
+
+
+VARIANTS = {  # hyperrl's ways at a realistic shape (--variants picks some; all by default)
+    "shared": ("hyperrl SyncTrainer, whole batch (shared-prefix forward, optim.micro_batch_tokens=0)",
+               ("--optim.micro_batch_tokens=0",)),
+    "plain": ("hyperrl, plain padded forward (optim.shared_prefix=false, optim.micro_batch_tokens=0)",
+              ("--optim.shared_prefix=false", "--optim.micro_batch_tokens=0")),
+    "micro": ("hyperrl defaults: length-sorted micro-batches (optim.micro_batch_tokens=8192)", ()),
+    "packed": ("hyperrl, padding-free packed forward (optim.pack_tokens=2048)", ("--optim.pack_tokens=2048",)),
+}
+
+
+def main_long(name: str, steps: int, seed: int, variants: list[str], target: float | None) -> None:
     shape = SHAPES[name]
-    variants = [("hyperrl SyncTrainer (shared-prefix forward)", ()),
-                ("hyperrl, plain padded forward (optim.shared_prefix=false)", ("--optim.shared_prefix=false",)),
-                ("hyperrl, length-sorted micro-batches (optim.micro_batch_tokens=8192)",
-                 ("--optim.micro_batch_tokens=8192",)),
-                ("hyperrl, padding-free packed forward (optim.pack_tokens=2048)", ("--optim.pack_tokens=2048",))]
-    runs = [(name, run_hyperrl_long(shape, steps, seed, *extra)) for name, extra in variants]
+    runs = [(VARIANTS[v][0], run_hyperrl_long(shape, steps, seed, *VARIANTS[v][1])) for v in variants]
     runs.append(("TRL 1.16 GRPOTrainer", run_trl_long(shape, steps, seed)))
     trl = runs[-1][1]
     rows = [[n, *r["phases"], round(r["tokens_s"]), round(r["resp"], 1), round(float(np.mean(r["reward"][-3:])), 3),
              round(trl["phases"][-1] / r["phases"][-1], 2)] for n, r in runs]
+    head = ["trainer", "generate s", "log-prob s", "update s", "other s", "step s", "tokens/s", "response len",
+            "train reward (last 3)", "TRL step / this step"]
+    if target is not None:  # time to a fixed reward: the timed steps' seconds until the batch mean first reached it
+        head += [f"s to train reward ≥ {target}", "TRL s / this s"]
+        t_trl = time_to(trl, target)
+        for row, (_, r) in zip(rows, runs):
+            t = time_to(r, target)
+            row += [t if t is not None else "—", round(t_trl / t, 2) if t and t_trl else "—"]
     dims = ", ".join(f"{k} {shape[k]}" for k in ("hidden", "layers", "heads", "kv_heads", "intermediate"))
     append_results(f"e2e at a realistic shape ({name})",
                    f"Qwen3 {dims} (random init, fp32), {shape['prompts']} prompts × {shape['n']} samples/step, "
@@ -280,8 +305,7 @@ def main_long(name: str, steps: int, seed: int) -> None:
                    f"responses ≤ {shape['response']} tokens "
                    f"(the random policy's own EOS: long-tailed), reward digit_frac, lr 1e-3, β 0, temperature 1; "
                    f"mean over {steps} steps after one warm-up step (seconds per step by phase):\n\n"
-                   + table(["trainer", "generate s", "log-prob s", "update s", "other s", "step s", "tokens/s",
-                            "response len", "train reward (last 3)", "TRL step / this step"], rows))
+                   + table(head, rows))
 
 
 def main():
@@ -289,10 +313,14 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", default="default", choices=["default", *SHAPES])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="realistic shapes: which of hyperrl's ways to run beside TRL")
+    ap.add_argument("--target", type=float, default=None,
+                    help="realistic shapes: also report the seconds until the train reward first reaches this")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     if args.shape != "default":
-        return main_long(args.shape, args.steps, args.seed)
+        return main_long(args.shape, args.steps, args.seed, args.variants, args.target)
     t_h, tok_h, r_h = run_hyperrl(args.steps, args.seed)
     t_p, tok_p, r_p = run_hyperrl(args.steps, args.seed, "--optim.shared_prefix=false")
     t_t, tok_t, r_t = run_trl(args.steps, args.seed)

@@ -8,6 +8,8 @@ until it first reached ``--target``.
     python benchmarks/seeds.py --seeds 0 1 2 3 4
     python benchmarks/seeds.py --metric eval_reward_mean --at 200 400 1000 --extra=--task=modsum \
         --extra=--rollout.max_new_tokens=1 --extra=--run.steps=1000
+    python benchmarks/seeds.py --metric eval_success_rate --target 0.5 --floor 0.9 --at 100 200 300 400 500 \
+        --extra=--config=configs/calculator.yaml     # the tool-use task
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def main():
     ap.add_argument("--metric", default="eval_reward_exact_answer_mean", help="the held-out metric to report")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--floor", type=float, default=0.8, help="also count the seeds at or above this at the last step")
-    ap.add_argument("--extra", nargs="*", default=[], help="more overrides, e.g. --extra=--algo.recipe=dapo")
+    ap.add_argument("--extra", action="extend", nargs="*", default=[],
+                    help="more overrides (repeatable), e.g. --extra=--algo.recipe=dapo --extra=--run.steps=500")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +59,7 @@ def main():
     last = len(args.at)
     ok = sum(1 for r in rows if isinstance(r[last], float) and r[last] >= args.target)
     floor = sum(1 for r in rows if isinstance(r[last], float) and r[last] >= args.floor)
-    append_results("learning over seeds (hyperrl train, defaults)",
+    append_results(f"learning over seeds (hyperrl train{' ' + ' '.join(args.extra) if args.extra else ', defaults'})",
                    f"`hyperrl train --run.seed=S {' '.join(args.extra)}`, held-out `{args.metric}` at steps "
                    f"{args.at}; {ok}/{len(rows)} seeds ≥ {args.target} and {floor}/{len(rows)} ≥ {args.floor} at step "
                    f"{args.at[-1]}:\n\n"

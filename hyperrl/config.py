@@ -103,6 +103,10 @@ class RolloutConfig(_Frozen):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1 = off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
     max_turns: int = Field(3, ge=1, description="multi-turn: turns per episode (with env)")
+    max_obs_tokens: int = Field(64, ge=1, description="multi-turn: tokens per observation (text is cut to it; a "
+                                "chat observation that does not fit ends the episode)")
+    max_episode_tokens: int = Field(256, ge=2, description="multi-turn: tokens per episode, prompt included (the "
+                                    "episode stops when they are spent)")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 

@@ -9,6 +9,8 @@ reward functions ``(response, sample) -> float``; several fill ``reward_componen
 ``arith`` (the embedded default, generated in code): ``"17+38="`` → ``"55"`` + EOS, two-digit
 operands ``0..49`` written at a fixed width, 250 operand pairs held out for evaluation; reward: the
 dense per-place :func:`~hyperrl.envs.rewards.digit_match` plus exact match.
+``products`` (the tool-use task, with the ``calculator_copy`` environment): ``"347*28="`` →
+``"09716"``, products a tiny model cannot compute in its head.
 ``modsum`` (the first default): prompt ``"a+b="`` with digits ``a, b``; the answer is
 ``(a + b) mod m``, one token; reward 1 when the first generated character is the answer digit.
 """
@@ -84,18 +86,14 @@ class ModSumTask(_InCodeTask):
         return self._draw(k, 10**9)
 
 
-def arith_problems(ops: str, lo: int, hi: int) -> list[tuple[int, str, int, int]]:
-    """Every ``(a, op, b, answer)`` with operands in ``lo..hi`` (``-`` only for ``a ≥ b``: answers
-    are never negative), in a fixed order."""
-    out = []
-    for op in ops:
-        for a in range(lo, hi + 1):
-            for b in range(lo, hi + 1):
-                if op == "+":
-                    out.append((a, op, b, a + b))
-                elif a >= b:
-                    out.append((a, op, b, a - b))
-    return out
+def arith_problems(ops: str, lo: int, hi: int, lo2: int | None = None, hi2: int | None = None
+                   ) -> list[tuple[int, str, int, int]]:
+    """Every ``(a, op, b, answer)`` with ``a`` in ``lo..hi`` and ``b`` in ``lo2..hi2`` (default: the same
+    range), in a fixed order; ``op`` in ``+ - *`` (``-`` only for ``a ≥ b``: answers are never negative)."""
+    lo2, hi2 = lo if lo2 is None else lo2, hi if hi2 is None else hi2
+    fns = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    return [(a, op, b, fns[op](a, b)) for op in ops for a in range(lo, hi + 1) for b in range(lo2, hi2 + 1)
+            if op != "-" or a >= b]
 
 
 def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tuple[list, list]:
@@ -124,10 +122,13 @@ class ArithTask(_InCodeTask):
     pad: bool = True
     seed: int = 0
     rewards: tuple = field(default_factory=lambda: _reward_fns(("digit_match", "exact_answer"), "task.rewards"))
+    second: tuple[int, int] | None = None  # the second operand's range (default: the first's)
 
     def __post_init__(self):
-        problems = arith_problems(self.ops, self.min_operand, self.max_operand)
+        lo2, hi2 = self.second or (self.min_operand, self.max_operand)
+        problems = arith_problems(self.ops, self.min_operand, self.max_operand, lo2, hi2)
         self._width = len(str(self.max_operand)) if self.pad else 0
+        self._width2 = len(str(hi2)) if self.pad else 0
         self._answer_width = max(len(str(p[3])) for p in problems) if self.pad else 0
         self._train, self._eval = _held_out_split(problems, self.held_out_frac, self.split_seed, 7)
 
@@ -138,8 +139,9 @@ class ArithTask(_InCodeTask):
 
     def _sample(self, p: tuple[int, str, int, int]) -> Sample:
         a, op, b, ans = p
-        w = self._width
-        return Sample(f"{a:0{w}d}{op}{b:0{w}d}=", f"{ans:0{self._answer_width}d}", f"arith:{a}{op}{b}", {})
+        expression = f"{a}{op}{b}"  # unpadded: what a calculator parses ("07" is not a Python literal)
+        return Sample(f"{a:0{self._width}d}{op}{b:0{self._width2}d}=", f"{ans:0{self._answer_width}d}",
+                      f"arith:{expression}", {"expression": expression})
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """``k`` training problems for ``step``, uniformly with replacement — a pure function of
@@ -311,6 +313,24 @@ def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_ope
         raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
     return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, pad, seed,
                      _reward_fns(rewards, "task.rewards"))
+
+
+@register_task("products", produces=("reward",))
+def products(tokenizer, seed: int, *, min_first: int = 100, max_first: int = 999, min_second: int = 10,
+             max_second: int = 99, held_out_frac: float = 0.02, split_seed: int = 0, pad: bool = True,
+             rewards: tuple[RewardName, ...] = ("digit_match", "exact_answer")) -> ArithTask:
+    """Products a tiny model cannot compute in its head — the tool-use task (environment
+    ``calculator_copy``): ``"347*28="`` → ``"09716"`` + EOS, a three-digit times a two-digit number
+    (81,000 problems; answers of 4–5 digits, zero-padded to 5 with ``pad`` so a digit's place is its
+    position), a fixed ``held_out_frac`` of the pairs (1,620) held out. Each sample's
+    ``extra["expression"]`` is the unpadded ``"347*28"`` a calculator evaluates."""
+    if not 0 <= min_first <= max_first or not 0 <= min_second <= max_second:
+        raise ValueError(f"task.min_first..max_first={min_first}..{max_first}, task.min_second..max_second="
+                         f"{min_second}..{max_second}: need 0 ≤ min ≤ max for each operand")
+    if not 0 < held_out_frac < 1:
+        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
+    return ArithTask(tokenizer, "*", min_first, max_first, held_out_frac, split_seed, pad, seed,
+                     _reward_fns(rewards, "task.rewards"), second=(min_second, max_second))
 
 
 @register_task("repeat", produces=("reward",))

@@ -88,7 +88,7 @@ def build_trainer(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **
     tok = build_tokenizer(cfg)
     task = make_task(cfg.task, tok, cfg.run.seed)
     need = getattr(task, "response_tokens", 0)
-    if cfg.rollout.max_new_tokens < need and cfg.env is None:
+    if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room
         raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
                          f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
     policy = build_policy(cfg, tok, lora=False).to(device)
@@ -192,7 +192,8 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
 def plot_rewards(jsonl: Path, png: Path) -> dict[str, list[str]]:
     """What a run shows, one panel each: train and held-out reward (mean@k, and pass@k when
     ``run.eval_n`` > 1; each named reward's held-out mean when there are several), the policy's
-    entropy, response length (train and held-out) and — in multi-turn runs — the tool-call rate.
+    entropy, response length (train and held-out) and — in multi-turn runs — the tool-call rate and,
+    when the environment reports it, the success rate.
     Returns each panel's title → the labels of the series drawn in it."""
     import matplotlib
 
@@ -218,11 +219,15 @@ def plot_rewards(jsonl: Path, png: Path) -> dict[str, list[str]]:
               (axes[2], "response length (tokens)", [("response_len_mean", "train"),
                                                      ("eval_response_len_mean", "held-out")])]
     if tools:
-        panels.append((axes[3], "tool-call rate", [("tool_call_rate", "train"), ("eval_tool_call_rate", "held-out")]))
+        panels.append((axes[3], "tool calls and success", [
+            ("tool_call_rate", "tool-call rate (train)"), ("eval_tool_call_rate", "tool-call rate (held-out)"),
+            ("success_rate", "success (train)"), ("eval_success_rate", "success (held-out)")]))
     for a, title, keys in panels:
         for key, label in keys:
             src = evals if key.startswith("eval_") else steps
-            a.plot(*_series(src, key), "o-" if src is evals else "-", lw=1, label=label)
+            xs, ys = _series(src, key)
+            if xs:  # a series the run does not report (success without an environment verdict) is not drawn
+                a.plot(xs, ys, "o-" if src is evals else "-", lw=1, label=label)
         a.set_title(title)
     for a in axes:
         a.set_xlabel("step")
@@ -240,7 +245,9 @@ def _eval_line(metrics: dict) -> str:
     """``reward 1.234 (digit_credit 0.700, exact_answer 0.534)`` — each named reward when several."""
     parts = [f"{k[len('eval_reward_'):-len('_mean')]} {v:.3f}" for k, v in sorted(metrics.items())
              if k.startswith("eval_reward_") and k.endswith("_mean") and k != "eval_reward_mean"]
-    return f"reward {metrics['eval_reward_mean']:.3f}" + (f" ({', '.join(parts)})" if parts else "")
+    tail = "".join(f", {name} {metrics[k]:.3f}" for k, name in (("eval_tool_call_rate", "tool calls"),
+                                                                 ("eval_success_rate", "success")) if k in metrics)
+    return f"reward {metrics['eval_reward_mean']:.3f}" + (f" ({', '.join(parts)})" if parts else "") + tail
 
 
 def _progress(total: int, start: int):

@@ -186,8 +186,11 @@ class SyncTrainer:
         if self.make_env is not None:  # multi-turn: the environment scores the episode
             from .envs import Limits, run_episodes
 
-            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n,
-                                    limits=Limits(max_turns=self.cfg.rollout.max_turns), group_offset=group_offset)
+            r = self.cfg.rollout
+            limits = Limits(max_turns=r.max_turns, max_obs_tokens=r.max_obs_tokens,
+                            max_episode_tokens=r.max_episode_tokens)
+            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=limits,
+                                    group_offset=group_offset)
             return batch
         prompts = [self.task.encode(s) for s in samples]
         if uids is not None and getattr(self.engine, "keyed", False):
@@ -433,6 +436,8 @@ class SyncTrainer:
         if "tool_calls" in batch.keys():  # multi-turn: how often the policy used a tool
             calls = batch["tool_calls"].float()
             out["tool_call_rate"], out["tool_calls_mean"] = float((calls > 0).float().mean()), float(calls.mean())
+        if "success" in batch.keys():  # the environment's verdict, whatever reward shaping adds
+            out["success_rate"] = float(batch["success"].float().mean())
         comps = batch["reward_components"] if "reward_components" in batch.keys() else None
         if comps is not None and comps.shape[1] > 1:  # each reward over the rows it applies to
             app = batch["reward_applicable"]
@@ -449,7 +454,8 @@ class SyncTrainer:
         """Held-out evaluation that runs what training runs — the task's validation prompts, the
         environment (multi-turn) and the configured rewards — with ``run.eval_n`` samples per
         prompt: ``eval_reward_mean`` (mean@k), ``eval_pass_at_k`` (the mean over prompts of the best
-        sample's reward: pass@k for 0/1 rewards), each reward's mean. Data parallel: each rank
+        sample's reward: pass@k for 0/1 rewards), each reward's mean; multi-turn: the tool-call
+        rate and, when the environment reports it, ``eval_success_rate`` (episodes solved). Data parallel: each rank
         evaluates its share of the prompts and the sums are all-reduced (exact means)."""
         k = self.cfg.run.eval_n
         samples = self.parallel.shard(self.task.held_out(self.cfg.run.eval_prompts))
@@ -464,6 +470,8 @@ class SyncTrainer:
                     "len": float(batch["action_mask"].sum())}
             if "tool_calls" in batch.keys():
                 sums["tool_rows"] = float((batch["tool_calls"] > 0).sum())
+            if "success" in batch.keys():
+                sums["success"] = float(batch["success"].sum())
             comps, app = batch["reward_components"], batch["reward_applicable"]
             if comps.shape[1] > 1:
                 for j, name in enumerate(self.reward_names):
@@ -478,6 +486,8 @@ class SyncTrainer:
                    "eval_pass_at_k": sums["best"] / prompts, "eval_n": k, "eval_response_len_mean": sums["len"] / rows}
         if "tool_rows" in sums:
             metrics["eval_tool_call_rate"] = sums["tool_rows"] / rows
+        if "success" in sums:
+            metrics["eval_success_rate"] = sums["success"] / rows
         for key in sorted(sums):
             if key.startswith("r/") and sums[f"n/{key[2:]}"]:
                 metrics[f"eval_reward_{key[2:]}_mean"] = sums[key] / sums[f"n/{key[2:]}"]

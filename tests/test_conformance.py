@@ -45,7 +45,8 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
 }
 
 # valid, but beyond the tiny config's budget
-_NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"]}
+_NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"],
+          ("task", "products"): ["--rollout.max_new_tokens=6"]}
 
 
 def _reward_model_dir(path):

@@ -93,6 +93,7 @@ def test_multi_turn_masks_token_by_token():
     sp = SamplingParams(max_new_tokens=6, temperature=1.0, seed=0)
     batch, builders = run_episodes(eng, EchoEnv, samples, TOK, sp, n=2, limits=Limits(max_turns=3, max_obs_tokens=4))
     assert batch["group_id"].tolist() == [0, 0, 1, 1] and batch["reward"].tolist() == [1.0] * 4
+    assert "success" not in batch.keys()  # EchoEnv gives no verdict (no reports_success)
     for row, b in enumerate(builders):
         kinds = [k for k, _, _ in b.segments]
         assert kinds == ["prompt", "action", "observation", "action", "observation", "action"]
@@ -132,13 +133,16 @@ def test_example_envs_reward_paths():
     assert not r.done and r.observation == "<result>7</result>"
     r = env.step('<tool>{"name": "calculator", "arguments": {"expression": "import os"}}</tool>')
     assert r.reward == -0.1 and "error" in r.observation
-    assert env.step("so #### 7").reward == 1.0
+    r = env.step("so #### 7")
+    assert r.reward == 1.0 and r.info["success"] is True and GSM8KCalculatorEnv.reports_success
     idx = BM25Index.from_jsonl(DATA / "corpus.jsonl")
     s = SearchEnv(idx)
     s.reset(Sample("What is the capital of France?", "Paris", "x:0", {}))
     r = s.step('<tool>{"name": "search", "arguments": {"query": "capital France"}}</tool>')
-    assert "Paris" in r.observation and not r.done
-    assert s.step("<answer>Paris</answer>").reward == 1.0
+    assert "Paris" in r.observation and not r.done and r.info["tool_calls"] == 1
+    r = s.step("<answer>Paris</answer>")
+    assert r.reward == 1.0 and r.info["success"] is True
+    assert s.step("<answer>Lyon</answer>").info["success"] is False
 
 
 def test_agent_program_user_owned_loop():

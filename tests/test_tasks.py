@@ -165,9 +165,10 @@ def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate
     from hyperrl.train import plot_rewards
 
     rows = [{"event": "step", "step": s, "reward_mean": s / 10, "entropy": 2 - s / 10, "response_len_mean": 3.0,
-             "tool_call_rate": s / 20} for s in range(1, 11)]
+             "tool_call_rate": s / 20, "success_rate": s / 30} for s in range(1, 11)]
     rows += [{"event": "eval", "step": s, "eval_reward_mean": s / 12, "eval_pass_at_k": s / 11, "eval_n": 4,
-              "eval_response_len_mean": 3.0, "eval_tool_call_rate": s / 15, "eval_reward_exact_answer_mean": s / 13,
+              "eval_response_len_mean": 3.0, "eval_tool_call_rate": s / 15, "eval_success_rate": s / 16,
+              "eval_reward_exact_answer_mean": s / 13,
               "eval_reward_digit_credit_mean": s / 12} for s in (0, 5, 10)]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn = plot_rewards(tmp_path / "m.jsonl", tmp_path / "c.png")
@@ -176,13 +177,19 @@ def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate
                                "held-out digit_credit", "held-out exact_answer"]
     assert drawn["entropy"] == ["train (action tokens)"]
     assert drawn["response length (tokens)"] == ["train", "held-out"]
-    assert drawn["tool-call rate"] == ["train", "held-out"]
+    assert drawn["tool calls and success"] == ["tool-call rate (train)", "tool-call rate (held-out)",
+                                               "success (train)", "success (held-out)"]
     # a single-turn run with eval_n = 1: no pass@k series, no tool panel
     single = [r for r in rows if r["event"] == "step" or r.update(eval_n=1) or True]
-    (tmp_path / "s.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "tool" not in k}) + "\n"
-                                              for r in single))
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "tool" not in k
+                                                          and "success" not in k}) + "\n" for r in single))
     drawn = plot_rewards(tmp_path / "s.jsonl", tmp_path / "s.png")
-    assert "tool-call rate" not in drawn and "held-out pass@1" not in drawn["reward"]
+    assert "tool calls and success" not in drawn and "held-out pass@1" not in drawn["reward"]
+    # a multi-turn run whose environment gives no verdict: the tool-call rate without success series
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "success" not in k}) + "\n"
+                                              for r in rows))
+    assert plot_rewards(tmp_path / "t.jsonl", tmp_path / "t.png")["tool calls and success"] == [
+        "tool-call rate (train)", "tool-call rate (held-out)"]
 
 
 def test_the_arith_task_shows_a_clear_rise_short_ci_config(tmp_path):

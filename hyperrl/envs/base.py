@@ -39,6 +39,12 @@ class StepResult:
 
 @runtime_checkable
 class Environment(Protocol):
+    """``step``'s ``info`` may carry ``tool_calls`` (calls made this step: the tool-call rate) and,
+    on the step that ends the episode, ``success`` (the task solved, whatever reward shaping adds:
+    the held-out success rate). An environment that reports success sets the class attribute
+    ``reports_success = True``; its batches then carry ``success`` ``[B]`` (0 for an episode cut
+    by a limit before it ended)."""
+
     def reset(self, sample: Any) -> str | list:
         """Start an episode; returns the initial prompt text or chat messages."""
 
@@ -108,11 +114,12 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
     Each turn the engine continues every active episode from its full token context (prompt,
     earlier actions, observations); the decoded action goes to ``env.step``; its observation is
     encoded once, truncated to ``max_obs_tokens`` and appended with mask 0. The episode reward is
-    the sum of step rewards. Returns the trajectory batch and the builders (their ``segments``
-    record exactly which tokens came from where).
+    the sum of step rewards; ``tool_calls`` ``[B]`` counts each episode's calls and, when the
+    environment reports it, ``success`` ``[B]`` is its final step's. Returns the trajectory batch
+    and the builders (their ``segments`` record exactly which tokens came from where).
     """
 
-    envs, builders, rewards, groups, chats, calls = [], [], [], [], [], []
+    envs, builders, rewards, groups, chats, calls, wins = [], [], [], [], [], [], []
     for i, s in enumerate(samples):
         for _ in range(n):
             env = make_env()
@@ -123,8 +130,14 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             chats.append(list(first) if isinstance(first, list) else None)  # the conversation so far
             rewards.append(0.0)
             calls.append(0)
+            wins.append(False)
             groups.append(group_offset + i)
-    active = [len(b) < limits.max_episode_tokens for b in builders]
+    longest = max((len(b) for b in builders), default=0)
+    if longest >= limits.max_episode_tokens:  # nothing could be generated: say so, never train on prompts alone
+        raise ValueError(f"an episode's first prompt has {longest} tokens, which fills max_episode_tokens="
+                         f"{limits.max_episode_tokens} (rollout.max_episode_tokens); raise it above the prompt "
+                         f"plus {limits.max_turns} turns of responses and observations")
+    active = [True] * len(builders)
     version = engine.policy_version
     for turn in range(limits.max_turns):
         idx = [i for i, a in enumerate(active) if a]
@@ -146,6 +159,7 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             res = envs[i].step(text)
             rewards[i] += float(res.reward)
             calls[i] += int((res.info or {}).get("tool_calls", 0))
+            wins[i] = bool((res.info or {}).get("success", wins[i]))
             room = min(limits.max_obs_tokens, limits.max_episode_tokens - len(b))
             done = res.done
             if res.observation and not done and room > 0:
@@ -166,4 +180,7 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             active[i] = not done and len(b) < limits.max_episode_tokens
     rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
     batch = stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0))
-    return batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64)), builders
+    batch = batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64))
+    if envs and getattr(envs[0], "reports_success", False):
+        batch = batch.set("success", torch.tensor(wins, dtype=torch.float32))
+    return batch, builders

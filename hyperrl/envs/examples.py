@@ -1,15 +1,20 @@
-"""Example environments: GSM8K with a calculator tool, and Search-R1-style retrieval."""
+"""Example environments: GSM8K with a calculator tool, a calculator the policy must call and copy
+(the tool-use task a tiny model learns), and Search-R1-style retrieval."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from .base import StepResult, register_environment
-from .rewards import gsm8k_exact
-from .tools import BM25Index, ToolFormatName, ToolRunner, calculator_tool, make_search_tool
+from .rewards import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
+from .tools import TOOL_FORMATS, BM25Index, ToolFormatName, ToolRunner, calculate, calculator_tool, make_search_tool
 
-__all__ = ["GSM8KCalculatorEnv", "SearchEnv"]
+__all__ = ["GSM8KCalculatorEnv", "CalculatorCopyEnv", "SearchEnv"]
 
 
 def _question(sample, runner: ToolRunner):
@@ -21,6 +26,74 @@ def _question(sample, runner: ToolRunner):
     return f"{q}\n"
 
 
+def _copy_format(name: str) -> str:
+    if name != "compact" and name not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool-call format {name!r}; use 'compact' or a registered one: "
+                         f"{TOOL_FORMATS.names()}")
+    return name
+
+
+@register_environment("calculator_copy")
+class CalculatorCopyEnv:
+    """Arithmetic the policy cannot do in its head (task ``products``): it must call the calculator
+    and copy the result into its answer. At most ``max_calls`` calls; the first response without a
+    call — or the one after the last allowed call — is the answer, and ends the episode.
+
+    ``format="compact"`` (for the tiny character-level model): a response that *begins with* ``?``
+    calls the calculator on the question (``sample.extra["expression"]``, else the prompt without
+    its ``=``); the observation is ``[09716]`` — the result zero-padded to the answer's width, so a
+    digit's place is its position — with action mask 0; the answer is the response as is.
+    Any registered tool-call format (``hermes`` through the chat template, ``hyperrl`` tags): the
+    policy writes the call with its own expression; the answer is the last number in the final
+    response. Reward: :func:`~hyperrl.envs.rewards.digit_match` of the answer (dense per place; 1
+    exactly when it is right) plus ``call_reward`` per call that returned a result (shaping that
+    makes the rare first calls pay before copying is learned; 0 turns it off). ``info["success"]``:
+    the answer is exact (the held-out success rate), whatever the shaping."""
+
+    reports_success = True
+
+    def __init__(self, *, format: Annotated[str, AfterValidator(_copy_format)] = "compact", call_reward: float = 0.1,
+                 max_calls: int = 1):
+        if max_calls < 1:
+            raise ValueError(f"env.max_calls={max_calls}: the policy needs at least one call")
+        self.format, self.call_reward, self.max_calls = format, call_reward, max_calls
+        self.runner = None if format == "compact" else ToolRunner({"calculator": calculator_tool},
+                                                                 max_calls_per_turn=1, fmt=format)
+        self.tools = self.runner.specs() if self.runner is not None and self.runner.format.chat else None
+        self.sample, self.calls = None, 0
+
+    def reset(self, sample):
+        self.sample, self.calls = sample, 0
+        return sample.prompt if self.runner is None else _question(sample, self.runner)
+
+    def _call(self, action: str):
+        """The observation of the call ``action`` makes and whether it returned a result; None when
+        ``action`` makes no call."""
+        if self.runner is not None:
+            results = self.runner.run(action)
+            return (self.runner.format.observation(results), any(r.ok for r in results)) if results else None
+        if not action.startswith("?"):
+            return None
+        expr = (self.sample.extra or {}).get("expression") or str(self.sample.prompt).rstrip("=")
+        try:
+            return f"[{calculate(expr).zfill(len(str(self.sample.answer)))}]", True
+        except (ValueError, SyntaxError, ArithmeticError) as e:  # an error is an observation, never a crash
+            return f"[error: {type(e).__name__}]", False
+
+    def step(self, action: str) -> StepResult:
+        call = self._call(action) if self.calls < self.max_calls else None
+        if call is not None:
+            self.calls += 1
+            obs, ok = call
+            return StepResult(obs, self.call_reward * ok, False, {"tool_calls": 1})
+        answer, sample = action, self.sample
+        if self.runner is not None:  # a free-form final message: its last number against the plain answer
+            answer = extract_gsm8k_answer(action) or ""
+            sample = dataclasses.replace(sample, answer=normalize_number(str(sample.answer)) or str(sample.answer))
+        score = digit_match(answer, sample)
+        return StepResult("", score, True, {"success": score == 1.0})
+
+
 @register_environment("gsm8k_calculator")
 class GSM8KCalculatorEnv:
     """The model may call the calculator — ``format="hyperrl"``: ``<tool>{"name": "calculator",
@@ -28,7 +101,9 @@ class GSM8KCalculatorEnv:
     ``format="hermes"``: ``<tool_call>{...}</tool_call>`` with the tool listed by the chat
     template and results as ``tool`` messages. The episode ends when the response has no tool
     call; reward = GSM8K exact match of that final response (``#### n`` or the last number), plus
-    ``invalid_reward`` per failed tool call."""
+    ``invalid_reward`` per failed tool call; ``info["success"]``: that exact match."""
+
+    reports_success = True
 
     def __init__(self, *, invalid_reward: float = 0.0, max_calls_per_turn: int = 2, format: ToolFormatName = "hyperrl"):
         self.runner = ToolRunner({"calculator": calculator_tool}, max_calls_per_turn=max_calls_per_turn, fmt=format)
@@ -43,7 +118,8 @@ class GSM8KCalculatorEnv:
     def step(self, action: str) -> StepResult:
         results = self.runner.run(action)
         if not results:
-            return StepResult("", gsm8k_exact(action, self.sample), True)
+            r = gsm8k_exact(action, self.sample)
+            return StepResult("", r, True, {"success": r == 1.0})
         penalty = self.invalid_reward * sum(not r.ok for r in results)
         return StepResult(self.runner.format.observation(results), penalty, False, {"tool_calls": len(results)})
 
@@ -53,7 +129,10 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 class SearchEnv:
     """Search-R1 style: ``<tool>{"name": "search", "arguments": {"query": ...}}</tool>`` returns BM25
-    passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward."""
+    passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward
+    (``info["success"]``)."""
+
+    reports_success = True
 
     def __init__(self, index: BM25Index, *, k: int = 2, format: str = "hyperrl"):
         self.runner = ToolRunner({"search": make_search_tool(index, k=k)}, max_calls_per_turn=1, fmt=format)
@@ -68,11 +147,11 @@ class SearchEnv:
         m = _ANSWER.search(action)
         if m:
             ok = m.group(1).strip().lower() == str(self.sample.answer).strip().lower()
-            return StepResult("", float(ok), True)
+            return StepResult("", float(ok), True, {"success": ok})
         results = self.runner.run(action)
         if not results:
-            return StepResult("", 0.0, True)
-        return StepResult(self.runner.format.observation(results), 0.0, False)
+            return StepResult("", 0.0, True, {"success": False})
+        return StepResult(self.runner.format.observation(results), 0.0, False, {"tool_calls": len(results)})
 
 
 @functools.lru_cache(maxsize=8)
