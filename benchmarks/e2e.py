@@ -1,5 +1,5 @@
 """End-to-end: hyperrl's SyncTrainer vs TRL's GRPOTrainer, side by side, on the first default task (modsum)
-(``--shape default``) and at realistic shapes (``--shape long256x4`` / ``long512x8``).
+(``--shape default``) and at realistic shapes (``--shape long64x4`` / ``long256x4`` / ``long512x8``).
 
 Same tiny Qwen3 (random init, same seed), same character tokenizer (wrapped as an HF fast
 tokenizer for TRL), same (a+b) mod 10 prompts, the same prompts × completions per step as
@@ -114,6 +114,8 @@ def run_trl(steps: int, seed: int):
 
 # ----------------------------------------------------------------------------- realistic shapes
 SHAPES = {  # model dims, prompts × samples per step, prompt-length range, response budget
+    "long64x4": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, prompts=16, n=8,
+                     prompt=(64, 256), response=64),  # the issue's first measurement: responses ≤ 64 (1.08× then)
     "long256x4": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, prompts=16, n=8,
                       prompt=(64, 256), response=256),
     "long512x8": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, prompts=8, n=8,
