@@ -99,6 +99,8 @@ def arith_problems(ops: str, lo: int, hi: int, lo2: int | None = None, hi2: int 
 def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tuple[list, list]:
     """A fixed ``frac`` of ``items`` held out by ``split_seed`` (not the run seed: every run evaluates on
     one set): ``(train in the items' order, held out in the draw's order)``."""
+    if not 0 < frac < 1:
+        raise ValueError(f"task.held_out_frac={frac}: must be in (0, 1)")
     order = np.random.default_rng([split_seed, salt]).permutation(len(items))
     n_eval = max(1, round(frac * len(items)))
     return [items[i] for i in np.sort(order[n_eval:])], [items[i] for i in order[:n_eval]]
@@ -106,12 +108,12 @@ def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tup
 
 @dataclass
 class ArithTask(_InCodeTask):
-    """Two-operand addition / subtraction, generated in code: prompt ``"37+48="``, answer ``"85"``
-    (the policy must end it with EOS); ``pad``: operands and answers zero-padded to a fixed width
-    (``"07+12="`` → ``"19"``, ``"01+04="`` → ``"05"``: a digit's place is its position), else as is
-    (answers of 1–3 digits). ``held_out`` problems — a fixed fraction of all
-    ``(a, op, b)``, drawn with ``split_seed`` (the same for every run seed, so runs compare on one
-    held-out set) — are never trained on."""
+    """Two-operand addition / subtraction (``arith``) or multiplication (``products``), generated in
+    code: prompt ``"37+48="``, answer ``"85"`` (the policy must end it with EOS); ``pad``: operands
+    and answers zero-padded to a fixed width (``"07+12="`` → ``"19"``, ``"01+04="`` → ``"05"``: a
+    digit's place is its position), else as is (answers of 1–3 digits). ``held_out`` problems — a
+    fixed fraction of all ``(a, op, b)``, drawn with ``split_seed`` (the same for every run seed, so
+    runs compare on one held-out set) — are never trained on."""
 
     tokenizer: object
     ops: str = "+"
@@ -309,8 +311,6 @@ def arith(tokenizer, seed: int, *, ops: str = "+", min_operand: int = 0, max_ope
         raise ValueError(f"task.ops={ops!r}: a string of distinct operators from '+-'")
     if not 0 <= min_operand <= max_operand:
         raise ValueError(f"task.min_operand={min_operand}, task.max_operand={max_operand}: need 0 ≤ min ≤ max")
-    if not 0 < held_out_frac < 1:
-        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
     return ArithTask(tokenizer, ops, min_operand, max_operand, held_out_frac, split_seed, pad, seed,
                      _reward_fns(rewards, "task.rewards"))
 
@@ -327,8 +327,6 @@ def products(tokenizer, seed: int, *, min_first: int = 100, max_first: int = 999
     if not 0 <= min_first <= max_first or not 0 <= min_second <= max_second:
         raise ValueError(f"task.min_first..max_first={min_first}..{max_first}, task.min_second..max_second="
                          f"{min_second}..{max_second}: need 0 ≤ min ≤ max for each operand")
-    if not 0 < held_out_frac < 1:
-        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
     return ArithTask(tokenizer, "*", min_first, max_first, held_out_frac, split_seed, pad, seed,
                      _reward_fns(rewards, "task.rewards"), second=(min_second, max_second))
 
@@ -342,8 +340,8 @@ def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail
     if not 1 <= short_max < tail_min <= tail_max:
         raise ValueError(f"task.short_max={short_max}, tail_min={tail_min}, tail_max={tail_max}: need "
                          "1 ≤ short_max < tail_min ≤ tail_max")
-    if not 0 <= tail_frac <= 1 or not 0 < held_out_frac < 1:
-        raise ValueError(f"task.tail_frac={tail_frac} must be in [0, 1], task.held_out_frac={held_out_frac} in (0, 1)")
+    if not 0 <= tail_frac <= 1:
+        raise ValueError(f"task.tail_frac={tail_frac}: must be in [0, 1]")
     return RepeatTask(tokenizer, short_max, tail_min, tail_max, tail_frac, held_out_frac, split_seed, seed,
                       _reward_fns(rewards, "task.rewards"))
 

@@ -455,8 +455,8 @@ class SyncTrainer:
         environment (multi-turn) and the configured rewards — with ``run.eval_n`` samples per
         prompt: ``eval_reward_mean`` (mean@k), ``eval_pass_at_k`` (the mean over prompts of the best
         sample's reward: pass@k for 0/1 rewards), each reward's mean; multi-turn: the tool-call
-        rate and, when the environment reports it, ``eval_success_rate`` (episodes solved). Data parallel: each rank
-        evaluates its share of the prompts and the sums are all-reduced (exact means)."""
+        rate and, when the environment reports it, ``eval_success_rate`` (episodes solved). Data
+        parallel: each rank evaluates its share of the prompts and the sums are all-reduced (exact means)."""
         k = self.cfg.run.eval_n
         samples = self.parallel.shard(self.task.held_out(self.cfg.run.eval_prompts))
         sums: dict[str, float] = {}

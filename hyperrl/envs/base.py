@@ -158,8 +158,9 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
             text = decode_response(tokenizer, ids, sp.stops)
             res = envs[i].step(text)
             rewards[i] += float(res.reward)
-            calls[i] += int((res.info or {}).get("tool_calls", 0))
-            wins[i] = bool((res.info or {}).get("success", wins[i]))
+            info = res.info or {}
+            calls[i] += int(info.get("tool_calls", 0))
+            wins[i] = bool(info.get("success", wins[i]))
             room = min(limits.max_obs_tokens, limits.max_episode_tokens - len(b))
             done = res.done
             if res.observation and not done and room > 0:

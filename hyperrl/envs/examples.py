@@ -56,7 +56,7 @@ class CalculatorCopyEnv:
                  max_calls: int = 1):
         if max_calls < 1:
             raise ValueError(f"env.max_calls={max_calls}: the policy needs at least one call")
-        self.format, self.call_reward, self.max_calls = format, call_reward, max_calls
+        self.call_reward, self.max_calls = call_reward, max_calls
         self.runner = None if format == "compact" else ToolRunner({"calculator": calculator_tool},
                                                                  max_calls_per_turn=1, fmt=format)
         self.tools = self.runner.specs() if self.runner is not None and self.runner.format.chat else None
