@@ -54,9 +54,11 @@ class _Recording(AsyncTrainer):
 
 @pytest.mark.parametrize("eta", [1, 2])
 def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
-    # 16-token responses (the random policy rarely stops): publications land mid-generation
+    # 16-token responses (the random policy rarely stops); the first call at version 1 is held
+    # mid-generation, so the next publication interrupts it whatever the machine's load
     cfg = _cfg(tmp_path, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4")
     tr = build_trainer(cfg, trainer=_Recording, max_staleness=eta)
+    _restart_worker(tr, "hold")
     try:
         ms = [tr.step() for _ in range(8)]
     finally:
@@ -74,19 +76,27 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
     assert len(tr._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
 
-class _SlowFlag:
-    """The engine's stop flag, 10 ms slower per decode step (only the timing changes)."""
+class _HeldFlag:
+    """The engine's stop flag, holding the call before its 5th decode step until the worker is
+    interrupted or asked to park (``async.kv_cache=keep``), 30 s at most: a publication is sure to
+    land mid-generation, whatever the machine's load. It polls the worker itself, so the flag it
+    wraps counts decode steps as before (the event log records 4)."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, worker):
+        self.inner, self.worker, self.steps = inner, worker, 0
 
     def is_set(self):
-        time.sleep(0.01)
+        self.steps += 1
+        deadline = time.monotonic() + 30
+        while (self.steps == 5 and not (self.worker._flag.is_set() or self.worker._hold._asked)
+               and time.monotonic() < deadline):
+            time.sleep(0.002)
         return self.inner.is_set()
 
 
 class _FaultyEngine:
-    """Wraps the engine: ``mode`` = "corrupt" (one row's versions wiped once), "die", "hang" or "slow"."""
+    """Wraps the engine: ``mode`` = "corrupt" (one row's versions wiped once), "die", "hang" or
+    "hold" (the first call at version ≥ 1 held mid-generation until a publication interrupts it)."""
 
     def __init__(self, engine, mode):
         self.engine, self.mode, self.done, self.release = engine, mode, False, threading.Event()
@@ -95,8 +105,9 @@ class _FaultyEngine:
         return getattr(self.engine, name)
 
     def generate_requests(self, reqs, sp, abort=None, **kw):
-        if self.mode == "slow":
-            return self.engine.generate_requests(reqs, sp, abort=_SlowFlag(abort), **kw)
+        if self.mode == "hold" and not self.done and self.engine.policy_version >= 1:
+            self.done = True
+            return self.engine.generate_requests(reqs, sp, abort=_HeldFlag(abort, self.worker), **kw)
         out = self.engine.generate_requests(reqs, sp, abort=abort, **kw)
         if self.mode == "corrupt" and not self.done:
             self.done = True
@@ -114,6 +125,7 @@ def _restart_worker(tr, mode):
     tr.stop_workers()
     tr.engine = _FaultyEngine(tr.engine, mode)
     tr.workers = [LocalWorker(tr.engine)]
+    tr.engine.worker = tr.workers[0]
     tr.workers[0].keep_kv = tr.keep_kv
     tr.start_workers()
     return tr.engine
@@ -266,7 +278,8 @@ def test_a_free_running_run_replays_from_its_event_log_bit_for_bit(tmp_path):
         cfg = _cfg(tmp_path / name, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4",
                    "--async.max_staleness=2", "--run.eval_prompts=8", *extra)
         tr = build_trainer(cfg)
-        _restart_worker(tr, "slow")  # 10 ms a decode step: publications land mid-generation
+        if name == "free":  # a call held mid-generation until the next publication interrupts it
+            _restart_worker(tr, "hold")
         try:
             ms = [tr.step() for _ in range(3)] + [tr.evaluate()] + [tr.step() for _ in range(3)]
         finally:
@@ -300,7 +313,7 @@ def test_kv_cache_keep_continues_each_generation_over_its_cache_across_publicati
             return batch, info
 
     tr = build_trainer(cfg, trainer=_Kv)
-    _restart_worker(tr, "slow")  # 10 ms a decode step: publications land mid-generation
+    _restart_worker(tr, "hold")  # a call held mid-generation until the next publication parks it
     try:
         ms = [tr.step() for _ in range(6)]
     finally:
