@@ -55,6 +55,26 @@ def _served(w) -> dict:
     return ray.get(w.actor.__ray_call__.remote(lambda a: a.engine.state_dict()))
 
 
+def _slow_decode(tr, seconds: float = 0.01) -> None:
+    """Every actor's decode steps ``seconds`` slower (only the timing changes), so publications
+    land mid-generation even when the learner is slowed by a loaded machine. The flag class is
+    made inside the actor's function so that it travels by value (the actor cannot import tests)."""
+
+    def patch(actor):
+        class _Slow:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def is_set(self):
+                time.sleep(seconds)
+                return self.inner.is_set()
+
+        gen = actor.engine.generate_requests
+        actor.engine.generate_requests = lambda reqs, sp, abort=None, **kw: gen(reqs, sp, abort=_Slow(abort), **kw)
+
+    ray.get([w.actor.__ray_call__.remote(patch) for w in tr.workers])
+
+
 def _assert_serving(tr):
     """Every worker serves the learner's version, with exactly the learner's weights."""
     want = {k: v.detach() for k, v in tr.policy.state_dict().items()}
@@ -66,6 +86,7 @@ def _assert_serving(tr):
 
 def test_ray_workers_train_within_eta_publish_to_every_actor_and_lose_nothing(cluster, tmp_path):
     tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1"), trainer=_Recording, max_staleness=1)
+    _slow_decode(tr)
     try:
         assert len({w.info()["pid"] for w in tr.workers}) == 2 and tr.engine.policy_version == 0
         ms = [tr.step() for _ in range(6)]
@@ -196,6 +217,8 @@ def test_a_free_running_ray_run_replays_from_its_event_log_bit_for_bit(cluster, 
     runs = []
     for name, extra in (("free", ()), ("replay", (f"--async.replay={tmp_path / 'free' / 'async_events.jsonl'}",))):
         tr = build_trainer(_cfg(tmp_path / name, "--async.max_staleness=2", *extra))
+        if name == "free":
+            _slow_decode(tr)
         try:
             ms = [tr.step() for _ in range(5)]
         finally:
