@@ -117,9 +117,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     batch, _ = tr.prepare(batch)
     batch = tr.pipeline.transform(batch)
     act, attn = batch["action_mask"], batch["attention_mask"]
-    obs = attn & ~act
-    obs[:, : int(act.int().argmax(-1).min())] = False  # after the prompt: the observation tokens
-    obs &= torch.cumsum(act.int(), -1) > 0
+    obs = attn & ~act & (torch.cumsum(act.int(), -1) > 0)  # after the row's first action: the observation tokens
     assert bool(obs[called].any()) and not bool(obs[~called].any())
     # the observation text is the calculator's result, never sampled
     row = int(called.nonzero()[0])
@@ -141,6 +139,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     assert float(g[obs[:, a:]].abs().max()) == 0.0
     assert float(g[act[:, a:]].abs().max()) > 0.0
 
+
 def test_the_run_with_a_real_tokenizer_and_the_native_format(tmp_path):
     """The same task and environment from a real chat checkpoint: hermes tool calls through its
     chat template (a random model rarely writes one; the run must work, report the tool-call and
@@ -158,7 +157,6 @@ def test_the_run_with_a_real_tokenizer_and_the_native_format(tmp_path):
     e = tr.evaluate()
     assert 0.0 <= e["eval_success_rate"] <= 1.0 and "eval_tool_call_rate" in e
     assert json.dumps(m)  # plain numbers
-
 
 
 def test_the_tool_task_learns_to_call_in_a_short_ci_run(tmp_path):

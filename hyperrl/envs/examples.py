@@ -12,7 +12,7 @@ from pydantic import AfterValidator
 
 from .base import StepResult, register_environment
 from .rewards import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
-from .tools import TOOL_FORMATS, BM25Index, ToolFormatName, ToolRunner, calculate, calculator_tool, make_search_tool
+from .tools import BM25Index, ToolFormatName, ToolRunner, _known_format, calculate, calculator_tool, make_search_tool
 
 __all__ = ["GSM8KCalculatorEnv", "CalculatorCopyEnv", "SearchEnv"]
 
@@ -27,10 +27,13 @@ def _question(sample, runner: ToolRunner):
 
 
 def _copy_format(name: str) -> str:
-    if name != "compact" and name not in TOOL_FORMATS:
-        raise ValueError(f"unknown tool-call format {name!r}; use 'compact' or a registered one: "
-                         f"{TOOL_FORMATS.names()}")
-    return name
+    """``compact`` (this environment's own syntax: it needs the question) or a registered format."""
+    if name == "compact":
+        return name
+    try:
+        return _known_format(name)
+    except ValueError as e:
+        raise ValueError(f"{e}; or 'compact'") from None
 
 
 @register_environment("calculator_copy")
