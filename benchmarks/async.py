@@ -57,7 +57,7 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, prompts: 
     import torch
 
     from hyperrl.config import load_config
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     ray_ = mode.endswith("r")
     core = mode.rstrip("r")

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import append_results, table  # noqa: E402
-from hyperrl.transforms import admission as A  # noqa: E402
+from hyperrl.loop import admission as A
 
 
 def _length(rng: random.Random, a) -> int:

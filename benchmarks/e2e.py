@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import append_results, table  # noqa: E402
 from hyperrl.config import load_config  # noqa: E402
 from hyperrl.data import Sample  # noqa: E402
-from hyperrl.envs.rewards import register_reward  # noqa: E402
-from hyperrl.rollout import tiny_qwen3  # noqa: E402
-from hyperrl.tasks import ModSumTask, register_task  # noqa: E402
+from hyperrl.rewards.builtin import register_reward
+from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.data.tasks import ModSumTask, register_task
 from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer, encode_prompt  # noqa: E402
-from hyperrl.train import build_policy, build_tokenizer, build_trainer  # noqa: E402
+from hyperrl.models.policy import build_policy, build_tokenizer
+from hyperrl.build import build_trainer
 
 
 def hf_char_tokenizer():

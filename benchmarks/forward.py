@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import append_results, table, timeit  # noqa: E402
-from hyperrl.forward import plain_logprobs_and_entropy, shared_prefix_logprobs_and_entropy  # noqa: E402
-from hyperrl.rollout import tiny_qwen3  # noqa: E402
+from hyperrl.loop.forward import plain_logprobs_and_entropy, shared_prefix_logprobs_and_entropy
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.trajectory import make_trajectory  # noqa: E402
 
 VOCAB = 4096

@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"

@@ -38,8 +38,9 @@ def main():
     import torch
 
     from benchmarks._common import append_results, table, timeit
-    from hyperrl.rollout import TransformersEngine, tiny_qwen3
-    from hyperrl.sharding.publisher import Publisher
+    from hyperrl.rollout import TransformersEngine
+    from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout.publisher import Publisher
     from hyperrl.tokenizer import char_tokenizer
 
     torch.set_num_threads(2)

@@ -4,9 +4,9 @@ Public API: :mod:`hyperrl.trajectory` (the batch contract) and :mod:`hyperrl.tra
 (pure algorithm transforms). Modules whose names start with ``_`` are private.
 """
 
-from . import transforms
-from .registry import Registry
-from .trajectory import TrajectoryError, from_packed, make_trajectory, to_packed, validate
+from hyperrl import transforms
+from hyperrl.registry import Registry
+from hyperrl.trajectory import TrajectoryError, from_packed, make_trajectory, to_packed, validate
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyperrl", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="build GRPO/DAPO/GSPO losses on a synthetic batch and time group advantages")
-    from .sharding import cli as plan_cli
+    from hyperrl.sharding import cli as plan_cli
 
     plan_cli.add_parser(sub)
     cf = sub.add_parser("config", help="list every config key with its default and doc, every registered variant "
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from .export import ExportError, export_hf
+        from hyperrl.export import ExportError, export_hf
 
         try:
             print(f"exported {args.checkpoint} → {export_hf(args.checkpoint, args.out_dir)}")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command in (None, "demo"):
-        from .demo import main as demo
+        from hyperrl.demo import main as demo
 
         demo()
         return 0
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 def _config(args, overrides: list[str]) -> int:
     import json
 
-    from .config import ConfigError, describe, load_config
+    from hyperrl.config import ConfigError, describe, load_config
 
     try:
         if args.config or overrides:
@@ -72,8 +72,8 @@ def _config(args, overrides: list[str]) -> int:
 
 
 def _train(args, overrides: list[str]) -> int:
-    from .config import ConfigError, load_config
-    from .train import train
+    from hyperrl.config import ConfigError, load_config
+    from hyperrl.run import train
 
     try:
         cfg = load_config(args.config, overrides)

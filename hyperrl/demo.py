@@ -1,4 +1,4 @@
-"""The transforms demo: GRPO, DAPO and GSPO losses built from primitives on a synthetic batch,
+"""The transforms demo: the GRPO, DAPO, GSPO, Dr. GRPO and CISPO recipes' losses on a synthetic batch,
 and group advantages vectorised vs a per-sample loop (what ``hyperrl demo`` prints)."""
 
 from __future__ import annotations
@@ -7,17 +7,13 @@ import time
 
 import torch
 
-from . import transforms as T
-from .trajectory import make_trajectory
+from hyperrl import transforms as T
+from hyperrl.config import load_config
+from hyperrl.loop.pipeline import build_pipeline
+from hyperrl.trajectory import make_trajectory
 
-RECIPES = {
-    # name: (estimator, objective, aggregation, objective kwargs)
-    "GRPO": ("grpo", "ppo_clip", "seq-mean-token-mean", {}),
-    "DAPO": ("grpo", "ppo_clip", "token-mean", {"clip_low": 0.2, "clip_high": 0.28}),
-    "GSPO": ("grpo", "gspo", "seq-mean-token-mean", {}),
-    "Dr.GRPO": ("dr_grpo", "ppo_clip", "seq-mean-token-sum-norm", {}),
-    "CISPO": ("grpo", "cispo", "token-mean", {}),
-}
+# the library's own recipes (hyperrl.config.RECIPES), bound as the trainer binds them
+DEMO_RECIPES = ("grpo", "dapo", "gspo", "dr_grpo", "cispo")
 
 
 def synthetic_batch(B: int = 64, T_len: int = 48, group_size: int = 8, seed: int = 0):
@@ -52,15 +48,17 @@ def _loop_grpo(scores: list[float], gids: list[int], eps: float = 1e-6) -> list[
 
 
 def main() -> None:
+    """Print each recipe's loss and gradient norm, and the vectorised vs per-sample advantage timing."""
     batch = synthetic_batch()
     lp = (batch["rollout_logprobs"] + 0.05 * torch.randn(batch["tokens"].shape)).requires_grad_(True)
     print(f"synthetic batch: B={batch.batch_size[0]}, T={batch['tokens'].shape[1]}, "
           f"action tokens={int(batch['action_mask'].sum())}")
     print(f"{'recipe':<9} {'loss':>9} {'clip_frac':>9} {'approx_kl':>9} {'|grad|':>9}")
-    for name, (est, obj, agg, kw) in RECIPES.items():
-        b = T.compute_advantages(batch, est)
+    for name in DEMO_RECIPES:
+        p = build_pipeline(load_config(None, [f"--algo.recipe={name}"]).algo)
+        b = p.transform(batch)
         norm = T.Normalizer.from_mask(b["action_mask"], length_const=b["tokens"].shape[1])
-        out = T.policy_loss(b, lp, objective=obj, agg=agg, normalizer=norm, **kw)
+        out = T.policy_loss(b, lp, normalizer=norm, **p.loss_kwargs(0.0))  # no reference model here: β = 0
         (g,) = torch.autograd.grad(out.loss, lp)
         print(f"{name:<9} {float(out.loss.detach()):>9.4f} {float(out.metrics.get('clipped_frac', 0.0)):>9.4f} "
               f"{float(out.metrics['approx_kl']):>9.2e} {float(g.norm()):>9.4f}")

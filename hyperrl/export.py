@@ -23,10 +23,10 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     a failure leaves nothing half-written."""
     import shutil
 
-    from .checkpoint import MARKER, consolidate
-    from .config import TrainConfig
-    from .device import torch_dtype
-    from .train import build_policy, build_tokenizer
+    from hyperrl.config import TrainConfig
+    from hyperrl.device import torch_dtype
+    from hyperrl.loop.checkpoint import MARKER, consolidate
+    from hyperrl.models.policy import build_policy, build_tokenizer
 
     ck, out = Path(checkpoint), Path(out_dir)
     if not (ck / MARKER).exists():

@@ -410,3 +410,15 @@ def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
             fields[k] = v
         padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))
     return torch.cat(padded, 0)
+
+
+# keys every trajectory batch has (hyperrl.trajectory) and those the loop can always produce
+TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout_logprobs", "policy_version",
+                             "group_id"})
+
+
+# reward/reward_components: the task's rewards; old_logprobs: the learner's forward; values: a critic;
+# ref_logprobs: a reference model; baseline_reward: a greedy rollout per prompt; token_rewards: the
+# rewards' per-token split (RewardSet.token_rewards)
+RUN_PRODUCES = frozenset({"reward", "reward_components", "old_logprobs", "values", "ref_logprobs",
+                          "baseline_reward", "token_rewards"})

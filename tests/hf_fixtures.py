@@ -46,7 +46,7 @@ def bpe_tokenizer(vocab_size: int = 400):
 
 def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
     """Save a random-initialised Qwen3 sized to :func:`bpe_tokenizer` and that tokenizer to ``path``."""
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
 
     path = Path(path)
     tok = bpe_tokenizer()

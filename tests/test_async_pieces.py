@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyperrl.transforms.admission import (
+from hyperrl.loop.admission import (
     admit,
     buffer_init,
     capacity,

@@ -14,10 +14,11 @@ import pytest
 import ray
 import torch
 
-from hyperrl.async_trainer import AsyncTrainer, WorkerError
+from hyperrl.loop.trainer import AsyncTrainer
+from hyperrl.rollout.workers import WorkerError
 from hyperrl.config import load_config
 from hyperrl.rollout import WeightPublishError
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 
 from .async_helpers import assert_every_sample_trained_once, kill_and_resume
 

@@ -8,9 +8,9 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from hyperrl.async_trainer import AsyncTrainer
+from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.config import load_config
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray instance at a time (README: --dist loadgroup)
 

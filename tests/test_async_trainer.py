@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from hyperrl.async_trainer import AsyncTrainer, WorkerError
+from hyperrl.loop.trainer import AsyncTrainer
+from hyperrl.rollout.workers import WorkerError
 from hyperrl.config import load_config
 from hyperrl.rollout import LocalWorker
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 
 from .async_helpers import assert_every_sample_trained_once, kill_and_resume
 
@@ -183,7 +184,7 @@ def test_kill_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path):
 
 
 def test_the_cli_config_runs_the_async_loop(tmp_path):
-    from hyperrl.train import train
+    from hyperrl.run import train
 
     cfg = _cfg(tmp_path, "--async.max_staleness=1", "--run.steps=6", "--run.eval_every=3", "--run.eval_prompts=16",
                "--run.export=false")
@@ -202,7 +203,7 @@ def test_a3po_interpolates_the_proximal_policy_in_the_loss_without_a_forward(tmp
     log π_behav + α(log π_θ − log π_behav) with α = (V − v_t)/(V + 1 − v_t) — checked against a forward
     of the policy at the moment the loss ran (first and only mini-batch: π_θ is version V)."""
     import hyperrl.transforms as T
-    from hyperrl.forward import plain_logprobs_and_entropy
+    from hyperrl.loop.forward import plain_logprobs_and_entropy
 
     seen = []
 

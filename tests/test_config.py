@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import hyperrl.transforms as T
 from hyperrl.config import ConfigError, load_config
-from hyperrl.recipes import RECIPES, recipe_config
+from hyperrl.config.recipes import RECIPES, recipe_config
 
 
 def test_gspo_and_gmpo_get_their_own_clips_never_ppos():

@@ -10,8 +10,9 @@ import torch
 
 from hyperrl.config import ConfigError, load_config
 from hyperrl.envs import TOOLS, Tool
-from hyperrl.recipes import RECIPES, registries
-from hyperrl.train import build_trainer
+from hyperrl.config.recipes import RECIPES
+from hyperrl.config.resolve import registries
+from hyperrl.build import build_trainer
 
 _TINY = ["--task=modsum", "--run.threads=1", "--rollout.prompts_per_step=4", "--rollout.n=2",
          "--rollout.max_new_tokens=2",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from hyperrl.checkpoint import latest_checkpoint
+from hyperrl.loop.checkpoint import latest_checkpoint
 
 # the default batch (32 prompts × 16) and model; no --run.threads: torch's default thread count
 _ARGS = ["--run.eval_every=4", "--run.eval_prompts=32"]

@@ -15,13 +15,13 @@ from hyperrl.envs import (
     Tool,
     ToolRunner,
     calculate,
-    extract_gsm8k_answer,
-    gsm8k_exact,
     make_search_tool,
     run_episodes,
     stack_episodes,
 )
-from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
+from hyperrl.rewards import extract_gsm8k_answer, gsm8k_exact
+from hyperrl.rollout import SamplingParams, TransformersEngine
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.transforms import sequence_logprobs
 

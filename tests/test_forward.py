@@ -5,14 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperrl.forward import (
+from hyperrl.loop.forward import (
     packed_logprobs_and_entropy,
     plain_logprobs_and_entropy,
     policy_logprobs,
     prefix_groups,
     shared_prefix_logprobs_and_entropy,
 )
-from hyperrl.rollout import SamplingParams, TransformersEngine, tiny_qwen3
+from hyperrl.rollout import SamplingParams, TransformersEngine
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.trajectory import make_trajectory, validate
 
 V = 40
@@ -176,8 +177,8 @@ def test_agreed_choice_forces_the_same_model_calls():
 
 
 def test_plain_forward_computes_logits_only_on_the_action_window():
-    from hyperrl.forward import plain_logprobs_and_entropy
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.loop.forward import plain_logprobs_and_entropy
+    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.trajectory import make_trajectory
 
     model = tiny_qwen3(11, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=3)

@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import hyperrl.transforms as T
-from hyperrl.checkpointer import Checkpointer
+from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.config import load_config
-from hyperrl.learner import Learner, Optimized
-from hyperrl.parallel import LocalParallel
-from hyperrl.recipes import build_pipeline
-from hyperrl.rollout import TransformersEngine, WeightPublishError, tiny_qwen3
-from hyperrl.sharding.publisher import IdentityExecutor, Publisher
+from hyperrl.loop.learner import Learner, Optimized
+from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.loop.pipeline import build_pipeline
+from hyperrl.rollout import TransformersEngine, WeightPublishError
+from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rollout.publisher import IdentityExecutor, Publisher
 from hyperrl.trajectory import cat_batches, make_trajectory
 
 from .dist_helpers import run_gloo
@@ -108,7 +109,7 @@ def test_loss_output_sum_refuses_a_name_twice():
 
 
 def _dp_worker(rank, world):
-    from hyperrl.parallel import make_parallel
+    from hyperrl.distributed.data_parallel import make_parallel
 
     p = make_parallel()
     norm = p.global_normalizer(T.Normalizer(torch.tensor(3.0 + rank), torch.tensor(1.0), 4.0))
@@ -203,7 +204,7 @@ def test_checkpointer_round_trips_module_and_optimizer(tmp_path):
     assert ck.latest() == path and ck.load(path, {"model": (m2, "optim", opt2)})["step"] == 1
     assert torch.equal(m.w, m2.w)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
-    from hyperrl.checkpoint import CheckpointError
+    from hyperrl.loop.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="no 'critic' part"):
         ck.load(path, {"model": (m2, "optim", opt2), "critic": (m2, "critic_optim", opt2)})
@@ -215,7 +216,7 @@ def test_dapo_pipeline_is_shaping_then_filter_then_advantages():
     p = build_pipeline(cfg.algo)
     # lengths 1..4 action tokens; budget 4, buffer 2: penalty (2 − |y|)/2 for |y| in (2, 4]
     b = _batch().exclude("advantages")
-    shaped = p.admit(b)
+    shaped = p.shape(b)
     y = b["action_mask"].sum(-1).float()
     want = torch.where(y <= 2, 0.0, (2 - y) / 2)
     assert torch.allclose(shaped["reward"] - b["reward"], want)
@@ -238,8 +239,8 @@ def test_cat_batches_pads_token_fields():
 @settings(max_examples=15, deadline=None)
 @given(budget=st.integers(1, 40), seed=st.integers(0, 50))
 def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
-    from hyperrl.forward import policy_logprobs
-    from hyperrl.learner import map_micro_batches
+    from hyperrl.loop.forward import policy_logprobs
+    from hyperrl.loop.learner import map_micro_batches
 
     model = tiny_qwen3(7, hidden=16, heads=2, kv_heads=1, head_dim=8, intermediate=32, seed=seed)
     b = _batch(seed=seed)
@@ -261,7 +262,7 @@ def test_no_grad_forwards_micro_batched_equal_the_whole_batch(budget, seed):
 
 def test_a_single_per_token_output_comes_back_as_one_tensor_at_full_width():
     # what the critic's values forward returns: one [b, w] tensor per micro-batch (not a tuple) → [B, T]
-    from hyperrl.learner import map_micro_batches
+    from hyperrl.loop.learner import map_micro_batches
 
     b = _batch(B=8, T_=9, seed=3)
     out = map_micro_batches(lambda rows: rows["advantages"] * rows["attention_mask"], b, 12)
@@ -272,9 +273,9 @@ def test_a_single_per_token_output_comes_back_as_one_tensor_at_full_width():
 def test_one_process_publisher_fuses_into_an_engine_with_vllm_parameters():
     """A one-process publisher into vLLM's layout (fused qkv / gate_up, padded vocab) copies each
     slice into place (LocalExecutor), element-exact; a plain engine keeps the no-copy identity."""
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.sharding.models import from_hf_config
-    from hyperrl.sharding.publisher import IdentityExecutor, LocalExecutor, Publisher, source_layout
+    from hyperrl.rollout.publisher import IdentityExecutor, LocalExecutor, Publisher, source_layout
     from hyperrl.sharding.simulate import expected_destination
     from hyperrl.sharding.vllm import rollout_layout
 

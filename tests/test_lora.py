@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hyperrl.config import load_config
-from hyperrl.lora import AdapterDisabled, MergedView
-from hyperrl.train import build_trainer
+from hyperrl.models.lora import AdapterDisabled, MergedView
+from hyperrl.build import build_trainer
 
 TINY = ["--task=modsum", "--task.max_operand=1", "--rollout.max_new_tokens=1", "--rollout.prompts_per_step=32",
         "--rollout.n=8", "--run.threads=1",

@@ -14,13 +14,13 @@ from .dist_helpers import run_gloo
 def _worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrl.parallelize import parallelize_qwen3
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.distributed.parallelize import parallelize_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.sharding import reshard_plan, verify
     from hyperrl.sharding.dtensor import local
     from hyperrl.sharding.execute import execute_direct, execute_full_gather
     from hyperrl.sharding.models import from_hf_config
-    from hyperrl.sharding.publisher import source_layout
+    from hyperrl.rollout.publisher import source_layout
     from hyperrl.sharding.simulate import expected_destination
     from hyperrl.sharding.vllm import rollout_layout
 

@@ -13,9 +13,9 @@ import torch
 
 from hyperrl.config import ConfigError, load_config
 from hyperrl.data import DataError, PromptDataset
-from hyperrl.tasks import FileTask
+from hyperrl.data.tasks import FileTask
 from hyperrl.tokenizer import char_tokenizer
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 from tests.hf_fixtures import qwen3_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ run: {{steps: 6, eval_every: 3, eval_prompts: 4, eval_n: 2, log_completions: 2, 
     # the export loads with transformers and holds the trained weights, with the run's tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hyperrl.checkpoint import consolidate
+    from hyperrl.loop.checkpoint import consolidate
 
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     trained = consolidate(out / "checkpoints" / "step_6")
@@ -101,7 +101,7 @@ def test_bad_data_is_named_before_anything_is_written(tmp_path):
     base = [f"--model.checkpoint={ckpt}", f"--data.train_files=[{train}]", f"--run.out_dir={tmp_path / 'out'}"]
     with pytest.raises(DataError, match=r"val.jsonl: column 'prompt' missing \(columns: \['answer', 'question'\]\)"):
         build_trainer(load_config(None, [*base, f"--data.val_files=[{bad_val}]"]))
-    from hyperrl.train import train
+    from hyperrl.run import train
 
     with pytest.raises(DataError, match=r"train.jsonl:0: prompt of \d+ tokens > data.max_prompt_length=5"):
         train(load_config(None, [*base, "--data.max_prompt_length=5", "--run.eval_every=0"]), progress=False)

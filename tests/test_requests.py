@@ -15,8 +15,8 @@ from hyperrl.rollout import (
     keyed_uniform,
     requests_for,
     resume_requests,
-    tiny_qwen3,
 )
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.trajectory import validate
 from hyperrl.transforms import sequence_logprobs

@@ -9,7 +9,7 @@ import torch
 from hyperrl.config import ConfigError, load_config
 from hyperrl.data import Sample
 from hyperrl.rewards import RewardError, build_rewards
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 
 USER_REWARDS = '''
 calls = []

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hyperrl.schedules import SCHEDULES, lr_multiplier
+from hyperrl.transforms.schedules import LR_SCHEDULES, lr_multiplier
 
 
 def test_golden_values():
@@ -18,7 +18,7 @@ def test_golden_values():
     assert lr_multiplier(50, schedule="linear", total=7, min_ratio=0.2) == pytest.approx(0.2)  # past the end: floor
 
 
-@given(name=st.sampled_from(SCHEDULES.names()), total=st.integers(1, 500), warmup=st.integers(0, 50),
+@given(name=st.sampled_from(LR_SCHEDULES.names()), total=st.integers(1, 500), warmup=st.integers(0, 50),
        r=st.floats(0, 1))
 def test_bounded_warmup_rises_decay_falls(name, total, warmup, r):
     ms = [lr_multiplier(k, schedule=name, total=total, warmup=warmup, min_ratio=r) for k in range(total + 5)]

@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hyperrl.config import load_config
-from hyperrl.envs.rewards import REWARDS, digit_credit, digit_match, exact_answer
-from hyperrl.tasks import TASKS, arith_problems
+from hyperrl.rewards.builtin import REWARDS, digit_credit, digit_match, exact_answer
+from hyperrl.data.tasks import TASKS, arith_problems
 from hyperrl.tokenizer import char_tokenizer, decode_response
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 
 CHAR = char_tokenizer()
 
@@ -152,7 +152,7 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
     # shaping that changes the reward (clipped to [0.25, 0.5] here) keeps Σ_t token_rewards = reward: the
     # change lands on the last token
     clipped = build_trainer(load_config(None, [*args, "--algo.shaping=[{name: clip, lo: 0.25, hi: 0.5}]"]))
-    from hyperrl.trainer import _Timer
+    from hyperrl.loop.trainer import _Timer
 
     batch, _ = clipped.collect(_Timer())
     assert float(batch["reward"].min()) == 0.25 and float(batch["reward"].max()) <= 0.5  # the clip binds
@@ -162,7 +162,7 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
 def test_the_end_of_run_plot_shows_reward_pass_at_k_entropy_length_and_tool_rate(tmp_path):
     import json
 
-    from hyperrl.train import plot_rewards
+    from hyperrl.loop.hooks import plot_rewards
 
     rows = [{"event": "step", "step": s, "reward_mean": s / 10, "entropy": 2 - s / 10, "response_len_mean": 3.0,
              "tool_call_rate": s / 20, "success_rate": s / 30} for s in range(1, 11)]

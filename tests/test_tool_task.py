@@ -12,9 +12,9 @@ from hyperrl.config import load_config
 from hyperrl.data import Sample
 from hyperrl.envs import CalculatorCopyEnv, Limits, run_episodes
 from hyperrl.sampling import SamplingParams
-from hyperrl.tasks import TASKS, arith_problems
+from hyperrl.data.tasks import TASKS, arith_problems
 from hyperrl.tokenizer import char_tokenizer
-from hyperrl.train import build_trainer
+from hyperrl.build import build_trainer
 from hyperrl.transforms import Normalizer
 from tests.hf_fixtures import bpe_tokenizer, qwen3_checkpoint
 from tests.test_tokenizer import ScriptedEngine
@@ -108,7 +108,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     """A real rollout of the compact task (a random policy calls with p ≈ 1/95 per episode: 512
     episodes, seeded), the real loss: its gradient with respect to the logits that predict the
     observation tokens is exactly 0, and nonzero at the action tokens."""
-    from hyperrl.trainer import _Timer
+    from hyperrl.loop.trainer import _Timer
 
     tr = _calculator_trainer(tmp_path)
     batch, _ = tr.collect(_Timer())

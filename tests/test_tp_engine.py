@@ -10,7 +10,7 @@ from .dist_helpers import run_gloo
 
 
 def _model(kv_heads: int, tied: bool = True):
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
 
     m = tiny_qwen3(100, hidden=32, layers=2, heads=4, kv_heads=kv_heads, head_dim=8, intermediate=48, seed=3)
     if not tied:

@@ -13,7 +13,7 @@ _ARGS = ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}", "--model.
 def _worker(rank, world, out_dir, steps, prompts, lr, stop_save, resume):
     from hyperrl.config import load_config
     from hyperrl.sharding.simulate import expected_destination
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"--run.out_dir={out_dir}", f"--rollout.prompts_per_step={prompts}",
@@ -67,7 +67,7 @@ def test_tp_fsdp_resume_is_bit_identical(tmp_path):
         for k, v in straight[r]["weights"].items():
             assert (v == resumed[r]["weights"][k]).all(), (r, k)
     # the (dp, tp) checkpoint consolidates into the full HF state dict (meshes recorded per tensor)
-    from hyperrl.checkpoint import consolidate
+    from hyperrl.loop.checkpoint import consolidate
 
     whole = consolidate(tmp_path / "checkpoints" / "step_3")
     for k, v in resumed[0]["start"].items():
@@ -77,9 +77,9 @@ def test_tp_fsdp_resume_is_bit_identical(tmp_path):
 def _grad_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrl.parallel import TorchDataParallel
-    from hyperrl.parallelize import parallelize, tp_partial_params
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.distributed.data_parallel import TorchDataParallel
+    from hyperrl.distributed.parallelize import parallelize, tp_partial_params
+    from hyperrl.models.tiny import tiny_qwen3
 
     model = tiny_qwen3(50, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48, seed=1)
     model.train()

@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyperrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from hyperrl.loop.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from hyperrl.config import ConfigError, load_config
 from hyperrl.rollout import WeightPublishError
-from hyperrl.train import build_trainer, train
-from hyperrl.trainer import GateError
+from hyperrl.build import build_trainer
+from hyperrl.run import train
+from hyperrl.loop.trainer import GateError
 
 
 def _cfg(tmp_path, *extra):
@@ -142,7 +143,7 @@ def test_rng_states_round_trip_without_pickle():
 
     import numpy as np
 
-    from hyperrl.checkpoint import rng_states, set_rng_states
+    from hyperrl.loop.checkpoint import rng_states, set_rng_states
 
     st = rng_states()
     a = (random.random(), float(np.random.rand()), float(torch.rand(1)))
@@ -295,7 +296,7 @@ def test_local_hf_checkpoint_trains_with_its_own_tokenizer(tmp_path):
 
 
 def test_a_checkpoint_without_a_tokenizer_or_with_a_larger_one_is_refused(tmp_path):
-    from hyperrl.rollout import tiny_qwen3
+    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.tokenizer import TokenizerError
     from tests.hf_fixtures import bpe_tokenizer
 
@@ -336,7 +337,7 @@ def test_everything_is_on_the_configured_device_and_dtype_bf16(tmp_path):
     assert _placement(tr) == {"policy": fp32, "engine": bf16, "reference": bf16, "critic": fp32,
                               "policy_optim": fp32, "critic_optim": fp32}
     assert seen == {torch.bfloat16} and torch.isfinite(torch.tensor(m["loss_policy"]))
-    from hyperrl.trainer import _Timer
+    from hyperrl.loop.trainer import _Timer
 
     lp, ent = tr._logprobs(tr.policy, tr.collect(_Timer())[0])
     assert lp.dtype == ent.dtype == torch.float32
@@ -414,7 +415,7 @@ def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
         return orig(*a, **kw)
 
     tr.policy.forward = counting
-    from hyperrl.trainer import _Timer
+    from hyperrl.loop.trainer import _Timer
 
     batch, _ = tr.collect(_Timer())
     out, _ = tr.prepare(batch)

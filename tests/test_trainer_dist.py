@@ -7,7 +7,7 @@ from .dist_helpers import run_gloo
 
 def _worker(rank, world, out_dir):
     from hyperrl.config import load_config
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
@@ -39,7 +39,7 @@ def test_fsdp2_two_processes_learn_and_publish(tmp_path):
 
 def _ckpt_worker(rank, world, out_dir, stop, resume):
     from hyperrl.config import load_config
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4",
                              "--model.hidden=64", "--model.intermediate=128"])
@@ -67,7 +67,7 @@ def test_fsdp2_checkpoint_resume_is_identical(tmp_path):
     # a 2-process checkpoint is refused by a 1-process run
     import pytest
 
-    from hyperrl.checkpoint import CheckpointError, load_checkpoint
+    from hyperrl.loop.checkpoint import CheckpointError, load_checkpoint
 
     with pytest.raises(CheckpointError, match="world size 2, resuming with 1"):
         load_checkpoint(tmp_path / "b" / "checkpoints" / "step_3", world_size=1)
@@ -77,7 +77,7 @@ def _critic_worker(rank, world, out_dir, stop, resume):
     """PPO + critic, both FSDP2-sharded; multi-token answers and a small micro-batch token budget, so
     ranks hold different lengths and micro-batch counts (padded with zero-weight passes)."""
     from hyperrl.config import load_config
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     cfg = load_config("configs/ppo_critic.yaml", [
         f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4", "--rollout.max_new_tokens=3",
@@ -110,7 +110,7 @@ def _critic_worker(rank, world, out_dir, stop, resume):
 def test_fsdp2_critic_uneven_micro_batches_and_sharded_resume(tmp_path):
     import numpy as np
 
-    from hyperrl.checkpoint import consolidate
+    from hyperrl.loop.checkpoint import consolidate
 
     full = run_gloo(_critic_worker, 2, str(tmp_path / "a"), 4, False)
     counts = full[0][2] + full[1][2]
@@ -140,7 +140,7 @@ def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
     import subprocess
     import sys
 
-    from hyperrl.checkpoint import latest_checkpoint
+    from hyperrl.loop.checkpoint import latest_checkpoint
 
     def run(steps):
         with socket.socket() as s:
@@ -167,7 +167,7 @@ def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
 def _bf16_worker(rank, world, out_dir):
     from hyperrl.config import load_config
     from hyperrl.sharding.dtensor import local
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--task=modsum", "--rollout.prompts_per_step=8",
                              "--rollout.n=4",
@@ -200,7 +200,7 @@ def test_fsdp2_mixed_precision_bf16_compute_over_fp32_shards(tmp_path):
 
 
 def _sync_worker(rank, world):
-    from hyperrl.parallel import make_parallel
+    from hyperrl.distributed.data_parallel import make_parallel
 
     par = make_parallel()
     torch.manual_seed(rank)  # different weights per rank until replicate()
@@ -233,8 +233,8 @@ def _lora_worker(rank, world, out_dir, stop, resume):
     import copy
 
     from hyperrl.config import load_config
-    from hyperrl.lora import MergedView
-    from hyperrl.train import build_trainer
+    from hyperrl.models.lora import MergedView
+    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
                              "--model.hidden=64", "--model.intermediate=128", "--task=modsum",

@@ -1,6 +1,6 @@
 """Environments, agent programs, tools and rewards (see :mod:`.base`)."""
 
-from .base import (
+from hyperrl.envs.base import (
     ENVIRONMENTS,
     AgentProgram,
     Environment,
@@ -11,14 +11,21 @@ from .base import (
     run_episodes,
     stack_episodes,
 )
-from .examples import CalculatorCopyEnv, GSM8KCalculatorEnv, SearchEnv
-from .rewards import REWARDS, extract_gsm8k_answer, gsm8k_exact, normalize_number, register_reward
-from .tools import TOOLS, BM25Index, Tool, ToolResult, ToolRunner, calculate, make_search_tool, register_tool
+from hyperrl.envs.examples import CalculatorCopyEnv, GSM8KCalculatorEnv, SearchEnv
+from hyperrl.envs.tools import (
+    TOOLS,
+    BM25Index,
+    Tool,
+    ToolResult,
+    ToolRunner,
+    calculate,
+    make_search_tool,
+    register_tool,
+)
 
 __all__ = [
     "Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder", "Limits",
-    "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "REWARDS",
-    "register_reward",
-    "extract_gsm8k_answer", "gsm8k_exact", "normalize_number", "TOOLS", "Tool", "ToolResult", "ToolRunner",
+    "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv",
+    "TOOLS", "Tool", "ToolResult", "ToolRunner",
     "register_tool", "calculate", "BM25Index", "make_search_tool",
 ]

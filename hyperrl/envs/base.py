@@ -20,10 +20,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
-from ..registry import Registry
-from ..sampling import SamplingParams
-from ..tokenizer import decode_response, encode_prompt, encode_text, observation_ids
-from ..trajectory import stack_episodes
+from hyperrl.registry import Registry
+from hyperrl.sampling import SamplingParams
+from hyperrl.tokenizer import decode_response, encode_prompt, encode_text, observation_ids
+from hyperrl.trajectory import stack_episodes
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
            "Limits", "run_episodes", "stack_episodes"]

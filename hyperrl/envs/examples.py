@@ -10,9 +10,17 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
-from .base import StepResult, register_environment
-from .rewards import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
-from .tools import BM25Index, ToolFormatName, ToolRunner, _known_format, calculate, calculator_tool, make_search_tool
+from hyperrl.envs.base import StepResult, register_environment
+from hyperrl.envs.tools import (
+    BM25Index,
+    ToolFormatName,
+    ToolRunner,
+    _known_format,
+    calculate,
+    calculator_tool,
+    make_search_tool,
+)
+from hyperrl.rewards.builtin import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
 
 __all__ = ["GSM8KCalculatorEnv", "CalculatorCopyEnv", "SearchEnv"]
 

@@ -31,7 +31,7 @@ from typing import Annotated
 import jsonschema
 from pydantic import AfterValidator
 
-from ..registry import Registry
+from hyperrl.registry import Registry
 
 __all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
            "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName"]

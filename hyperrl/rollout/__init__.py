@@ -1,10 +1,18 @@
 """Rollout engines producing token-first trajectory batches (one protocol; see :mod:`.base`)."""
 
-from .base import RolloutEngine, SamplingParams, TransactionalEngine, WeightPublishError, WeightTransaction
-from .engines import ENGINES, EngineContext, register_engine
-from .hf import TransformersEngine, filter_logits, tiny_qwen3
-from .requests import Request, keyed_sample, keyed_uniform, requests_for, resume_requests
-from .workers import EXECUTORS, LocalWorker, WorkerDied, WorkerError, Workers, register_executor
+from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rollout.base import (
+    RolloutEngine,
+    SamplingParams,
+    TransactionalEngine,
+    WeightPublishError,
+    WeightTransaction,
+)
+from hyperrl.rollout.engines import ENGINES, EngineContext, register_engine
+from hyperrl.rollout.hf import TransformersEngine, filter_logits
+from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform, requests_for, resume_requests
+from hyperrl.rollout.worker_base import LocalWorker, WorkerDied, WorkerError, Workers
+from hyperrl.rollout.workers import EXECUTORS, register_executor
 
 __all__ = ["ENGINES", "EngineContext", "register_engine", "RolloutEngine", "SamplingParams", "WeightPublishError",
            "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits", "tiny_qwen3",

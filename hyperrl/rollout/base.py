@@ -16,7 +16,7 @@ is checked complete at commit, before anything is applied — so a failure mid-p
 tensor, a publisher dying mid-way, a stale version) leaves version ``V`` serving, never a mix.
 ``load_weights(weights, version)`` is the one-call form (begin, stage everything, commit).
 
-An engine with ``resumable = True`` also has ``generate_requests(requests, sampling, abort=)``
+An engine whose ``capabilities.resumable`` is set also has ``generate_requests(requests, sampling, abort=)``
 (:mod:`hyperrl.rollout.requests`): sampling keyed by (seed, sample_uid, token index), generation
 that stops at a decode step when asked (rows ``finish_reason = aborted``) and continues from the
 exact partial tokens — what asynchronous RL needs.
@@ -27,19 +27,52 @@ shapes and ``_apply(staged)``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDict
 
-from ..sampling import SamplingParams
-from ..sharding.publisher import WeightPublishError
+from hyperrl.sampling import SamplingParams
 
-__all__ = ["SamplingParams", "RolloutEngine", "WeightPublishError", "WeightTransaction", "TransactionalEngine"]
+__all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "WeightTransaction",
+           "TransactionalEngine"]
+
+
+class WeightPublishError(RuntimeError):
+    """A publication was refused or failed; the engine still serves the previous version."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond ``generate`` and the publication transaction — declared, never
+    probed: callers read ``engine.capabilities``.
+
+    * ``keyed`` — ``generate_requests`` samples each token keyed by (seed, sample_uid, index), so an
+      interruption is invisible and a synchronous run agrees with an asynchronous one at η = 0;
+    * ``resumable`` — has ``generate_requests(requests, sampling, abort=)``: stops at a decode step
+      when asked and continues from the exact partial tokens (asynchronous RL needs it);
+    * ``shared_weights`` — serves the trainer's own modules (no copy: an asynchronous run, or a
+      compiled policy, cannot use it);
+    * ``lora_adapters`` — receives LoRA adapters (``load_lora(policy, version)``) instead of merged
+      weights;
+    * ``buffers`` — exposes its destination buffers (``buffers()``) for the publisher to write in place.
+    """
+
+    keyed: bool = False
+    resumable: bool = False
+    shared_weights: bool = False
+    lora_adapters: bool = False
+    buffers: bool = False
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    """A rollout engine: generation over token-id prompts, its parameter layout, and the
+    versioned publication transaction (see the module doc); ``capabilities`` declares the rest."""
+
+    capabilities: Capabilities
+
     @property
     def policy_version(self) -> int: ...
 
@@ -132,8 +165,7 @@ class TransactionalEngine:
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
-    resumable: bool = False  # has generate_requests (abort, resume from partial tokens)
-    keyed: bool = False  # its generate_requests samples each token keyed by (seed, uid, index): interruption-invisible
+    capabilities: Capabilities = Capabilities()
 
     def begin(self, version: int, *, partial: bool = False) -> None:
         if self._txn is not None:

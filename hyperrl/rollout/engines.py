@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ..registry import Registry
+from hyperrl.registry import Registry
+from hyperrl.rollout.base import Capabilities
 
-__all__ = ["ENGINES", "register_engine", "EngineContext"]
+__all__ = ["ENGINES", "register_engine", "EngineContext", "declared_capabilities"]
 
 ENGINES: Registry = Registry("rollout engine")
 register_engine = ENGINES.register
@@ -41,12 +42,12 @@ def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: 
     consecutive ranks in vLLM's layout (fused qkv / gate_up, vocab-parallel; the trainer's
     ``run.tp`` groups — :class:`~.tp.TPTransformersEngine`), so publication sends each rank only
     its shards."""
-    from .hf import TransformersEngine
+    from hyperrl.rollout.hf import TransformersEngine
 
     if tp < 1:
         raise ValueError(f"rollout.engine.tp={tp}: must be ≥ 1")
     if tp > 1:
-        from .tp import TPTransformersEngine
+        from hyperrl.rollout.tp import TPTransformersEngine
 
         if share_weights or ctx.lora is not None:
             raise ValueError("rollout.engine.tp > 1: serves its own split copy (no share_weights, no model.lora)")
@@ -84,7 +85,7 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     ``enforce_eager``: vLLM's own flag — no torch.compile / CUDA graphs: the engine starts ≈30 s sooner
     on CPU (the tests use it) and decodes slower on a GPU."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
-    from .vllm_engine import VLLMEngine
+    from hyperrl.rollout.vllm_engine import VLLMEngine
 
     if lora_adapters and ctx.lora is None:
         raise ValueError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
@@ -104,3 +105,21 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     return VLLMEngine(init, dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
                       max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
                       pad_id=ctx.tokenizer.pad_token_id, **extra)
+
+
+# What each engine declares it can do, from its config arguments alone — so the config is checked at
+# load (an asynchronous run needs a resumable engine that does not share the trainer's weights)
+# before any engine exists; tests hold each built engine's ``capabilities`` to these.
+_DECLARED = {
+    "transformers": lambda share_weights=False, tp=1: Capabilities(keyed=True, resumable=True,
+                                                                   shared_weights=share_weights),
+    "vllm": lambda lora_adapters=False, **_: Capabilities(resumable=True, lora_adapters=lora_adapters,
+                                                          buffers=Path("/dev/shm").is_dir()),
+}
+
+
+def declared_capabilities(name: str, args: dict) -> Capabilities:
+    """The capabilities engine ``name`` built with ``args`` will have (an engine registered
+    without a declaration declares none)."""
+    fn = _DECLARED.get(name)
+    return fn(**args) if fn is not None else Capabilities()

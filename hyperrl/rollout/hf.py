@@ -15,11 +15,11 @@ import contextlib
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import FINISH_REASONS, NO_VERSION, make_trajectory
-from .base import SamplingParams, TransactionalEngine, WeightPublishError
-from .requests import Request, keyed_sample, keyed_uniform
+from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
+from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, make_trajectory
 
-__all__ = ["TransformersEngine", "filter_logits", "tiny_qwen3"]
+__all__ = ["TransformersEngine", "filter_logits"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
 
@@ -37,23 +37,6 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop = (torch.cumsum(probs, -1) - probs) >= top_p
         z = z.masked_fill(torch.zeros_like(drop).scatter(-1, idx, drop), float("-inf"))
     return z
-
-
-def tiny_qwen3(vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int = 2, kv_heads: int = 1,
-               head_dim: int = 32, intermediate: int = 128, seed: int = 0, dtype=torch.float32, pad_id: int = 0,
-               bos_id: int | None = 1, eos_id: int = 2, max_positions: int = 512):
-    """A randomly initialised Qwen3-architecture causal LM from a config (no hub access); the
-    special ids default to the character tokenizer's."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                      intermediate_size=intermediate, max_position_embeddings=max_positions, tie_word_embeddings=True,
-                      pad_token_id=pad_id, bos_token_id=bos_id, eos_token_id=eos_id)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).to(dtype)
-    model.eval()
-    return model
 
 
 def _run_length(ctx: list[tuple]) -> int:
@@ -77,7 +60,6 @@ class TransformersEngine(TransactionalEngine):
     optimizer, so a refused publication cannot fall back to ``V``: the engine then refuses to
     generate (the run fails closed) instead of serving unpublished weights."""
 
-    resumable = keyed = True  # generate_requests: keyed sampling, abort, resume
 
     def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0,
                  shared: bool = False):
@@ -86,6 +68,8 @@ class TransformersEngine(TransactionalEngine):
             self.model.eval()
         self.device = torch.device(device)
         self.pad_id, self.shared = pad_id, shared
+        # generate_requests: keyed sampling, abort, resume
+        self.capabilities = Capabilities(keyed=True, resumable=True, shared_weights=shared)
         self._version, self._failed = version, None
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
@@ -103,7 +87,7 @@ class TransformersEngine(TransactionalEngine):
 
     def layout(self, replicas: int = 1):
         """Every parameter whole (no tensor parallelism) on each of ``replicas`` copies (a ``dp`` axis)."""
-        from ..sharding import Mesh, Spec, plain_destination
+        from hyperrl.sharding import Mesh, Spec, plain_destination
 
         return plain_destination({k: (tuple(p.shape), p.dtype, Spec.replicate(p.dim()))
                                   for k, p in self.model.named_parameters()}, Mesh.of(dp=replicas))

@@ -27,9 +27,8 @@ import threading
 
 import torch
 
-from ..sharding.publisher import WeightPublishError
-from .base import TransactionalEngine
-from .workers import LIVE, WorkerDied, WorkerError, Workers, decode_flag
+from hyperrl.rollout.base import Capabilities, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
 
@@ -48,7 +47,7 @@ class _EngineActor:
     """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`)."""
 
     def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int, device: str = "cpu"):
-        from .hf import TransformersEngine
+        from hyperrl.rollout.hf import TransformersEngine
 
         self.threads = threads
         self._threads()
@@ -193,13 +192,13 @@ class RayEngine(TransactionalEngine):
     are the local engine's (names, shapes, finite values — before anything is shipped);
     ``commit`` publishes to every actor in two phases (module doc)."""
 
-    resumable = keyed = True
+    capabilities = Capabilities(keyed=True, resumable=True)
 
     def __init__(self, engine, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
                  timeout_s: float):
         import ray
 
-        from .hf import TransformersEngine
+        from hyperrl.rollout.hf import TransformersEngine
 
         if type(engine) is not TransformersEngine or engine.shared:  # (subclasses — the TP engine — split it)
             raise ValueError(f"async.executor=ray: rollout workers copy a transformers engine (rollout.engine: "

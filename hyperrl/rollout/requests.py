@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import FINISH_REASONS
+from hyperrl.trajectory import FINISH_REASONS
 
 __all__ = ["Request", "keyed_uniform", "keyed_sample", "keyed_seed", "resume_requests", "requests_for"]
 

@@ -23,8 +23,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-from .base import WeightPublishError
-from .hf import TransformersEngine
+from hyperrl.rollout.base import WeightPublishError
+from hyperrl.rollout.hf import TransformersEngine
 
 __all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead"]
 
@@ -96,9 +96,9 @@ class TPTransformersEngine(TransformersEngine):
     ``dp = world / tp`` replicas (see the module doc)."""
 
     def __init__(self, model, tp: int, *, device: str | torch.device = "cpu", pad_id: int = 0, version: int = 0):
-        from ..sharding.models import from_hf_config
-        from ..sharding.simulate import expected_destination
-        from ..sharding.vllm import rollout_layout
+        from hyperrl.sharding.models import from_hf_config
+        from hyperrl.sharding.simulate import expected_destination
+        from hyperrl.sharding.vllm import rollout_layout
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() % tp:
             raise ValueError(f"rollout.engine.tp={tp}: needs an initialised process group whose size divides by {tp}")

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from ..trajectory import NO_VERSION, stack_episodes
-from .base import SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.trajectory import NO_VERSION, stack_episodes
 
 __all__ = ["VLLMEngine"]
 
@@ -65,7 +65,7 @@ class VLLMEngine(TransactionalEngine):
         # a tied model's state_dict also lists lm_head.weight; the checkpoint (and vLLM) do not
         self._dropped = {"lm_head.weight"} if cfg.get("tie_word_embeddings") and "lm_head.weight" not in \
             self._shapes else set()
-        self.accepts_lora, self._lora = lora_rank is not None, None
+        self._lora = None
         if lora_rank is not None:  # vLLM's supported ranks: the smallest that holds the adapters
             engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=next(x for x in (8, 16, 32, 64, 128, 256, 320, 512) if x >= lora_rank))
@@ -78,6 +78,8 @@ class VLLMEngine(TransactionalEngine):
         if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
             self._read_layout(cfg)
         self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
+        self.capabilities = Capabilities(resumable=True, lora_adapters=lora_rank is not None,
+                                         buffers=self.transport == "shm")
         if self.transport not in ("shm", "file", "cuda_ipc"):
             raise ValueError(f"transport={self.transport!r}: one of shm, file, cuda_ipc")
         self._slots, off = {}, 0  # name → byte offset in the shared segment (64-byte aligned)
@@ -113,7 +115,6 @@ class VLLMEngine(TransactionalEngine):
                                  version=self._version, finish_reason=_FINISH.get(c.finish_reason, "aborted")))
         return stack_episodes(rows, self.pad_id)
 
-    resumable = True  # generate_requests: abort, resume from partial tokens (one seed per request: keyed_seed)
 
     def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
         """Continue every :class:`~hyperrl.rollout.requests.Request` — resubmitted to vLLM's engine
@@ -126,7 +127,7 @@ class VLLMEngine(TransactionalEngine):
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        from .requests import keyed_seed
+        from hyperrl.rollout.requests import keyed_seed
 
         if not requests:
             raise ValueError("requests: empty")
@@ -178,7 +179,7 @@ class VLLMEngine(TransactionalEngine):
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
-        if not self.accepts_lora:
+        if not self.capabilities.lora_adapters:
             raise WeightPublishError("this vLLM engine was started without LoRA (rollout.engine.lora_adapters)")
         if version <= self._version:
             raise WeightPublishError(f"version {version}: must be greater than the serving version {self._version}")
@@ -214,8 +215,8 @@ class VLLMEngine(TransactionalEngine):
         an engine whose parameters differ (listed in a warning), keeps checkpoint names."""
         import warnings
 
-        from ..sharding.models import from_hf_config
-        from ..sharding.vllm import rollout_layout
+        from hyperrl.sharding.models import from_hf_config
+        from hyperrl.sharding.vllm import rollout_layout
 
         try:
             lay = rollout_layout(from_hf_config(cfg), tp=1, dp=1, dtype=self.dtype)
@@ -245,10 +246,10 @@ class VLLMEngine(TransactionalEngine):
         """vLLM's own parameters (fused, padded: read from the loaded engine — see
         :meth:`_read_layout`) whole on each of ``replicas`` driver replicas; for a family hyperrl
         does not model, the checkpoint's tensors whole (vLLM's loader fuses them)."""
-        from ..sharding import Mesh, Spec, plain_destination
+        from hyperrl.sharding import Mesh, Spec, plain_destination
 
         if self._fused is not None:
-            from ..sharding import DstLayout
+            from hyperrl.sharding import DstLayout
 
             mesh = Mesh.of(dp=replicas, tp=1)  # the driver replica holds each parameter whole
             return DstLayout({n: replace(p, mesh=mesh) for n, p in self._fused.params.items()})
@@ -260,7 +261,7 @@ class VLLMEngine(TransactionalEngine):
         here into the engine's own parameters)."""
         weights = dict(weights.items() if hasattr(weights, "items") else weights)
         if self._fused is not None and not set(weights) <= set(self._shapes) and not partial:
-            from ..sharding.simulate import expected_destination
+            from hyperrl.sharding.simulate import expected_destination
 
             srcs = self._fused.sources()
             given = {k: v for k, v in weights.items() if k in srcs}

@@ -9,7 +9,7 @@ traffic) and :mod:`.timing` predicts its time on given links; executors (:mod:`.
 plans on ``torch.distributed`` and :mod:`.publisher` runs them into an engine's transaction.
 """
 
-from .layout import (
+from hyperrl.sharding.layout import (
     Block,
     ChunkRule,
     Demand,
@@ -22,13 +22,14 @@ from .layout import (
     check_compatible,
     plain_destination,
 )
-from .mesh import Mesh, MeshError
-from .plan import Plan, Transfer, reshard_plan
-from .report import PlanStats
-from .spec import Box, Spec, SpecError, boxes, chunk_bounds, dim_intervals, owners
-from .timing import Links, TimePrediction, predict
-from .verify import PlanError, verify
-from .vllm import HeadReplicaRule, rollout_layout
+from hyperrl.sharding.mesh import Mesh, MeshError
+from hyperrl.sharding.plan import Plan, reshard_plan
+from hyperrl.sharding.report import PlanStats
+from hyperrl.sharding.spec import Box, Spec, SpecError, boxes, chunk_bounds, dim_intervals, owners
+from hyperrl.sharding.timing import Links, TimePrediction, predict
+from hyperrl.sharding.transfer import Transfer
+from hyperrl.sharding.verify import PlanError, verify
+from hyperrl.sharding.vllm import HeadReplicaRule, rollout_layout
 
 __all__ = [
     "Mesh", "MeshError", "Spec", "SpecError", "Box", "boxes", "owners", "chunk_bounds", "dim_intervals",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .plan import Transfer
-from .spec import Box
+from hyperrl.sharding.spec import Box
+from hyperrl.sharding.transfer import Transfer
 
 __all__ = ["bucketize", "split_transfer"]
 

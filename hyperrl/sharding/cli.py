@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from .models import MODELS, from_hf_config, parse_parallel, trainer_layout
-from .plan import reshard_plan
-from .timing import parse_links, predict
-from .vllm import rollout_layout
+from hyperrl.sharding.models import MODELS, from_hf_config, parse_parallel, trainer_layout
+from hyperrl.sharding.plan import reshard_plan
+from hyperrl.sharding.timing import parse_links, predict
+from hyperrl.sharding.vllm import rollout_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

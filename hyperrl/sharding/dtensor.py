@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .mesh import Mesh
-from .spec import Spec, SpecError
+from hyperrl.sharding.mesh import Mesh
+from hyperrl.sharding.spec import Spec, SpecError
 
 __all__ = ["to_placements", "from_placements", "dtensor_spec", "is_dtensor", "local"]
 

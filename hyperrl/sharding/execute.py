@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layout import DstLayout, Layout
-from .plan import Plan
-from .spec import boxes
+from hyperrl.sharding.layout import DstLayout, Layout
+from hyperrl.sharding.plan import Plan
+from hyperrl.sharding.spec import boxes
 
 __all__ = ["execute_direct", "execute_full_gather"]
 

@@ -26,8 +26,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from .mesh import Mesh
-from .spec import Box, Spec, dim_intervals
+from hyperrl.sharding.mesh import Mesh
+from hyperrl.sharding.spec import Box, Spec, dim_intervals
 
 __all__ = [
     "Placement",

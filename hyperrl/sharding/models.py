@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout, Placement
-from .mesh import Mesh
-from .spec import Spec
+from hyperrl.sharding.layout import Layout, Placement
+from hyperrl.sharding.mesh import Mesh
+from hyperrl.sharding.spec import Spec
 
 __all__ = ["ModelConfig", "MODELS", "trainer_layout", "hf_tensor_shapes", "parse_parallel", "from_hf_config"]
 

@@ -19,28 +19,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .layout import Demand, DstLayout, Layout, Placement, check_compatible
-from .report import PlanStats, _sum_by, plan_stats, plan_str, plan_traffic
-from .spec import Box, dim_intervals
+from hyperrl.sharding.buckets import bucketize
+from hyperrl.sharding.layout import Demand, DstLayout, Layout, Placement, check_compatible
+from hyperrl.sharding.report import PlanStats, _sum_by, plan_stats, plan_str, plan_traffic
+from hyperrl.sharding.spec import Box, dim_intervals
+from hyperrl.sharding.transfer import Transfer
 
 __all__ = ["Transfer", "Plan", "PlanStats", "reshard_plan"]
-
-
-class Transfer(NamedTuple):
-    src_rank: int
-    dst_rank: int
-    tensor: str  # source tensor name
-    src_slice: Box  # phase 0: in the sender's local shard of `tensor`; phase 1: in its local `param`
-    param: str  # destination parameter
-    dst_slice: Box  # in the receiver's local `param`
-    nbytes: int
-    phase: int  # 0: from the source; k ≥ 1: forwarded by a destination replica at depth k of a fan-out tree
-    local: bool  # sender and receiver are the same physical rank: a local copy
-
-    def __str__(self) -> str:
-        kind = "local" if self.local else ("fwd" if self.phase else "send")
-        return (f"{kind:5} {self.src_rank:>5} -> {self.dst_rank:<5} {self.tensor}{self.src_slice} -> "
-                f"{self.param}{self.dst_slice} ({self.nbytes} B)")
 
 
 @dataclass(frozen=True)
@@ -283,8 +268,6 @@ class Plan:
     def buckets(self, max_bytes: int) -> list[list[Transfer]]:
         """Transfers packed under a per-rank staging cap (computed once per cap: a publisher
         executes the same plan every version)."""
-        from .buckets import bucketize
-
         cache = self.__dict__.setdefault("_buckets", {})
         if max_bytes not in cache:
             cache[max_bytes] = bucketize(self.transfers(), max_bytes)
@@ -336,7 +319,7 @@ def reshard_plan(src: Layout, dst: DstLayout, *, fan_out: bool | str = False, li
     if fan_out == "auto":
         if links is None:
             raise ValueError("fan_out='auto' needs links= (a timing.Links) to compare the two plans by")
-        from .timing import predict
+        from hyperrl.sharding.timing import predict
 
         plans = [reshard_plan(src, dst, fan_out=f, links=links) for f in (False, True)]
         return min(plans, key=lambda p: predict(p, links).seconds)

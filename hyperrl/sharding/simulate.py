@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import DstLayout, Layout
-from .plan import Plan
-from .spec import boxes
+from hyperrl.sharding.layout import DstLayout, Layout
+from hyperrl.sharding.plan import Plan
+from hyperrl.sharding.spec import boxes
 
 __all__ = ["simulate", "expected_destination", "source_shards", "random_state"]
 

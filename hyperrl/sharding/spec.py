@@ -12,7 +12,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .mesh import Mesh
+from hyperrl.sharding.mesh import Mesh
 
 __all__ = ["Spec", "Box", "chunk_bounds", "dim_intervals", "boxes", "owners", "SpecError"]
 

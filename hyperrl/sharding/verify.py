@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .layout import DstLayout, Layout
-from .plan import Plan
-from .spec import Box, boxes
+from hyperrl.sharding.layout import DstLayout, Layout
+from hyperrl.sharding.plan import Plan
+from hyperrl.sharding.spec import Box, boxes
 
 __all__ = ["verify", "PlanError"]
 

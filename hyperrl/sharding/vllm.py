@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
-from .mesh import Mesh
-from .models import ModelConfig, hf_tensor_shapes
-from .spec import Box, Spec
+from hyperrl.sharding.layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
+from hyperrl.sharding.mesh import Mesh
+from hyperrl.sharding.models import ModelConfig, hf_tensor_shapes
+from hyperrl.sharding.spec import Box, Spec
 
 __all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
 

@@ -2,26 +2,12 @@
 
 Each concept lives in its own module (``advantages``, ``objectives``, ``aggregation``, ``kl``,
 ``logprobs``, ``correction``, ``shaping``, ``filters``, ``preference``, ``batching``, ``stats``,
-``loss``, ``chain``; for asynchronous RL ``staleness`` and ``admission``); this facade re-exports
+``loss``, ``chain``; for asynchronous RL ``staleness``; learning-rate ``schedules``); this facade re-exports
 the public names. Kernels take tensors and the scalars they use; adapters take a trajectory
 TensorDict and return a new one (or a LossOutput).
 """
 
-from .admission import (
-    Buffer,
-    Unit,
-    admit,
-    buffer_init,
-    capacity,
-    check_admission,
-    check_conservation,
-    complete,
-    evict,
-    restart,
-    take_batch,
-    take_units,
-)
-from .advantages import (
+from hyperrl.transforms.advantages import (
     ADVANTAGES,
     batch_std_advantages,
     compute_advantages,
@@ -42,16 +28,16 @@ from .advantages import (
     rloo_advantages,
     scores_to_token_rewards,
 )
-from .aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregation
-from .batching import (
+from hyperrl.transforms.aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregation
+from hyperrl.transforms.batching import (
     balanced_partition,
     micro_batches_by_padded_budget,
     micro_batches_by_token_budget,
     padded_cost,
     partition_spread,
 )
-from .chain import bind, chain
-from .correction import (
+from hyperrl.transforms.chain import bind, chain
+from hyperrl.transforms.correction import (
     CORRECTIONS,
     Correction,
     importance_weights,
@@ -62,9 +48,9 @@ from .correction import (
     rejection_mask,
     truncated_is,
 )
-from .filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
-from .groups import GroupStats, dense_group_index, group_stats
-from .kl import (
+from hyperrl.transforms.filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
+from hyperrl.transforms.groups import GroupStats, dense_group_index, group_stats
+from hyperrl.transforms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
     KLController,
@@ -78,9 +64,15 @@ from .kl import (
     register_kl,
     register_kl_controller,
 )
-from .logprobs import entropy, logprobs_and_entropy, naive_token_logprobs, sequence_logprobs, token_logprobs
-from .loss import LossOutput, critic_loss, policy_loss
-from .objectives import (
+from hyperrl.transforms.logprobs import (
+    entropy,
+    logprobs_and_entropy,
+    naive_token_logprobs,
+    sequence_logprobs,
+    token_logprobs,
+)
+from hyperrl.transforms.loss import LossOutput, critic_loss, policy_loss
+from hyperrl.transforms.objectives import (
     OBJECTIVES,
     Objective,
     cispo,
@@ -94,9 +86,17 @@ from .objectives import (
     sapo,
     value_loss,
 )
-from .preference import DPOLoss, dpo_loss
-from .shaping import SHAPING, clip_rewards, kl_in_reward, mask_truncated, overlong_penalty, register_shaping
-from .staleness import (
+from hyperrl.transforms.preference import DPOLoss, dpo_loss
+from hyperrl.transforms.schedules import LR_SCHEDULES, lr_multiplier
+from hyperrl.transforms.shaping import (
+    SHAPING,
+    clip_rewards,
+    kl_in_reward,
+    mask_truncated,
+    overlong_penalty,
+    register_shaping,
+)
+from hyperrl.transforms.staleness import (
     interpolated_proximal_logprobs,
     proximal_alpha,
     row_policy_version,
@@ -104,7 +104,7 @@ from .staleness import (
     staleness_metrics,
     token_staleness,
 )
-from .stats import RunningStats, running_stats_init, running_stats_normalize, running_stats_update
+from hyperrl.transforms.stats import RunningStats, running_stats_init, running_stats_normalize, running_stats_update
 
 __all__ = [
     # registries
@@ -138,9 +138,9 @@ __all__ = [
     "micro_batches_by_token_budget", "micro_batches_by_padded_budget", "padded_cost", "balanced_partition",
     "partition_spread",
     "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",
-    # asynchronous RL: staleness, the proximal policy, admission and the buffer
+    # asynchronous RL: staleness and the proximal policy
     "token_staleness", "staleness_mask", "staleness_metrics", "row_policy_version", "proximal_alpha",
     "interpolated_proximal_logprobs",
-    "Unit", "Buffer", "check_admission", "capacity", "buffer_init", "admit", "complete", "restart", "evict",
-    "take_batch", "take_units", "check_conservation",
+    # learning-rate schedules
+    "LR_SCHEDULES", "lr_multiplier",
 ]

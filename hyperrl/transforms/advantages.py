@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from ..registry import Registry
-from .groups import dense_group_index, group_stats, segment_sum
+from hyperrl.registry import Registry
+from hyperrl.transforms.groups import dense_group_index, group_stats, segment_sum
 
 __all__ = [
     "ADVANTAGES",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import Registry
+from hyperrl.registry import Registry
 
 __all__ = ["AGGREGATIONS", "register_aggregation", "Normalizer", "aggregate"]
 

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..registry import Registry
-from .kl import kl_penalty
+from hyperrl.registry import Registry
+from hyperrl.transforms.kl import kl_penalty
 
 __all__ = [
     "CORRECTIONS",

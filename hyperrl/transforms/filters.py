@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Registry
-from .groups import group_stats
+from hyperrl.registry import Registry
+from hyperrl.transforms.groups import group_stats
 
 __all__ = ["FILTERS", "register_filter", "informative_groups", "dynamic_sampling_filter"]
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..registry import Registry
+from hyperrl.registry import Registry
 
 __all__ = [
     "KL_ESTIMATORS",

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from .aggregation import Normalizer, aggregate
-from .correction import Correction
-from .kl import kl_penalty
-from .objectives import OBJECTIVES, value_loss
+from hyperrl.transforms.aggregation import Normalizer, aggregate
+from hyperrl.transforms.correction import Correction
+from hyperrl.transforms.kl import kl_penalty
+from hyperrl.transforms.objectives import OBJECTIVES, value_loss
 
 __all__ = ["LossOutput", "policy_loss", "critic_loss"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..registry import Registry
+from hyperrl.registry import Registry
 
 __all__ = ["SHAPING", "register_shaping", "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated"]
 

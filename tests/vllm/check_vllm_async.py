@@ -27,10 +27,10 @@ def run() -> dict:
     import torch
 
     from hyperrl.config import load_config
-    from hyperrl.forward import plain_logprobs_and_entropy
+    from hyperrl.loop.forward import plain_logprobs_and_entropy
     from hyperrl.rollout import Request, resume_requests
-    from hyperrl.train import build_trainer
-    from hyperrl.trainer import SyncTrainer
+    from hyperrl.build import build_trainer
+    from hyperrl.loop.trainer import SyncTrainer
 
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}",
                              f"--run.out_dir={tempfile.mkdtemp()}", "--task=modsum", "--rollout.max_new_tokens=8",

@@ -18,8 +18,8 @@ def run() -> dict:
 
     from hyperrl.config import load_config
     from hyperrl.export import export_hf
-    from hyperrl.forward import plain_logprobs_and_entropy
-    from hyperrl.train import build_trainer
+    from hyperrl.loop.forward import plain_logprobs_and_entropy
+    from hyperrl.build import build_trainer
     from hyperrl.trajectory import stack_episodes
 
     out = Path(tempfile.mkdtemp())

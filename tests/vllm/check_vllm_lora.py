@@ -16,7 +16,7 @@ def run() -> dict:
 
     from hyperrl.config import load_config
     from hyperrl.rollout import WeightPublishError
-    from hyperrl.train import build_trainer
+    from hyperrl.build import build_trainer
 
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, lora_adapters: true, enforce_eager: true}",

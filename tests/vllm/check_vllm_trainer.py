@@ -14,8 +14,8 @@ def run() -> dict:
     import torch
 
     from hyperrl.config import load_config
-    from hyperrl.forward import plain_logprobs_and_entropy
-    from hyperrl.train import build_trainer
+    from hyperrl.loop.forward import plain_logprobs_and_entropy
+    from hyperrl.build import build_trainer
 
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}", f"--run.out_dir={out}",

@@ -1,6 +1,6 @@
 """Learning-rate schedules: pure functions of the optimizer-step index.
 
-A schedule is ``multiplier(k, total) → m ∈ [min_ratio, 1]`` (registry ``SCHEDULES``); the
+A schedule is ``multiplier(k, total) → m ∈ [min_ratio, 1]`` (registry ``LR_SCHEDULES``); the
 trainer sets ``lr = base_lr · m`` before optimizer step ``k`` (0-based, counted over the whole
 run). Its only state is ``k``, which the checkpoint records, so a resumed run continues the same
 curve. Linear warmup is a separate wrapper (:func:`lr_multiplier`):
@@ -19,24 +19,24 @@ from __future__ import annotations
 
 import math
 
-from .registry import Registry
+from hyperrl.registry import Registry
 
-__all__ = ["SCHEDULES", "lr_multiplier"]
+__all__ = ["LR_SCHEDULES", "lr_multiplier"]
 
-SCHEDULES: Registry = Registry("lr schedule")
+LR_SCHEDULES: Registry = Registry("lr schedule")
 
 
-@SCHEDULES.register("constant")
+@LR_SCHEDULES.register("constant")
 def constant(p: float, min_ratio: float) -> float:
     return 1.0
 
 
-@SCHEDULES.register("linear")
+@LR_SCHEDULES.register("linear")
 def linear(p: float, min_ratio: float) -> float:
     return 1.0 - (1.0 - min_ratio) * p
 
 
-@SCHEDULES.register("cosine")
+@LR_SCHEDULES.register("cosine")
 def cosine(p: float, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
@@ -48,7 +48,7 @@ def lr_multiplier(k: int, *, schedule: str = "constant", total: int, warmup: int
         raise ValueError(f"step {k} of total {total}: need 0 ≤ step and total ≥ 1")
     if warmup < 0 or not 0.0 <= min_ratio <= 1.0:
         raise ValueError(f"warmup={warmup}, min_ratio={min_ratio}: need warmup ≥ 0 and 0 ≤ min_ratio ≤ 1")
-    fn = SCHEDULES.get(schedule)
+    fn = LR_SCHEDULES.get(schedule)
     if k < warmup:
         return (k + 1) / warmup
     p = min(max((k - warmup) / max(total - warmup - 1, 1), 0.0), 1.0)

@@ -22,10 +22,10 @@ from typing import Literal
 
 import numpy as np
 
-from .data import DataError, PromptDataset, PromptLoader, Sample
-from .envs.rewards import REWARDS, RewardName
-from .registry import Registry
-from .tokenizer import encode_prompt
+from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample
+from hyperrl.registry import Registry
+from hyperrl.rewards.builtin import REWARDS, RewardName
+from hyperrl.tokenizer import encode_prompt
 
 __all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems", "FileTask",
            "ParquetTask", "make_task"]
@@ -267,7 +267,7 @@ class FileTask:
         return {"cursor": asdict(self.loader.state)}
 
     def load_state(self, state: dict) -> None:
-        from .data import CursorState
+        from hyperrl.data import CursorState
 
         if "cursor" in state:
             self.loader.state = CursorState(**state["cursor"])

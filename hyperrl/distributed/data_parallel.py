@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import transforms as T
+from hyperrl import transforms as T
 
 __all__ = ["LocalParallel", "TorchDataParallel", "make_parallel"]
 
@@ -191,7 +191,7 @@ class TorchDataParallel(LocalParallel):
         """Σ over the TP group of the TP-partial gradients among ``params`` (one coalesced
         all-reduce of their local shards; FSDP's reduce over ``dp`` is linear, so the order is free)."""
         mine = {id(p) for p in params}
-        from .sharding.dtensor import local
+        from hyperrl.sharding.dtensor import local
 
         gs = [local(p.grad) for p in self._tp_partial if id(p) in mine and p.grad is not None]
         if not gs:
@@ -265,10 +265,13 @@ class TorchDataParallel(LocalParallel):
         self._dist.barrier()
 
 
-def make_parallel(tp: int = 1) -> LocalParallel:
-    """:class:`TorchDataParallel` under an initialised process group of > 1 rank, else :class:`LocalParallel`."""
+def make_parallel(dims=None) -> LocalParallel:
+    """The strategy for the run's parallel dims (a :class:`~hyperrl.distributed.dims.ParallelDims`;
+    None: this world without tensor parallelism): :class:`TorchDataParallel` under an initialised
+    process group of > 1 rank, else :class:`LocalParallel`."""
     import torch.distributed as dist
 
+    tp = 1 if dims is None else dims.tp
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchDataParallel(tp)
     if tp != 1:

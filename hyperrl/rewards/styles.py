@@ -4,7 +4,7 @@ registry, weighted, routed by ``data_source``, batched; a reward model; math-ver
 A config's ``rewards:`` list (:class:`hyperrl.config.RewardSpec`) names each reward:
 
 * ``fn: "my_rewards.py:accuracy"`` — a function from a file (``style`` says how it is called), or
-  a registered name: a plain ``REWARDS`` function (hyperrl style) or a ``REWARD_FACTORIES``
+  a registered name in ``REWARDS``: a reward function (its style from its signature) or a reward
   factory whose hyperparameters are the spec's ``kwargs`` (``math_verify``, ``reward_model``).
 * ``style``: ``trl`` — ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list[float
   | None]`` called once per batch (TRL's ``reward_funcs``; ``None`` = not applicable; chat prompts
@@ -33,13 +33,11 @@ from pathlib import Path
 
 import torch
 
-from .registry import Registry
+from hyperrl.rewards.builtin import REWARDS, is_factory, register_reward_factory
 
-__all__ = ["REWARD_FACTORIES", "register_reward_factory", "Reward", "RewardSet", "RewardError", "load_function",
+__all__ = ["Reward", "RewardSet", "RewardError", "load_function",
            "build_rewards", "check_rewards"]
 
-REWARD_FACTORIES: Registry = Registry("reward factory")
-register_reward_factory = REWARD_FACTORIES.register
 
 
 class RewardError(ValueError):
@@ -214,8 +212,6 @@ def build_rewards(specs, where: str = "rewards") -> RewardSet:
 def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
     """The one walk over reward specs (``build=False``: a factory is checked, not called; its
     ``Reward.fn`` is None)."""
-    from .envs.rewards import REWARDS
-
     out, seen = [], set()
     for i, spec in enumerate(specs):
         key = f"{where}[{i}]"
@@ -228,18 +224,18 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
                                   "(prompts, completions, completion_ids, **columns), verl (data_source, solution_str, "
                                   "ground_truth, extra_info) or hyperrl (response, sample)")
             fn, name = load_function(ref, f"{key}.fn"), ref.rpartition(":")[2]
-        elif ref in REWARD_FACTORIES:
-            f = REWARD_FACTORIES.factory(ref)
+        elif ref in REWARDS and is_factory(ref):
+            f = REWARDS.factory(ref)
             f.check(kwargs, f"{key}.kwargs")
             f.check_requirements(f"{key}.fn")
-            fn, name = (REWARD_FACTORIES.build(ref, **kwargs)() if build else None), ref
+            fn, name = (REWARDS.build(ref, **kwargs)() if build else None), ref
             kwargs, style = {}, style or "trl"
         elif ref in REWARDS:
             fn, name = REWARDS.get(ref), ref
             style = style or _style_of(fn)
         else:
             raise RewardError(f"{key}.fn: {ref!r} is neither 'file.py:function' nor a registered reward "
-                              f"({sorted(REWARDS.names() + REWARD_FACTORIES.names())})")
+                              f"({REWARDS.names()})")
         name = spec.name or name
         if name in seen:
             raise RewardError(f"{key}.name: two rewards are named {name!r}; give one a distinct name")
@@ -261,7 +257,7 @@ def math_verify_reward(*, boxed_only: bool = False):
     """1.0 when the completion's final answer is mathematically equal to the sample's ``answer``
     (math-verify: ``\\boxed{}``, LaTeX and plain expressions, symbolic equivalence); 0.0 when not;
     ``boxed_only`` requires a ``\\boxed{}`` answer."""
-    REWARD_FACTORIES.factory("math_verify").check_requirements("rewards.fn")
+    REWARDS.factory("math_verify").check_requirements("rewards.fn")
     from math_verify import parse, verify
 
     def math_verify(prompts, completions, answer, **kw):

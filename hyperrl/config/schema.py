@@ -1,4 +1,4 @@
-"""Frozen run configuration at the edge, checked completely when it is loaded.
+"""The configuration schema: frozen pydantic sections, every key with its default and one line of doc.
 
 Layers, later over earlier: the defaults below ← the recipe named by ``algo.recipe``
 (:mod:`hyperrl.recipes`) ← a YAML file ← ``--a.b=value`` overrides (values parsed as YAML).
@@ -16,16 +16,12 @@ Pure transforms never see these objects; the trainer reads the scalars and passe
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 __all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig",
-           "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "TrainConfig", "load_config", "ConfigError",
-           "describe"]
+           "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "AsyncConfig", "TrainConfig", "ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -165,7 +161,7 @@ class OptimConfig(_Frozen):
     pack_tokens: int = Field(0, ge=0, description="padding-free trainer forwards: each micro-batch's rows packed "
                              "into sequences of at most this many tokens (position ids restart per row, no padding "
                              "computed; replaces the shared-prefix forward; one process only); 0 = off")
-    schedule: str = Field("constant", description="lr schedule (hyperrl.schedules.SCHEDULES)")
+    schedule: str = Field("constant", description="lr schedule (hyperrl.transforms.LR_SCHEDULES)")
     warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="where linear/cosine end, as a fraction of lr")
 
@@ -206,9 +202,10 @@ class RunConfig(_Frozen):
 
 
 class RewardSpec(_Frozen):
-    """One reward (see :mod:`hyperrl.rewards`)."""
+    """One reward (see :mod:`hyperrl.rewards.styles`)."""
 
-    fn: str = Field(description="'path/to/file.py:function' or a registered reward (REWARDS, REWARD_FACTORIES)")
+    fn: str = Field(description="'path/to/file.py:function' or a registered reward (hyperrl.rewards.REWARDS: a "
+                    "function or a factory)")
     weight: float = Field(1.0, description="its weight in the total reward Σ w·r (and GDPO's component weight)")
     style: Literal["trl", "verl", "hyperrl"] | None = Field(None, description="calling convention (required for "
                                                            "a file's function)")
@@ -284,210 +281,4 @@ def _plain(m):
 
 # ----------------------------------------------------------------------------- layers and merging
 
-def _is_variant(annotation) -> bool:
-    """``Variant`` or ``Variant | None`` (not ``list[Variant]``: lists are replaced whole)."""
-    return annotation is Variant or (get_origin(annotation) in (Union, UnionType) and Variant in get_args(annotation))
 
-
-def _as_spec(v):
-    return {"name": v} if isinstance(v, str) else v
-
-
-def _merge(model: type[BaseModel], base: dict, over: dict) -> dict:
-    """``over`` on ``base`` (plain dicts): sections recurse, variants keep ``base``'s arguments only
-    while the name is unchanged, everything else (lists included) is replaced."""
-    out = dict(base)
-    for k, v in over.items():
-        f = model.model_fields.get(k)
-        sub = getattr(f, "annotation", None) if f else None
-        if f is not None and isinstance(sub, type) and issubclass(sub, BaseModel) and sub is not Variant \
-                and isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(sub, out[k], v)
-        elif f is not None and _is_variant(sub) and isinstance(_as_spec(v), dict) and \
-                isinstance(_as_spec(out.get(k)), dict):
-            b, o = _as_spec(out[k]), _as_spec(v)
-            out[k] = o if "name" in o and o["name"] != b.get("name") else {**b, **o}
-        else:
-            out[k] = v
-    return out
-
-
-def _overrides(items: list[str]) -> dict:
-    data: dict = {}
-    for item in items:
-        item = item[2:] if item.startswith("--") else item
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected --section.key=value")
-        key, raw = item.split("=", 1)
-        parts = key.split(".")
-        node = data
-        for part in parts[:-1]:
-            if isinstance(node.get(part), str):  # --algo.objective=gspo --algo.objective.clip_low=…
-                node[part] = {"name": node[part]}
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {key!r}: {part!r} is not a section")
-        try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {key!r}: {raw!r} is not a YAML value ({e.problem})") from None
-    return data
-
-
-def _dotted(loc) -> str:
-    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in ("args",)))
-
-
-def _pydantic_error(e: ValidationError) -> ConfigError:
-    err = e.errors()[0]
-    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
-    key = _dotted(loc)
-    if err["type"] == "extra_forbidden":
-        parent = TrainConfig
-        for p in loc[:-1]:
-            f = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
-            parent = f.annotation if f is not None else None
-        valid = sorted(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
-        where = ".".join(map(str, loc[:-1])) or "the top level"
-        return ConfigError(f"unknown config key {key!r}; valid keys under {where}: {valid}")
-    return ConfigError(f"{key}: {err.get('input')!r} is not valid — {err['msg']}")
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Defaults ← recipe ← YAML file ← ``--a.b=value`` overrides; then every variant checked
-    against its registry (see the module doc). Raises :class:`ConfigError`."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
-    over = _overrides(list(overrides))
-    for layer in (data, over):
-        for section in ("algo", "rollout", "optim", "run", "model"):
-            if section in layer and not isinstance(layer[section], dict):
-                raise ConfigError(f"{section}: expected a mapping, got {type(layer[section]).__name__}")
-    recipe = over.get("algo", {}).get("recipe", data.get("algo", {}).get("recipe", AlgoConfig().recipe))
-    from .recipes import recipe_config
-
-    try:
-        base = {"algo": recipe_config(recipe)}
-    except KeyError as e:
-        raise ConfigError(f"algo.recipe: {e.args[0]}") from None
-    merged = TrainConfig().to_dict()
-    for layer in (base, data, over):
-        merged = _merge(TrainConfig, merged, layer)
-    merged = _data_task(merged, explicit_task="task" in data or "task" in over)
-    try:
-        cfg = TrainConfig.model_validate(merged)
-    except ValidationError as e:
-        raise _pydantic_error(e) from None
-    _check_files(cfg)
-    _check_rewards(cfg)
-    _check_parallel(cfg)
-    from .recipes import resolve
-
-    return resolve(cfg)
-
-
-def _data_task(d: dict, *, explicit_task: bool) -> dict:
-    """``data.train_files`` set → the task is ``files`` built from the data section."""
-    data = d.get("data") or {}
-    if not isinstance(data, dict) or not data.get("train_files"):
-        if isinstance(data, dict) and data.get("val_files"):
-            raise ConfigError("data.val_files: set data.train_files too (validation data belongs to a files task)")
-        return d
-    if explicit_task:
-        raise ConfigError("data.train_files and task are both set: data.train_files builds the task (files); "
-                          "remove task, or drop data.train_files and use the task's own arguments")
-    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "rewards")
-    return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
-
-
-def _check_parallel(cfg: TrainConfig) -> None:
-    """Tensor parallelism: what it combines with, and the engine's TP degree (1 or the trainer's)."""
-    import os
-
-    tp, eng = cfg.run.tp, cfg.rollout.engine
-    etp = int(eng.args.get("tp", 1)) if eng.name == "transformers" else 1
-    if etp != tp:  # the TP engine broadcasts its group's sampled tokens: the ranks of a TP group train on one batch
-        raise ConfigError(f"rollout.engine={eng.name} with tp={etp}: run.tp={tp} needs the engine split the same "
-                          f"way — rollout.engine={{name: transformers, tp: {tp}}} — so that the ranks of a TP group "
-                          f"generate one batch together (separate engines may sample different rows)")
-    if tp == 1:
-        return
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
-        int(os.environ.get("WORLD_SIZE", "1"))
-    if world % tp or world == 1:
-        raise ConfigError(f"run.tp={tp}: needs torchrun with a multiple of {tp} processes (WORLD_SIZE={world})")
-    for bad, why in ((cfg.model.lora is not None, "model.lora (the adapters' base is replicated, not split)"),
-                     (bool(cfg.model.compile), "model.compile")):
-        if bad:
-            raise ConfigError(f"run.tp={tp} with {why} is not supported; set run.tp=1")
-
-
-def _check_rewards(cfg: TrainConfig) -> None:
-    """Every reward resolves (:func:`hyperrl.rewards.check_rewards`) — without building a reward model."""
-    from .registry import HyperparameterError
-    from .rewards import RewardError, check_rewards
-
-    try:
-        check_rewards(cfg.rewards)
-    except (RewardError, HyperparameterError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_files(cfg: TrainConfig) -> None:
-    """Directories the config names exist and hold what is read from them (before anything is built)."""
-    m = cfg.model
-    if m.checkpoint is not None:
-        ck = Path(m.checkpoint)
-        if not (ck / "config.json").is_file():
-            raise ConfigError(f"model.checkpoint: {ck} is not a Hugging Face model directory (no config.json); "
-                              "save one with model.save_pretrained(dir)")
-    from .tokenizer import TOKENIZER_FILES
-
-    tok = m.tokenizer or m.checkpoint
-    if tok is not None and not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
-        key = "model.tokenizer" if m.tokenizer else "model.checkpoint"
-        raise ConfigError(f"{key}: {tok} has no tokenizer ({', '.join(TOKENIZER_FILES)}); save it with "
-                          "tokenizer.save_pretrained(dir) or point model.tokenizer at the tokenizer's directory")
-
-
-def describe() -> str:
-    """Every key with its default and one line of doc, then every registered variant with its
-    hyperparameters (``hyperrl config``)."""
-    lines = []
-
-    def walk(inst, prefix: str):
-        for name, f in type(inst).model_fields.items():
-            v = getattr(inst, name)
-            if isinstance(v, BaseModel) and not isinstance(v, Variant):
-                walk(v, f"{prefix}{name}.")
-                continue
-            shown = _plain(v)
-            lines.append(f"{prefix}{name} = {shown!r}" + (f"  # {f.description}" if f.description else ""))
-
-    walk(load_config(), "")
-    from .recipes import registries
-
-    lines.append("")
-    lines.append("Variants (a section names one: {name: x, arg: value}); the factory's defaults:")
-    for key, reg in registries().items():
-        lines.append(f"{key}: {reg.kind}")
-        for n in reg.names():
-            f = reg.factory(n)
-            args = ", ".join(f"{p.name}={p.default!r}" if not p.required else f"{p.name} (required)"
-                             for p in f.params.values())
-            needs = f"  needs {list(f.needs)}" if f.needs else ""
-            lines.append(f"  {n}({args}){needs}")
-    from .recipes import RECIPES
-
-    lines.append("algo.recipe: named chains")
-    for n in RECIPES.names():
-        lines.append(f"  {n}: {RECIPES.factory(n).doc}")
-    return "\n".join(lines)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from . import transforms as T
+from hyperrl import transforms as T
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
            "policy_logprobs", "prefix_groups", "choose"]

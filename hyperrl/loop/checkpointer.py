@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import (
+from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.loop.checkpoint import (
     MARKER,
     CheckpointError,
     latest_checkpoint,
@@ -23,8 +24,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_states,
 )
-from .parallel import LocalParallel
-from .sharding.dtensor import dtensor_spec, local
+from hyperrl.sharding.dtensor import dtensor_spec, local
 
 __all__ = ["Checkpointer", "local"]
 

@@ -27,18 +27,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .dtensor import dtensor_spec, is_dtensor, local
-from .layout import DstLayout, Layout, LayoutError, Placement
-from .mesh import Mesh
-from .plan import Plan, reshard_plan
-from .spec import Spec
+from hyperrl.rollout.base import WeightPublishError
+from hyperrl.sharding.dtensor import dtensor_spec, is_dtensor, local
+from hyperrl.sharding.layout import DstLayout, Layout, LayoutError, Placement
+from hyperrl.sharding.mesh import Mesh
+from hyperrl.sharding.plan import Plan, reshard_plan
+from hyperrl.sharding.spec import Spec
 
 __all__ = ["Publisher", "WeightPublishError", "source_layout", "cast_to_destination", "IdentityExecutor",
            "LocalExecutor", "DirectExecutor", "FullGatherExecutor"]
-
-
-class WeightPublishError(RuntimeError):
-    """A publication was refused or failed; the engine still serves the previous version."""
 
 
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
@@ -133,7 +130,7 @@ class DirectExecutor(_IntoBuffers):
     """Exactly the planned slices, point to point, at most ``max_bytes`` staged per rank per bucket."""
 
     def _execute(self, plan, rank, shards, out) -> None:
-        from .execute import execute_direct
+        from hyperrl.sharding.execute import execute_direct
 
         execute_direct(plan, rank, shards, out, max_bytes=self.max_bytes)
 
@@ -142,7 +139,7 @@ class FullGatherExecutor(_IntoBuffers):
     """The baseline: each full tensor gathered on one rank and sent whole to every reader."""
 
     def _execute(self, plan, rank, shards, out) -> None:
-        from .execute import execute_full_gather
+        from hyperrl.sharding.execute import execute_full_gather
 
         execute_full_gather(plan.src, plan.dst, rank, shards, out, max_bytes=self.max_bytes)
 
@@ -172,7 +169,7 @@ class Publisher:
 
     def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's destination pieces, by engine parameter name."""
-        into = self.engine.buffers() if self.engine is not None and hasattr(self.engine, "buffers") else None
+        into = self.engine.buffers() if self.engine is not None and self.engine.capabilities.buffers else None
         extra = {} if into is None else {"into": into}  # executors ``(plan, rank, shards)`` stay valid
         return self.executor(self.plan, self.rank, self.shards(model), **extra)
 

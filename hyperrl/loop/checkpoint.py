@@ -181,7 +181,7 @@ def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0) -> 
 def consolidate(path: str | Path, part: str = "model") -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of a tensor part, assembled from every rank's shards with the
     recorded specs — an HF-style state dict from a sharded FSDP2 checkpoint, on one process."""
-    from .sharding import Mesh, Spec, boxes
+    from hyperrl.sharding import Mesh, Spec, boxes
 
     path = Path(path)
     state = json.loads((path / "state.json").read_text())

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from . import transforms as T
-from .parallel import LocalParallel
-from .schedules import lr_multiplier
-from .trajectory import real_extent, trim_padding
+from hyperrl import transforms as T
+from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.trajectory import real_extent, trim_padding
+from hyperrl.transforms.schedules import lr_multiplier
 
 __all__ = ["Learner", "Optimized", "micro_batches", "map_micro_batches"]
 

@@ -1,14 +1,14 @@
-"""AsyncTrainer: rollout and learning overlap, every trained token at most η versions stale.
+"""The asynchronous collector: rollout and learning overlap, every trained token at most η versions stale.
 
 Rollout workers (``async.executor``: a thread of this process driving the run's engine, or Ray
 actors each holding a copy — :mod:`hyperrl.rollout.workers`) generate admitted requests while the
 learner trains on earlier ones, one driver thread per worker. The pure pieces decide everything
 that matters:
 
-* **admission** (:func:`hyperrl.transforms.admission.admit`): a prompt group is admitted only
+* **admission** (:func:`hyperrl.loop.admission.admit`): a prompt group is admitted only
   while ``(η + V + 1)·batch`` bounds the live-or-consumed groups — the workers never run ahead
   further than η can absorb;
-* **consumption** (:func:`~hyperrl.transforms.admission.take_batch`): earliest deadline first;
+* **consumption** (:func:`~hyperrl.loop.admission.take_batch`): earliest deadline first;
   the learner waits rather than trains a group past ``v_admitted + η`` (nothing is discarded);
 * **publication** is pause → publish → resume: the learner interrupts the workers, each stops at
   its next decode step and hands its unfinished rows back (``finish_reason = aborted``), the new
@@ -29,10 +29,11 @@ buffer's counters (``async_admitted``, ``async_consumed``, ``async_evicted``, ``
 …; the conservation law is checked each step). A group whose rows break the contract is evicted
 with the reason naming the worker and its prompt re-admitted: nothing trained on it, nothing
 lost. ``η = 0`` is synchronous: the same batches, metrics and weights as
-:class:`~hyperrl.trainer.SyncTrainer` (tested bit for bit).
+:class:`~hyperrl.loop.trainer.SyncTrainer` (tested bit for bit).
 
-The steps are those of the SyncTrainer (rewards, prepare, the pipeline, the learner, the
-publisher); only collection differs. Not yet here: multi-turn environments, group filters with
+:class:`~hyperrl.loop.trainer.AsyncTrainer` is the trainer with this collector: rewards and shaping
+(:func:`~hyperrl.loop.collect.score_and_shape`), prepare, the pipeline, the learner and the publisher
+are the synchronous run's own code; only collection differs. Not yet here: multi-turn environments, group filters with
 refill (docs/async.md says what exists).
 """
 
@@ -43,22 +44,23 @@ import json
 import math
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from . import transforms as T
-from .rollout.requests import Request, resume_requests
-from .rollout.workers import EXECUTORS, LIVE, WorkerDied, WorkerError
-from .trainer import SyncTrainer, _Timer
-from .trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
-from .transforms import admission as A
+from hyperrl import transforms as T
+from hyperrl.loop import admission as A
+from hyperrl.loop.collect import Timer, sample_uid, score_and_shape
+from hyperrl.rollout.requests import Request, resume_requests
+from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError
+from hyperrl.trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 
-__all__ = ["AsyncTrainer", "WorkerError", "SCHEDULES"]
+__all__ = ["AsyncCollector", "WorkerError", "ASYNC_SCHEDULES"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
-SCHEDULES = ("free", "gated")
+ASYNC_SCHEDULES = ("free", "gated")  # async.schedule (the config's Literal; checked at load)
 
 
 @dataclasses.dataclass
@@ -87,68 +89,28 @@ def _read_event_log(path) -> _Log:
     return _Log(sorted(calls, key=lambda e: e["call"]), takes)
 
 
-class AsyncTrainer(SyncTrainer):
-    def __init__(self, cfg, *, engine, max_staleness: int | None = None, max_concurrent: int | None = None,
-                 timeout_s: float | None = None, schedule: str | None = None, executor=None,
-                 replay: str | None = None, kv_cache: str | None = None, **kw):
-        """The ``async`` section of ``cfg`` gives every setting not passed here."""
-        r, a = cfg.rollout, getattr(cfg, "async")
-        max_staleness = a.max_staleness if max_staleness is None else max_staleness
-        max_concurrent = a.max_concurrent if max_concurrent is None else max_concurrent
-        timeout_s = a.timeout_s if timeout_s is None else timeout_s
-        schedule = a.schedule if schedule is None else schedule
-        replay = a.replay if replay is None else replay
-        kv_cache = a.kv_cache if kv_cache is None else kv_cache
-        if max_staleness is None:
-            raise ValueError("async.max_staleness: not set; the AsyncTrainer needs the staleness bound η ≥ 0")
-        if max_staleness < 0:
-            raise ValueError(f"async.max_staleness={max_staleness}: must be ≥ 0 (0 = synchronous)")
-        if not getattr(engine, "resumable", False):
-            raise ValueError(f"rollout.engine={cfg.rollout.engine.name}: asynchronous RL needs an engine with "
-                             "resumable requests (generate_requests: keyed sampling, abort, resume); the "
-                             "transformers engine has them")
-        if getattr(engine, "shared", False):
-            raise ValueError("rollout.engine.share_weights: the engine would generate from weights the learner is "
-                             "changing; an asynchronous run needs its own copy (share_weights: false)")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"async.schedule={schedule!r}: one of {SCHEDULES}")
-        if replay is not None and schedule != "free":
-            raise ValueError(f"async.replay with async.schedule={schedule}: an event log records a free-running run "
-                             "(a gated run reproduces without one)")
-        if kv_cache not in ("reprefill", "keep"):
-            raise ValueError(f"async.kv_cache={kv_cache!r}: one of reprefill, keep")
-        if kv_cache == "keep" and replay is not None:
-            raise ValueError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
-                             "event log; replay a run recorded with kv_cache: reprefill")
-        if schedule == "gated" and max_concurrent and max_concurrent < (max_staleness + 1) * r.prompts_per_step:
-            raise ValueError(f"async.max_concurrent={max_concurrent}: the gated schedule admits whole steps — set 0 "
-                             f"or ≥ (η + 1) · rollout.prompts_per_step = {(max_staleness + 1) * r.prompts_per_step}")
-        ex = executor if executor is not None else a.executor
-        self.executor = EXECUTORS.build(ex.name, **ex.args)(engine)
-        try:
-            super().__init__(cfg, engine=self.executor.engine, **kw)
-            if self.make_env is not None or self.pipeline.filter is not None or \
-                    "baseline_reward" in self.pipeline.needs:
-                raise ValueError("AsyncTrainer: multi-turn environments, group filters with refill and ReMax's greedy "
-                                 "baseline are synchronous-only for now; use SyncTrainer")
-            if self.parallel.world > 1:
-                raise ValueError("AsyncTrainer: one learner process (rollout workers scale with async.executor: "
-                                 "{name: ray, workers: N})")
-        except BaseException:
-            self.executor.close()
-            raise
-        self.eta, self.timeout_s, self.schedule = max_staleness, timeout_s, schedule
-        self.workers = list(self.executor.workers)
+class AsyncCollector:
+    """Rollout workers generating ahead of the learner within the staleness bound (module doc).
+    ``workers``: an executor's :class:`~hyperrl.rollout.worker_base.Workers` (its ``engine`` is
+    the one the trainer publishes to and evaluates with); ``rollout``: the config's section; the
+    async settings as the config's ``async`` section checked them at load. ``log``: the event log
+    of a free-running run (None: not recorded); ``fresh``: start it anew (a resumed run appends)."""
+
+    def __init__(self, workers, task, generator, scorer, pipeline, rollout, *, eta: int, max_concurrent: int,
+                 timeout_s: float, schedule: str, replay: str | None, kv_cache: str, seed: int, threads: int,
+                 log: Path | None, fresh: bool):
+        self.executor, self.engine, self.task, self.generator = workers, workers.engine, task, generator
+        self.scorer, self.pipeline, self.rollout, self.seed, self.threads = scorer, pipeline, rollout, seed, threads
+        self.eta, self.timeout_s, self.schedule = eta, timeout_s, schedule
+        self.workers = list(workers.workers)
         self.keep_kv = kv_cache == "keep" and schedule == "free"
-        if self.keep_kv:
-            if not all(hasattr(w, "hold") for w in self.workers):
-                self.executor.close()
-                raise ValueError(f"async.kv_cache=keep: the {ex.name} executor's workers cannot park mid-generation "
-                                 "(the thread executor's can); use kv_cache: reprefill")
-            for w in self.workers:
-                w.keep_kv = True
-        self.buffer = A.buffer_init(max_staleness, r.prompts_per_step, max_concurrent or
-                                    (max_staleness + 1) * r.prompts_per_step)
+        for w in self.workers:
+            w.keep_kv = self.keep_kv
+        self.buffer = A.buffer_init(eta, rollout.prompts_per_step, max_concurrent or
+                                    (eta + 1) * rollout.prompts_per_step)
+        self.samples: dict = {}
+        self.version = self.engine.policy_version  # the learner's version (set by each collect / pause)
+        self.step_idx = 0
         self._cond = threading.Condition()
         self._paused, self._stop = False, False
         self._busy: set[str] = set()  # workers generating (or restarting): a publication waits for none
@@ -163,8 +125,8 @@ class AsyncTrainer(SyncTrainer):
         # the event log: every worker call (its requests, version, decode steps before an interruption)
         # and every batch taken — what a replay needs to run the same calls and takes (module doc)
         self._replay = _read_event_log(replay) if replay is not None else None
-        self._log = Path(cfg.run.out_dir) / "async_events.jsonl" if schedule == "free" and replay is None else None
-        if self._log is not None and self.checkpointer.latest() is None:
+        self._log = log if schedule == "free" and replay is None else None
+        if self._log is not None and fresh:
             self._log.parent.mkdir(parents=True, exist_ok=True)
             self._log.write_text("")  # a fresh run: a fresh log (a resumed one appends)
         self._seq = 0
@@ -183,7 +145,7 @@ class AsyncTrainer(SyncTrainer):
 
     # ------------------------------------------------------------------ what a unit is
     def _sample(self, key: int):
-        P = self.cfg.rollout.prompts_per_step
+        P = self.rollout.prompts_per_step
         step, g = divmod(key, P)
         if step not in self._draws:
             self._draws[step] = self.task.sample(P, step, attempt=0)
@@ -191,16 +153,19 @@ class AsyncTrainer(SyncTrainer):
 
     def _prune_draws(self) -> None:
         """Forget the draws of steps no live, re-admittable or future unit can come from."""
-        P = self.cfg.rollout.prompts_per_step
+        P = self.rollout.prompts_per_step
         low = min([u.key for u in self.buffer.units] + self._requeue + [self._next_key]) // P
         for step in [s for s in self._draws if s < low]:
             del self._draws[step]
 
     def _requests(self, unit: A.Unit) -> list[Request]:
         """The unit's n requests; uids as the SyncTrainer numbers them (step, prompt, sample)."""
-        step, g = divmod(unit.key, self.cfg.rollout.prompts_per_step)
+        r = self.rollout
+        step, g = divmod(unit.key, r.prompts_per_step)
         prompt = tuple(self.task.encode(self._sample(unit.key)))
-        return [Request(self.sample_uid(step, 0, g, j), prompt, unit.key) for j in range(self.cfg.rollout.n)]
+        return [Request(sample_uid(step, 0, g, j, prompts_per_step=r.prompts_per_step, n=r.n,
+                                   max_generation_batches=r.max_generation_batches), prompt, unit.key)
+                for j in range(r.n)]
 
     def _top_up(self) -> None:
         """Admit what capacity allows (under the lock): evicted prompts first, then fresh ones."""
@@ -234,7 +199,7 @@ class AsyncTrainer(SyncTrainer):
         """(under the lock) A worker's call: its requests, ``stop_after`` and its log record. Free: an
         even share of what waits. Gated: the next fixed chunk of the earliest step (⌈P·n / workers⌉
         requests) — the same calls, with the same rows, in every run. Replay: the log's next call."""
-        W, r = len(self.workers), self.cfg.rollout
+        W, r = len(self.workers), self.rollout
         stop_after = LIVE
         if self._replay is not None:
             call = self._replay.calls.pop(0)
@@ -259,9 +224,9 @@ class AsyncTrainer(SyncTrainer):
 
     def _work(self, w) -> None:
         try:
-            if self.cfg.run.threads:  # torch's intra-op threads are per calling thread: the worker's own count
-                torch.set_num_threads(self.cfg.run.threads)
-            sp = dataclasses.replace(self._sampling(0), seed=self.cfg.run.seed * 7919)  # SyncTrainer's keyed seed
+            if self.threads:  # torch's intra-op threads are per calling thread: the worker's own count
+                torch.set_num_threads(self.threads)
+            sp = dataclasses.replace(self.generator.sampling(0), seed=self.seed * 7919)  # SyncTrainer's keyed seed
             while True:
                 with self._cond:
                     self._cond.wait_for(lambda: self._stop or self._can_take())
@@ -309,7 +274,7 @@ class AsyncTrainer(SyncTrainer):
                 uid = unit_of[int(done["group_id"][i])]
                 self._rows[uid].append(done[i:i + 1])
                 self._by[uid].add(name)
-                if len(self._rows[uid]) == self.cfg.rollout.n:
+                if len(self._rows[uid]) == self.rollout.n:
                     self._complete(uid)
             self._pending = resumed + self._pending
             self._top_up()
@@ -354,7 +319,10 @@ class AsyncTrainer(SyncTrainer):
                                   f"version {self.engine.policy_version}")
             self._cond.wait(min(left, 1.0))
 
-    def collect(self, timer: _Timer) -> tuple[TensorDict, dict]:
+    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]:
+        """The earliest-deadline units ready at the learner's version (waiting, with the deadline,
+        until there are enough), validated against η, scored and shaped."""
+        self.version, self.step_idx = trainer.version, trainer.step_idx
         taken = []
         with timer("wait"), self._cond:
             self._top_up()
@@ -383,8 +351,8 @@ class AsyncTrainer(SyncTrainer):
         validate(batch, learner_version=self.version, max_staleness=self.eta)  # every token within η
         samples = {u.key: self._sample(u.key) for u in taken}
         with timer("reward"):
-            batch = self.pipeline.admit(self.rewards(batch, samples))
-        self._samples = samples
+            batch = score_and_shape(batch, samples, self.scorer, self.pipeline)
+        self.samples = samples
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
         return batch, {**counters, **{k: float(v) for k, v in st.items()}}
 
@@ -438,15 +406,18 @@ class AsyncTrainer(SyncTrainer):
         self._top_up()
         self._cond.notify_all()
 
-    def publish(self) -> None:
-        """Pause (interrupt in-flight generation, wait for the workers to hand their rows back), publish
-        V + 1, resume; the interrupted rows continue under the new weights. Gated: wait for the
-        admitted requests instead of interrupting them."""
-        self._pause(f"pausing for the publication of version {self.version + 1}")
+    @contextmanager
+    def paused(self, what: str, *, drain: bool = True):
+        """Pause the workers (interrupt in-flight generation, wait for them to hand their rows back;
+        gated: wait for the admitted requests instead), run the body (a publication, an
+        evaluation), resume; interrupted rows continue under the new weights. The body may publish
+        a new version: the collector follows the engine's."""
+        self._pause(what, drain=drain)
         try:
-            super().publish()
+            yield
         finally:
             with self._cond:
+                self.version = self.engine.policy_version
                 self._unpause()
 
     def stop_workers(self) -> None:
@@ -470,7 +441,7 @@ class AsyncTrainer(SyncTrainer):
         except Exception:  # noqa: BLE001, S110 — interpreter shutdown
             pass
 
-    def _loop_state(self) -> dict:
+    def state(self) -> dict:
         """The buffer at a step boundary, losslessly: the prompts of every live unit (in flight or
         ready, in admission order) and of evicted-not-yet-readmitted ones, the data cursor, the
         counters. On resume they are admitted again first and regenerated — under the resumed
@@ -482,7 +453,8 @@ class AsyncTrainer(SyncTrainer):
                               "consumed": b.consumed, "evicted": b.evicted,
                               "evictions": [list(e) for e in b.evictions]}}
 
-    def _load_loop_state(self, state: dict) -> None:
+    def load_state(self, state: dict) -> None:
+        """The buffer of a checkpoint (:meth:`state`): its prompts are admitted again first."""
         st = state.get("async")
         if st is None:
             raise ValueError("resume: the checkpoint was written by a synchronous run (no async state); resume it "
@@ -494,12 +466,3 @@ class AsyncTrainer(SyncTrainer):
             self._units, self._rows, self._by, self._pending = {}, {}, {}, []
             self._requeue, self._next_key = list(st["live"]), st["next_key"]
             self._record({"resume": st.get("step", None)})
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        self._pause("pausing for evaluation", drain=False)  # the engine is the workers': evaluate while paused
-        try:
-            return super().evaluate()
-        finally:
-            with self._cond:
-                self._unpause()

@@ -1,25 +1,55 @@
-"""Rewards: plain functions ``(response, sample) -> float`` registered by name."""
+"""The one reward registry, ``REWARDS``, and the built-in reward functions.
+
+An entry is either a **reward function** — positional parameters, called as its style says
+(hyperrl ``(response, sample)``, TRL ``(prompts, completions, …)``, verl ``(data_source,
+solution_str, …)``; inferred from the signature) — or a **reward factory**: only keyword-only
+parameters (its hyperparameters, the config's ``kwargs``), returning a TRL-style function
+(``math_verify``, ``reward_model``; register with :func:`register_reward_factory`).
+:func:`is_factory` tells them apart by that signature rule.
+"""
 
 from __future__ import annotations
 
+import inspect
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated
 
 from pydantic import AfterValidator
 
-from ..registry import Registry
+from hyperrl.registry import Registry
 
-__all__ = ["REWARDS", "register_reward", "extract_gsm8k_answer", "normalize_number", "gsm8k_exact", "first_char_exact",
-           "exact_answer", "digit_credit", "digit_match", "starts_with_digit", "RewardName"]
+__all__ = ["REWARDS", "register_reward", "register_reward_factory", "is_factory", "extract_gsm8k_answer",
+           "normalize_number", "gsm8k_exact", "first_char_exact", "exact_answer", "digit_credit", "digit_match",
+           "starts_with_digit", "RewardName"]
 
-REWARDS: Registry = Registry("reward function")
+REWARDS: Registry = Registry("reward")
 register_reward = REWARDS.register
 
 
+def register_reward_factory(name: str, *, requires: tuple[tuple[str, str], ...] = ()):
+    """Decorator: register a reward factory (keyword-only hyperparameters → a TRL-style function)."""
+
+    def deco(fn):
+        params = inspect.signature(fn).parameters.values()
+        if any(p.kind is not inspect.Parameter.KEYWORD_ONLY for p in params):
+            raise TypeError(f"reward factory {name!r}: every parameter must be keyword-only (its hyperparameters)")
+        return REWARDS.register(name, requires=requires)(fn)
+
+    return deco
+
+
+def is_factory(name: str) -> bool:
+    """Is ``REWARDS[name]`` a factory (no positional parameters) rather than a reward function?"""
+    fn = REWARDS.get(name)
+    return not any(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              inspect.Parameter.VAR_POSITIONAL) for p in inspect.signature(fn).parameters.values())
+
+
 def _known_reward(name: str) -> str:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward function {name!r}; registered: {REWARDS.names()}")
+    if name not in REWARDS or is_factory(name):
+        names = [n for n in REWARDS.names() if not is_factory(n)]
+        raise ValueError(f"unknown reward function {name!r}; registered functions: {names}")
     return name
 
 

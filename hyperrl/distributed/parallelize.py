@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN", "FAMILIES", "TP_PARTIAL_GRADS", "tp_partial_params"]
+from hyperrl.registry import Registry
+
+__all__ = ["parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN", "PARALLELIZE_PLANS", "register_parallelize_plan",
+           "TP_PARTIAL_GRADS", "tp_partial_params", "fully_shard_model", "tensor_parallel_model"]
+
+# model_type → the family's TP × FSDP2 function ``fn(model, mesh, *, mp_policy)``; a new family is one
+# registered function
+PARALLELIZE_PLANS: Registry = Registry("parallelize plan")
+register_parallelize_plan = PARALLELIZE_PLANS.register
 
 QWEN3_TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                  "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
@@ -30,6 +38,7 @@ def tp_partial_params(model: torch.nn.Module) -> list:
     return [p for n, p in model.named_parameters() if n.endswith(TP_PARTIAL_GRADS)]
 
 
+@register_parallelize_plan("qwen3")
 def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
     """Apply TP over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` in place (see the module doc).
     Head counts must divide by the TP degree (error names them)."""
@@ -52,15 +61,43 @@ def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.
 
 # Qwen2 (its q/k/v biases shard with their rows), Llama and Mistral share Qwen3's module names and
 # head arithmetic, so one plan serves the four families.
-FAMILIES = {"qwen3": parallelize_qwen3, "qwen2": parallelize_qwen3, "llama": parallelize_qwen3,
-            "mistral": parallelize_qwen3}
+for _family in ("qwen2", "llama", "mistral"):
+    PARALLELIZE_PLANS.add(_family, parallelize_qwen3)
 
 
 def parallelize(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
     """TP × FSDP2 by the model family's function (``model.config.model_type``); an unmodelled
     family is an error naming the ones there are."""
     kind = getattr(model.config, "model_type", None)
-    if kind not in FAMILIES:
+    if kind not in PARALLELIZE_PLANS:
         raise ValueError(f"run.tp > 1: no tensor-parallel plan for model_type {kind!r} (have: "
-                         f"{', '.join(sorted(FAMILIES))}); use run.tp=1 (FSDP2 over every rank)")
-    return FAMILIES[kind](model, mesh, mp_policy=mp_policy)
+                         f"{', '.join(PARALLELIZE_PLANS.names())}); use run.tp=1 (FSDP2 over every rank)")
+    return PARALLELIZE_PLANS.get(kind)(model, mesh, mp_policy=mp_policy)
+
+
+def fully_shard_model(module, layers, dims, device: torch.device, dtype: torch.dtype):
+    """FSDP2 over all ranks on a device mesh of the run's device type (gloo on CPU, NCCL/HCCL on
+    devices): each decoder layer, then the root. Mixed precision by FSDP2's
+    ``MixedPrecisionPolicy``: parameters all-gathered and computed in ``dtype``, gradients
+    reduced in fp32 (the sharded master weights and the optimizer state stay in
+    ``model.param_dtype``). FSDP averages gradients over ranks; the trainer scales each loss by the
+    world size so the result is the *sum* the global token normaliser expects (gloo has no
+    PREMUL_SUM for a divide factor of 1), keeping accumulation exact."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = dims.mesh(device.type)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    return module
+
+
+def tensor_parallel_model(module, dims, device: torch.device, dtype: torch.dtype):
+    """TP over groups of ``dims.tp`` consecutive ranks and FSDP2 over the ``dims.dp`` data-parallel
+    groups, on the run's ``(dp, tp)`` device mesh — the model family's plan (:data:`PARALLELIZE_PLANS`),
+    mixed precision as in :func:`fully_shard_model`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return parallelize(module, dims.mesh(device.type), mp_policy=mp)

@@ -1,0 +1,159 @@
+"""The composition root: :func:`build` turns a checked config into a ready trainer.
+
+Everything a config names is built here, once, in dependency order — the pipeline (what it needs
+decides the rest), the tokenizer, the task, the policy on ``run.device``, the engine, a reference
+when the pipeline needs ``ref_logprobs``, a critic when it needs ``values``, the parallelism, the
+environment and rewards; then the trainer's collaborators (learner, publisher, checkpointer, KL
+controller, collector) — and handed to the trainer, which builds nothing itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hyperrl.config import TrainConfig, validate_config
+from hyperrl.data.tasks import make_task
+from hyperrl.device import pick_device, torch_dtype
+from hyperrl.distributed import ParallelDims, make_parallel
+from hyperrl.distributed.parallelize import fully_shard_model, tensor_parallel_model, tp_partial_params
+from hyperrl.envs import ENVIRONMENTS
+from hyperrl.loop.checkpointer import Checkpointer
+from hyperrl.loop.collect import SyncCollector
+from hyperrl.loop.collect_async import AsyncCollector
+from hyperrl.loop.evaluate import Evaluator
+from hyperrl.loop.generation import Generator, stop_ids_of
+from hyperrl.loop.learner import Learner, Optimized
+from hyperrl.loop.pipeline import build_pipeline
+from hyperrl.loop.publish import PolicyPublisher
+from hyperrl.loop.scoring import Scorer
+from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
+from hyperrl.models.lora import MergedView, is_lora, trainable_parameters
+from hyperrl.models.policy import build_critic, build_policy, build_reference, build_tokenizer
+from hyperrl.rewards import build_rewards
+from hyperrl.rollout.engines import ENGINES, EngineContext
+from hyperrl.rollout.publisher import Publisher
+from hyperrl.rollout.workers import EXECUTORS
+
+__all__ = ["build", "build_trainer"]
+
+
+def _with_async(cfg: TrainConfig, overrides: dict) -> TrainConfig:
+    """``cfg`` with keys of its ``async`` section replaced (``build(cfg, max_staleness=1)``), validated
+    and checked again as the config loader does."""
+    if not overrides:
+        return cfg
+    d = cfg.to_dict()
+    d["async"] = {**d["async"], **overrides}
+    return validate_config(d)
+
+
+def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
+    """The policy (on ``device``, parallelised over ``dims``), the engine, the reference and the critic."""
+    m, dtype = cfg.model, torch_dtype(cfg.model.dtype)
+    policy = build_policy(cfg, tok, lora=False).to(device)
+    policy.train()
+    eng = cfg.rollout.engine
+    ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
+                        tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None)
+    engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
+    policy, reference = build_reference(cfg, policy, "ref_logprobs" in pipeline.needs)
+    critic = build_critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
+    if m.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dims.tp > 1:
+        policy = tensor_parallel_model(policy, dims, device, dtype)
+        parallel.sum_over_tp(tp_partial_params(policy))
+    elif dims.world > 1:
+        if m.lora is None:
+            policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype)
+        else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
+            parallel.replicate(policy)
+        if critic is not None:
+            critic = fully_shard_model(critic, critic.backbone.layers, dims, device, dtype)
+    if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
+        policy.compile(backend=m.compile, dynamic=True)
+    return policy, engine, reference, critic
+
+
+def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **async_overrides) -> Trainer:
+    """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`)
+    — see the module doc — and the trainer that runs it: :class:`~hyperrl.loop.trainer.AsyncTrainer`
+    when ``async.max_staleness`` is set, else :class:`~hyperrl.loop.trainer.SyncTrainer`.
+    Every module, buffer and optimizer state lives on ``run.device``: fp32 master weights
+    (``model.param_dtype``), compute in ``model.dtype``. ``trainer``: another trainer class over
+    the same pieces; ``async_overrides``: keys of the ``async`` section (``max_staleness=1``),
+    checked as at load."""
+    cfg = _with_async(cfg, async_overrides)
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    pipeline = build_pipeline(cfg.algo)
+    device = pick_device(cfg.run.device)
+    tok = build_tokenizer(cfg)
+    task = make_task(cfg.task, tok, cfg.run.seed)
+    need = getattr(task, "response_tokens", 0)
+    if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
+        raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
+                         f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
+    dims = ParallelDims.from_env(cfg.run.tp)
+    parallel = make_parallel(dims)
+    policy, engine, reference, critic = build_models(cfg, pipeline, tok, device, parallel, dims)
+    make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
+    rewards = build_rewards(cfg.rewards) if cfg.rewards else None
+    a = getattr(cfg, "async")
+    asynchronous = a.max_staleness is not None
+    if trainer is None:
+        trainer = AsyncTrainer if asynchronous else SyncTrainer
+    workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine) if asynchronous else None
+    try:
+        if workers is not None:
+            engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
+        return _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env,
+                         rewards, workers, hooks)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+
+
+def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env, rewards,
+              workers, hooks) -> Trainer:
+    """The trainer's collaborators — learner, publisher, checkpointer, KL controller, generator,
+    scorer, evaluator, collector — and the trainer over them."""
+    o, a, r = cfg.optim, cfg.algo, cfg.rollout
+    parts = {"policy": Optimized(policy, torch.optim.AdamW(trainable_parameters(policy), lr=o.lr, betas=o.betas,
+                                                           weight_decay=o.weight_decay), o.lr)}
+    if critic is not None:
+        parts["critic"] = Optimized(critic, torch.optim.AdamW(critic.parameters(), lr=a.critic.lr), a.critic.lr)
+    learner = Learner(parts, grad_clip=o.grad_clip, schedule=o.schedule, warmup=o.warmup_steps,
+                      min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
+                      parallel=parallel)
+    lora = is_lora(policy)
+    published = MergedView(policy) if lora else policy
+    publisher = PolicyPublisher(engine, policy, published,
+                                Publisher.for_engine(published, engine, rank=parallel.rank, world=parallel.world),
+                                adapters_only=lora and engine.capabilities.lora_adapters)
+    checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)
+    stop_ids = stop_ids_of(policy)
+    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids, make_env=make_env)
+    scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None, stop_ids=stop_ids,
+                    token_rewards="token_rewards" in pipeline.needs)
+    evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
+    if workers is None:
+        collector = SyncCollector(generator, scorer, pipeline, task, parallel, r)
+    else:
+        s = getattr(cfg, "async")
+        collector = AsyncCollector(workers, task, generator, scorer, pipeline, r, eta=s.max_staleness,
+                                   max_concurrent=s.max_concurrent, timeout_s=s.timeout_s, schedule=s.schedule,
+                                   replay=s.replay, kv_cache=s.kv_cache, seed=cfg.run.seed, threads=cfg.run.threads,
+                                   log=Path(cfg.run.out_dir) / "async_events.jsonl",
+                                   fresh=checkpointer.latest() is None)
+    return trainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline,
+                   collector=collector, generator=generator, scorer=scorer, evaluator=evaluator, learner=learner,
+                   publisher=publisher, checkpointer=checkpointer,
+                   kl_controller=pipeline.kl_controller(pipeline.kl_coef), parallel=parallel, reference=reference,
+                   critic=critic, hooks=hooks)
+
+
+build_trainer = build  # the name earlier releases used

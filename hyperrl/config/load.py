@@ -1,0 +1,178 @@
+"""Loading a config: defaults ← recipe ← YAML file ← ``--a.b=value`` overrides, then every check.
+
+Merging keeps a variant's arguments of the layer below only while its name stays the same, so
+``--algo.objective=gspo`` gets GSPO's clips, never PPO's. After pydantic has validated types and
+keys, :mod:`hyperrl.config.checks` runs every config-shaped check and
+:func:`hyperrl.config.resolve.resolve` checks each variant against its registry — all before any
+model, engine, process group or ``out_dir`` exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hyperrl.config.checks import check_config
+from hyperrl.config.recipes import RECIPES, recipe_config
+from hyperrl.config.resolve import registries, resolve
+from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
+
+__all__ = ["load_config", "validate_config", "describe"]
+
+
+def _is_variant(annotation) -> bool:
+    """``Variant`` or ``Variant | None`` (not ``list[Variant]``: lists are replaced whole)."""
+    return annotation is Variant or (get_origin(annotation) in (Union, UnionType) and Variant in get_args(annotation))
+
+
+def _as_spec(v):
+    return {"name": v} if isinstance(v, str) else v
+
+
+def _merge(model: type[BaseModel], base: dict, over: dict) -> dict:
+    """``over`` on ``base`` (plain dicts): sections recurse, variants keep ``base``'s arguments only
+    while the name is unchanged, everything else (lists included) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        f = model.model_fields.get(k)
+        sub = getattr(f, "annotation", None) if f else None
+        if f is not None and isinstance(sub, type) and issubclass(sub, BaseModel) and sub is not Variant \
+                and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(sub, out[k], v)
+        elif f is not None and _is_variant(sub) and isinstance(_as_spec(v), dict) and \
+                isinstance(_as_spec(out.get(k)), dict):
+            b, o = _as_spec(out[k]), _as_spec(v)
+            out[k] = o if "name" in o and o["name"] != b.get("name") else {**b, **o}
+        else:
+            out[k] = v
+    return out
+
+
+def _overrides(items: list[str]) -> dict:
+    data: dict = {}
+    for item in items:
+        item = item[2:] if item.startswith("--") else item
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected --section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            if isinstance(node.get(part), str):  # --algo.objective=gspo --algo.objective.clip_low=…
+                node[part] = {"name": node[part]}
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key!r}: {part!r} is not a section")
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key!r}: {raw!r} is not a YAML value ({e.problem})") from None
+    return data
+
+
+def _dotted(loc) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p in ("args",)))
+
+
+def _pydantic_error(e: ValidationError) -> ConfigError:
+    err = e.errors()[0]
+    loc = tuple(p for p in err["loc"] if not str(p).startswith("function-"))
+    key = _dotted(loc)
+    if err["type"] == "extra_forbidden":
+        parent = TrainConfig
+        for p in loc[:-1]:
+            f = parent.model_fields.get(str(p)) if isinstance(parent, type) else None
+            parent = f.annotation if f is not None else None
+        valid = sorted(parent.model_fields) if isinstance(parent, type) and issubclass(parent, BaseModel) else []
+        where = ".".join(map(str, loc[:-1])) or "the top level"
+        return ConfigError(f"unknown config key {key!r}; valid keys under {where}: {valid}")
+    return ConfigError(f"{key}: {err.get('input')!r} is not valid — {err['msg']}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults ← recipe ← YAML file ← ``--a.b=value`` overrides; then every variant checked
+    against its registry (see the module doc). Raises :class:`ConfigError`."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
+    over = _overrides(list(overrides))
+    for layer in (data, over):
+        for section in ("algo", "rollout", "optim", "run", "model"):
+            if section in layer and not isinstance(layer[section], dict):
+                raise ConfigError(f"{section}: expected a mapping, got {type(layer[section]).__name__}")
+    recipe = over.get("algo", {}).get("recipe", data.get("algo", {}).get("recipe", AlgoConfig().recipe))
+    try:
+        base = {"algo": recipe_config(recipe)}
+    except KeyError as e:
+        raise ConfigError(f"algo.recipe: {e.args[0]}") from None
+    merged = TrainConfig().to_dict()
+    for layer in (base, data, over):
+        merged = _merge(TrainConfig, merged, layer)
+    merged = _data_task(merged, explicit_task="task" in data or "task" in over)
+    return validate_config(merged)
+
+
+def validate_config(data: dict) -> TrainConfig:
+    """A complete config as plain data (``TrainConfig.to_dict()``'s form) → the checked, resolved
+    config: pydantic's types and keys, every config-shaped check, every variant against its
+    registry. Raises :class:`ConfigError`."""
+    try:
+        cfg = TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise _pydantic_error(e) from None
+    check_config(cfg)
+    return resolve(cfg)
+
+
+def _data_task(d: dict, *, explicit_task: bool) -> dict:
+    """``data.train_files`` set → the task is ``files`` built from the data section."""
+    data = d.get("data") or {}
+    if not isinstance(data, dict) or not data.get("train_files"):
+        if isinstance(data, dict) and data.get("val_files"):
+            raise ConfigError("data.val_files: set data.train_files too (validation data belongs to a files task)")
+        return d
+    if explicit_task:
+        raise ConfigError("data.train_files and task are both set: data.train_files builds the task (files); "
+                          "remove task, or drop data.train_files and use the task's own arguments")
+    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "rewards")
+    return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
+
+
+def describe() -> str:
+    """Every key with its default and one line of doc, then every registered variant with its
+    hyperparameters (``hyperrl config``)."""
+    lines = []
+
+    def walk(inst, prefix: str):
+        for name, f in type(inst).model_fields.items():
+            v = getattr(inst, name)
+            if isinstance(v, BaseModel) and not isinstance(v, Variant):
+                walk(v, f"{prefix}{name}.")
+                continue
+            shown = _plain(v)
+            lines.append(f"{prefix}{name} = {shown!r}" + (f"  # {f.description}" if f.description else ""))
+
+    walk(load_config(), "")
+    lines.append("")
+    lines.append("Variants (a section names one: {name: x, arg: value}); the factory's defaults:")
+    for key, reg in registries().items():
+        lines.append(f"{key}: {reg.kind}")
+        for n in reg.names():
+            f = reg.factory(n)
+            args = ", ".join(f"{p.name}={p.default!r}" if not p.required else f"{p.name} (required)"
+                             for p in f.params.values())
+            needs = f"  needs {list(f.needs)}" if f.needs else ""
+            lines.append(f"  {n}({args}){needs}")
+    lines.append("algo.recipe: named chains")
+    for n in RECIPES.names():
+        lines.append(f"  {n}: {RECIPES.factory(n).doc}")
+    return "\n".join(lines)

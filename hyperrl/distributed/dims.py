@@ -1,0 +1,80 @@
+"""The parallel dimensions of a run and the process group.
+
+:class:`ParallelDims` is one value — world, data-parallel and tensor-parallel sizes, with room for
+the expert (``ep``) and context (``cp``) axes — that says how the world is split and builds the
+device mesh once (torchtitan's ``ParallelDims``). :func:`init_distributed` joins the process group
+under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hyperrl.device import collective_backend, pick_device
+
+__all__ = ["ParallelDims", "init_distributed", "world_size"]
+
+
+def world_size() -> int:
+    """The run's process count: the initialised process group's, else ``WORLD_SIZE`` (torchrun sets
+    it before any group exists), else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world's ranks are split: ``world = dp · tp`` (``ep`` and ``cp`` are the expert- and
+    context-parallel axes the MoE and long-context work add; both must be 1 today). ``tp``
+    consecutive ranks form a tensor-parallel group; ``dp`` is the data-parallel size (FSDP2 shards
+    over it). :meth:`mesh` builds the device mesh once and returns the same one after: a 1-D
+    ``("fsdp",)`` mesh when ``tp == 1``, a 2-D ``("dp", "tp")`` mesh otherwise."""
+
+    world: int = 1
+    tp: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        for name in ("world", "tp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
+        if self.ep != 1 or self.cp != 1:
+            raise ValueError(f"parallel dims: ep={self.ep}, cp={self.cp}: expert and context parallelism are not "
+                             "implemented yet (both must be 1)")
+        if self.world % self.tp:
+            raise ValueError(f"run.tp={self.tp} must divide the world size {self.world}")
+        object.__setattr__(self, "_meshes", {})
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel size ``world / (tp · ep · cp)``."""
+        return self.world // (self.tp * self.ep * self.cp)
+
+    @classmethod
+    def from_env(cls, tp: int = 1) -> ParallelDims:
+        """The dims of this process's world (:func:`world_size`) with tensor parallelism ``tp``."""
+        return cls(world=world_size(), tp=tp)
+
+    def mesh(self, device_type: str):
+        """The run's device mesh on ``device_type`` (built on the first call, the same object after)."""
+        if device_type not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape, names = ((self.world,), ("fsdp",)) if self.tp == 1 else ((self.dp, self.tp), ("dp", "tp"))
+            self._meshes[device_type] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return self._meshes[device_type]
+
+
+def init_distributed(device: str = "cpu") -> int:
+    """Under ``torchrun`` (``WORLD_SIZE > 1``) join the process group — gloo on CPU, NCCL on CUDA,
+    HCCL on NPU — and return this process's rank (0 when single-process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(collective_backend(pick_device(device)))
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

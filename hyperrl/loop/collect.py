@@ -1,0 +1,141 @@
+"""Collectors: how a step's batch is gathered — the seam between generation and learning.
+
+A :class:`Collector` has ``collect(trainer, timer) -> (batch, info)`` (this rank's rewarded,
+shaped batch and its metrics; ``collector.samples`` keeps the step's prompts by group id),
+``paused(what, drain=True)`` — a context the trainer publishes and evaluates in —, ``state()`` /
+``load_state(state)`` (what a checkpoint adds), and ``close()``. :class:`SyncCollector` generates
+on demand; :class:`hyperrl.loop.collect_async.AsyncCollector` takes batches from rollout workers
+that run ahead within the staleness bound. Both score and shape through the same
+:func:`score_and_shape`, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+from hyperrl import transforms as T
+from hyperrl.trajectory import cat_batches
+
+__all__ = ["Collector", "SyncCollector", "Timer", "sample_uid", "score_and_shape"]
+
+
+class Timer:
+    """Wall-clock phases of a step: ``with timer("generate"): …`` adds to ``timer.t["time_generate_s"]``."""
+
+    def __init__(self):
+        self.t: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.t[f"time_{name}_s"] = self.t.get(f"time_{name}_s", 0.0) + time.perf_counter() - t0
+
+
+def sample_uid(step: int, attempt: int, prompt: int, sample: int, *, prompts_per_step: int, n: int,
+               max_generation_batches: int) -> int:
+    """The ``sample_uid`` of sample ``sample`` of global prompt ``prompt`` in generation round
+    ``attempt`` of ``step``: unique over the run and a pure function of those — resume needs no state."""
+    return ((step * max_generation_batches + attempt) * prompts_per_step + prompt) * n + sample
+
+
+def score_and_shape(batch: TensorDict, samples, scorer, pipeline) -> TensorDict:
+    """Rewards (:class:`~hyperrl.loop.scoring.Scorer`), then the pipeline's reward shaping; what
+    shaping changed in ``reward`` lands on the last action token of ``token_rewards`` (when the run
+    has them), so the per-token credit still sums to the shaped reward."""
+    batch = pipeline.shape(scorer.score(batch, samples))
+    if "token_rewards" in batch.keys():
+        tr = batch["token_rewards"]
+        batch = batch.copy().set("token_rewards", tr + T.scores_to_token_rewards(
+            batch["reward"] - tr.sum(-1), batch["action_mask"]))
+    return batch
+
+
+@runtime_checkable
+class Collector(Protocol):
+    """How a step's batch is gathered (see the module doc)."""
+
+    samples: dict
+
+    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]: ...
+
+    def paused(self, what: str, *, drain: bool = True) -> contextlib.AbstractContextManager: ...
+
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SyncCollector:
+    """Generate this rank's share of ``rollout.prompts_per_step`` groups now, score and shape them.
+    With a group filter the batch is refilled — up to ``rollout.max_generation_batches`` rounds,
+    fresh prompts each round — until it holds the share's number of informative groups; the counts
+    are reported (``filter_*``)."""
+
+    def __init__(self, generator, scorer, pipeline, task, parallel, rollout):
+        self.generator, self.scorer, self.pipeline, self.task = generator, scorer, pipeline, task
+        self.parallel, self.rollout = parallel, rollout
+        self.samples: dict = {}
+
+    def _uids(self, step: int, attempt: int) -> list[int]:
+        r = self.rollout
+        return [sample_uid(step, attempt, g, j, prompts_per_step=r.prompts_per_step, n=r.n,
+                           max_generation_batches=r.max_generation_batches)
+                for g in self.parallel.shard(list(range(r.prompts_per_step))) for j in range(r.n)]
+
+    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]:
+        r, p, step = self.rollout, self.pipeline, trainer.step_idx
+        want = len(self.parallel.shard(list(range(r.prompts_per_step))))
+        kept, n_groups, dropped, rounds, samples = [], 0, 0, 0, {}
+        for attempt in range(r.max_generation_batches if p.filter else 1):
+            drawn = self.parallel.shard(self.task.sample(r.prompts_per_step, step, attempt=attempt))
+            offset = len(samples)
+            samples.update({offset + i: s for i, s in enumerate(drawn)})
+            with timer("generate"):
+                batch = self.generator.generate(drawn, self.generator.sampling(step, 10**7 * attempt), r.n, offset,
+                                                uids=self._uids(step, attempt), step=step)
+            with timer("reward"):
+                batch = score_and_shape(batch, samples, self.scorer, p)
+            rounds += 1
+            if p.filter is None:
+                kept.append(batch)
+                break
+            batch, d = p.filter(batch)
+            dropped += d // r.n
+            kept.append(batch)
+            n_groups += int(torch.unique(batch["group_id"]).numel()) if batch.batch_size[0] else 0
+            if n_groups >= want:
+                break
+        batch = cat_batches(kept)
+        if p.filter is not None and n_groups > want:  # exactly the share: the first `want` groups generated
+            batch = batch[torch.isin(batch["group_id"], torch.unique(batch["group_id"])[:want])]
+        self.samples = samples
+        info = {"filter_rounds": rounds, "filter_dropped_groups": dropped, "filter_kept_groups": min(n_groups, want)}
+        return batch, (info if p.filter is not None else {})
+
+    @contextmanager
+    def paused(self, what: str, *, drain: bool = True) -> Iterator[None]:
+        """Nothing runs between steps: nothing to pause."""
+        yield
+
+    def state(self) -> dict:
+        """A synchronous run's collector keeps nothing between steps."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """A checkpoint of an asynchronous run carries its buffer: resume it asynchronously."""
+        if "async" in state:
+            raise ValueError("resume: the checkpoint was written by an asynchronous run (async.max_staleness set); "
+                             "resume it with the same async.max_staleness or start a new out_dir")
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,66 @@
+"""Generation rounds: the sampling parameters of a round and the call that makes its rows.
+
+:class:`Generator` is what every collector and the evaluator call to turn prompts into a
+trajectory batch — single-turn through the engine (keyed by ``sample_uid`` on an engine whose
+``capabilities.keyed`` is set, so a synchronous run agrees with an asynchronous one at η = 0), or
+multi-turn through the environment (:func:`hyperrl.envs.run_episodes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tensordict import TensorDict
+
+from hyperrl.rollout.requests import Request
+from hyperrl.sampling import SamplingParams
+
+__all__ = ["Generator", "stop_ids_of"]
+
+
+def stop_ids_of(policy) -> tuple[int, ...]:
+    """The token ids that end a turn besides ``eos_token`` (a chat model's ``generation_config``
+    may list several); () when it lists none."""
+    gen_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    return tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else
+                                  ([gen_eos] if gen_eos is not None else [])))
+
+
+class Generator:
+    """Prompts → rows. ``rollout`` is the config's ``rollout`` section (read: max_new_tokens,
+    temperature, top_p, top_k, max_turns, max_obs_tokens, max_episode_tokens); ``seed`` the run's;
+    ``make_env`` an environment factory (multi-turn) or None."""
+
+    def __init__(self, engine, task, tokenizer, rollout, *, seed: int, stop_ids: tuple[int, ...] = (),
+                 make_env=None):
+        self.engine, self.task, self.tok, self.rollout = engine, task, tokenizer, rollout
+        self.seed, self.stop_ids, self.make_env = seed, tuple(stop_ids), make_env
+
+    def sampling(self, step: int, seed_offset: int = 0, temperature: float | None = None) -> SamplingParams:
+        """The sampling parameters of a round of ``step`` (seed ``seed·7919 + step + seed_offset``)."""
+        r = self.rollout
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature or r.temperature,
+                              top_p=r.top_p, top_k=r.top_k, eos_id=self.tok.eos_token_id, stop_ids=self.stop_ids,
+                              seed=self.seed * 7919 + step + seed_offset)
+
+    def generate(self, samples, sampling: SamplingParams, n: int, group_offset: int = 0, *,
+                 uids: list[int] | None = None, step: int = 0) -> TensorDict:
+        """Rollout of ``n`` samples per prompt (``[len(samples)·n]`` rows; group ids from
+        ``group_offset``). Training rounds (``uids`` given) on a keyed engine sample keyed by
+        (``sampling.seed − step``: the step enters through the uid, sample_uid, token index);
+        multi-turn runs go through the environment."""
+        if self.make_env is not None:  # multi-turn: the environment scores the episode
+            from hyperrl.envs import Limits, run_episodes
+
+            r = self.rollout
+            limits = Limits(max_turns=r.max_turns, max_obs_tokens=r.max_obs_tokens,
+                            max_episode_tokens=r.max_episode_tokens)
+            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=limits,
+                                    group_offset=group_offset)
+            return batch
+        prompts = [self.task.encode(s) for s in samples]
+        if uids is not None and self.engine.capabilities.keyed:
+            reqs = [Request(u, tuple(p), group_offset + i) for (i, p), u in
+                    zip([(i, p) for i, p in enumerate(prompts) for _ in range(n)], uids)]
+            return self.engine.generate_requests(reqs, dataclasses.replace(sampling, seed=sampling.seed - step))
+        return self.engine.generate(prompts, sampling, n, group_offset=group_offset)

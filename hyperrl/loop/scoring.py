@@ -1,0 +1,85 @@
+"""Scoring a batch: every reward on every completion, decoded once, and the per-token credit.
+
+:class:`Scorer` turns a generated batch into ``reward_components [B, K]`` (the environment's
+episode reward first in multi-turn runs, then one column per configured reward; 0 where a reward
+does not apply), ``reward_applicable [B, K]`` and ``reward [B]`` = their weighted sum — plus
+``token_rewards [B, T]`` when the pipeline needs per-token credit. A verl dict reward's extra keys
+are kept as metrics until :meth:`Scorer.pop_extra`.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from hyperrl.rewards import Reward, RewardSet
+from hyperrl.tokenizer import decode_response
+
+__all__ = ["Scorer"]
+
+
+class Scorer:
+    """``rewards``: the config's rewards (a :class:`RewardSet`), None = the task's named rewards
+    (hyperrl style) — or, in a multi-turn run (``multi_turn``), the environment's episode reward
+    alone. ``token_rewards``: also produce the per-token split."""
+
+    def __init__(self, tokenizer, task, *, rewards: RewardSet | None = None, multi_turn: bool = False,
+                 stop_ids: tuple[int, ...] = (), token_rewards: bool = False):
+        self.tok, self.multi_turn, self.stop_ids, self.want_token_rewards = tokenizer, multi_turn, stop_ids, \
+            token_rewards
+        if rewards is None and not multi_turn:
+            rewards = RewardSet(tuple(Reward(name, fn, "hyperrl") for name, fn in task.rewards))
+        self.reward_set = rewards
+        self._extra: dict[str, float] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The columns of ``reward_components``: ``env`` first in multi-turn runs, then each reward."""
+        rs = self.reward_set
+        return (("env",) if self.multi_turn else ()) + (rs.names if rs is not None else ())
+
+    def pop_extra(self) -> dict[str, float]:
+        """The extra metrics scored since the last call (a verl dict reward's other keys)."""
+        out, self._extra = self._extra, {}
+        return out
+
+    def score(self, batch: TensorDict, samples) -> TensorDict:
+        """A new batch with ``reward_components``, ``reward_applicable``, ``reward`` (and
+        ``token_rewards``); ``samples[g]`` is group g's sample."""
+        ids = [[t for t, a in zip(toks, act) if a] for toks, act in zip(batch["tokens"].tolist(),
+                                                                       batch["action_mask"].tolist())]
+        rows = [samples[g] for g in batch["group_id"].tolist()]
+        comps, app, weights = [], [], []
+        if self.multi_turn:
+            comps.append(batch["reward"].float()[:, None])
+            app.append(torch.ones(len(ids), 1, dtype=torch.bool))
+            weights.append(torch.ones(1))
+        rs = self.reward_set
+        if rs is not None:
+            seen: dict[tuple, str] = {}  # a group's samples often repeat a response: decode each once
+            for i in ids:
+                if tuple(i) not in seen:
+                    seen[tuple(i)] = decode_response(self.tok, i, self.stop_ids)
+            texts = [seen[tuple(i)] for i in ids]
+            c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
+            comps.append(c)
+            app.append(a)
+            weights.append(rs.weights)
+            self._extra.update(extra)
+        comps, app = torch.cat(comps, -1), torch.cat(app, -1)
+        total = (comps * torch.cat(weights)).sum(-1)
+        out = batch.copy().set("reward_components", comps).set("reward_applicable", app).set("reward", total)
+        if self.want_token_rewards:
+            out.set("token_rewards", self._token_rewards(batch, ids, rows, comps, app))
+        return out
+
+    def _token_rewards(self, batch: TensorDict, ids: list[list[int]], rows: list, comps, app) -> torch.Tensor:
+        """``token_rewards`` ``[B, T]`` on the action tokens (:meth:`RewardSet.token_rewards`);
+        they sum to each row's ``reward``."""
+        stops = {self.tok.eos_token_id, *self.stop_ids}
+        pieces = [[None if t in stops else decode_response(self.tok, [t]) for t in row] for row in ids]
+        credit = self.reward_set.token_rewards(pieces, rows, comps, app)
+        out = torch.zeros(batch["action_mask"].shape, dtype=torch.float32)
+        m = batch["action_mask"].bool()
+        out[m] = torch.tensor([v for row in credit for v in row], dtype=torch.float32)
+        return out

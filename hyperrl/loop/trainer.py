@@ -1,0 +1,328 @@
+"""The trainer: the run's state and its step — collect → prepare → transform → update → publish.
+
+:class:`Trainer` holds what changes during a run (step, policy version, counters, the KL
+controller's state) and calls its collaborators, all built by the composition root
+(:func:`hyperrl.build.build`) and handed in:
+
+* the **collector** (:mod:`hyperrl.loop.collect`): the step's rewarded, shaped batch — generated
+  now (:class:`~hyperrl.loop.collect.SyncCollector`) or taken from rollout workers running ahead
+  within the staleness bound (:class:`~hyperrl.loop.collect_async.AsyncCollector`);
+* the **pipeline** (:class:`~hyperrl.loop.pipeline.Pipeline`): advantages and the loss pieces;
+* the **learner** (:class:`~hyperrl.loop.learner.Learner`): optimizers, lr schedule, one composed loss;
+* the **data-parallel strategy** (:mod:`hyperrl.distributed.data_parallel`): every collective;
+* the **publisher** (:class:`~hyperrl.loop.publish.PolicyPublisher`), the **evaluator**
+  (:class:`~hyperrl.loop.evaluate.Evaluator`) and the **checkpointer**
+  (:class:`~hyperrl.loop.checkpointer.Checkpointer`).
+
+:class:`SyncTrainer` and :class:`AsyncTrainer` are the trainer with a synchronous or an
+asynchronous collector — composition: everything but collection is the same code. The trainer
+imports no ``torch.distributed``. Users observe through hooks ``hook(event, trainer, metrics)``
+(:mod:`hyperrl.loop.hooks`); events ``"step"``, ``"eval"``, ``"checkpoint"``, ``"completions"``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from hyperrl import transforms as T
+from hyperrl.device import compute_context, torch_dtype
+from hyperrl.loop.collect import Timer
+from hyperrl.loop.forward import packed_logprobs_and_entropy, policy_logprobs
+from hyperrl.loop.hooks import completion_rows
+from hyperrl.loop.learner import map_micro_batches
+from hyperrl.models.lora import TrainableView, is_lora
+
+__all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError"]
+
+
+class GateError(RuntimeError):
+    """The bit-exact gate refused an update: trainer and rollout log-probs disagree."""
+
+
+@contextmanager
+def _eval_mode(module: torch.nn.Module):
+    """``module.eval()`` inside, its previous mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was)
+
+
+class Trainer:
+    """One RL run's state and step (see the module doc). Every collaborator arrives built; the
+    trainer reads the config's scalars (``cfg``: a resolved :class:`~hyperrl.config.TrainConfig`)."""
+
+    def __init__(self, cfg, *, policy, engine, tokenizer, task, pipeline, collector, generator, scorer, evaluator,
+                 learner, publisher, checkpointer, kl_controller, parallel, reference=None, critic=None, hooks=()):
+        self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
+        self.pipeline, self.collector, self.generator, self.scorer = pipeline, collector, generator, scorer
+        self.evaluator, self.learner, self.publisher, self.checkpointer = evaluator, learner, publisher, checkpointer
+        self.parallel, self.reference, self.critic = parallel, reference, critic
+        self.hooks = list(hooks)
+        self.device = next(policy.parameters()).device
+        self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
+        self.lora = is_lora(policy)  # adapters train; publication merges them; checkpoints hold them only
+        self.kl_controller = kl_controller  # an (init, update) pair
+        self.kl_state = kl_controller.init()
+        self.step_idx, self.version = 0, engine.policy_version
+        self.samples_seen = self.tokens_seen = 0
+
+    # ------------------------------------------------------------------ the step, top to bottom
+    def step(self) -> dict:
+        """One RL step; returns its metrics (averaged over data-parallel ranks)."""
+        timer = Timer()
+        batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
+        batch = batch.to(self.device)
+        gate, losses = {}, {"update_skipped": 1.0}
+        if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
+            with timer("logprob"):
+                batch, gate = self.prepare(batch)  # critic values, old / reference log-probs, gate
+            batch = self.pipeline.transform(batch)  # advantages (and returns)
+            with timer("update"):
+                losses = self.update(batch)
+            with timer("publish"):
+                self.publish()
+        if self.cfg.run.log_completions and self.parallel.rank == 0:
+            rows = completion_rows(batch, self.tok, self.scorer.names, self.cfg.run.log_completions)
+            self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
+        self.step_idx += 1
+        return self._report(batch, timer, {**info, **gate, **losses})
+
+    def collect(self, timer: Timer) -> tuple[TensorDict, dict]:
+        """The step's batch and its metrics, from the collector (override to observe every batch)."""
+        return self.collector.collect(self, timer)
+
+    @property
+    def reward_names(self) -> tuple[str, ...]:
+        """The columns of ``reward_components`` (``env`` first in multi-turn runs)."""
+        return self.scorer.names
+
+    # ------------------------------------------------------------------ prepare
+    def _single_pass(self) -> bool:
+        """One on-policy pass with no gate, reference or correction: the rollout's own log-probs
+        serve as the behaviour policy (the trainer's forward would recompute the same values up to
+        float rounding), and the mismatch metrics come from the update's forward — one forward saved."""
+        a, p = self.cfg.algo, self.pipeline
+        return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
+            self.reference is None and p.correction is None
+
+    @torch.no_grad()
+    def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
+        """Add what the pipeline needs: critic ``values``, a greedy ``baseline_reward``, behaviour
+        ``old_logprobs`` (checked by the gate), ``ref_logprobs``."""
+        out, needs = batch.copy(), self.pipeline.needs
+        if self.critic is not None:
+            out.set("values", self._no_grad(self._values, batch))
+        if "baseline_reward" in needs:
+            out.set("baseline_reward", self._greedy_baseline(batch))
+        if self._single_pass() or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in loss)
+            return out.set("old_logprobs", batch["rollout_logprobs"]), {}
+        with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
+            lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
+        mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
+        thr = self.cfg.algo.gate_threshold
+        if thr is not None and float(mm["mismatch_max_abs"]) > thr:
+            raise GateError(f"step {self.step_idx}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
+                            f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
+                            f"refused, still serving version {self.version}")
+        out.set("old_logprobs", lp)
+        if self.reference is not None:
+            with _eval_mode(self.policy):
+                out.set("ref_logprobs", self._no_grad(lambda rows: self._logprobs(self.reference, rows), batch)[0])
+        return out, {k: float(v) for k, v in mm.items()}
+
+    def _no_grad(self, fn, batch: TensorDict):
+        """``fn(batch)`` without autograd, micro-batched by ``optim.micro_batch_tokens`` (peak memory
+        bounded by the micro-batch, not the rollout batch); the whole batch at once when it is 0."""
+        if not self.cfg.optim.micro_batch_tokens:
+            return fn(batch)
+        return map_micro_batches(fn, batch, self.cfg.optim.micro_batch_tokens, self.parallel)
+
+    def _greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
+        """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,
+        broadcast to the group's rows ``[B]``."""
+        groups = torch.unique(batch["group_id"]).tolist()
+        samples = [self.collector.samples[g] for g in groups]
+        gen = self.generator
+        greedy = self.scorer.score(gen.generate(samples, gen.sampling(self.step_idx, 10**8, temperature=1e-5), 1),
+                                   dict(enumerate(samples)))["reward"]
+        by_group = dict(zip(groups, greedy.tolist()))
+        return torch.tensor([by_group[g] for g in batch["group_id"].tolist()], dtype=torch.float32)
+
+    def _amp(self):
+        """Mixed precision of every trainer forward (``model.dtype`` over ``model.param_dtype``)."""
+        return compute_context(self.device, *self._dtypes)
+
+    def _logprobs(self, model, batch: TensorDict):
+        # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
+        shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
+        with self._amp():
+            if self.cfg.optim.pack_tokens:
+                return packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                   self.cfg.optim.pack_tokens)
+            return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
+                                   agree=self.parallel.agree_forward())
+
+    def _values(self, batch: TensorDict) -> torch.Tensor:
+        with self._amp():
+            return self.critic(batch).float()
+
+    # ------------------------------------------------------------------ update, publish
+    def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
+        """The composed loss of a micro-batch: the policy terms (objective, KL, entropy, correction)
+        plus the critic's value term; mismatch metrics from ``transforms.correction``."""
+        p = self.pipeline
+        lp, ent = self._logprobs(self.policy, part)
+        if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
+            part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
+                part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
+        corr = p.correction(part) if p.correction is not None else None
+        out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
+                            **p.loss_kwargs(self.kl_state.beta))
+        if self._single_pass():
+            out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
+        if self.critic is not None:
+            c = self.cfg.algo.critic
+            out = out + T.critic_loss(part, self._values(part), clip=c.value_clip, agg=p.agg, normalizer=norm,
+                                      coef=c.value_coef)
+        return out
+
+    def update(self, batch: TensorDict) -> dict:
+        """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""
+        o = self.cfg.optim
+        m = self.learner.update(batch, self.loss, epochs=self.cfg.algo.ppo_epochs, mini_batches=o.mini_batches,
+                                seed=self.cfg.run.seed + self.step_idx, micro_batch_tokens=o.micro_batch_tokens,
+                                length_const=self.cfg.rollout.max_new_tokens)
+        if "kl" in m:
+            self.kl_state = self.kl_controller.update(self.kl_state, m["kl"], batch.batch_size[0])
+            m["kl_coef"] = self.kl_state.beta
+        return m
+
+    def publish(self) -> None:
+        """Publish the policy as version V+1 (all-or-nothing) while the collector is paused: a
+        refused publication raises ``WeightPublishError``; the engine still serves V and the run
+        fails closed."""
+        with self.collector.paused(f"pausing for the publication of version {self.version + 1}"):
+            self.publisher.publish(self.version + 1)
+            self.version += 1
+
+    # ------------------------------------------------------------------ report, evaluate
+    def _report(self, batch: TensorDict, timer: Timer, extra: dict) -> dict:
+        self.samples_seen += batch.batch_size[0]
+        tokens = int(batch["attention_mask"].sum())
+        self.tokens_seen += tokens
+        metrics = {"step": self.step_idx, "policy_version": self.version, **self._batch_metrics(batch), **extra,
+                   **timer.t}
+        metrics["tokens_per_s"] = tokens / max(sum(timer.t.values()), 1e-9)
+        metrics = self.parallel.mean_metrics(metrics)
+        self._emit("step", metrics)
+        return metrics
+
+    def _batch_metrics(self, batch: TensorDict) -> dict:
+        if batch.batch_size[0] == 0:
+            return {"reward_mean": float("nan")}
+        r, m = batch["reward"], batch["action_mask"]
+        g = T.group_stats(r, batch["group_id"])
+        adv = batch["advantages"][m] if "advantages" in batch.keys() else torch.zeros(1)
+        out = {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+               "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
+               "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
+               "response_len_mean": float(m.sum(-1).float().mean())}
+        if "tool_calls" in batch.keys():  # multi-turn: how often the policy used a tool
+            calls = batch["tool_calls"].float()
+            out["tool_call_rate"], out["tool_calls_mean"] = float((calls > 0).float().mean()), float(calls.mean())
+        if "success" in batch.keys():  # the environment's verdict, whatever reward shaping adds
+            out["success_rate"] = float(batch["success"].float().mean())
+        comps = batch["reward_components"] if "reward_components" in batch.keys() else None
+        if comps is not None and comps.shape[1] > 1:  # each reward over the rows it applies to
+            app = batch["reward_applicable"]
+            for k, name in enumerate(self.scorer.names):
+                if bool(app[:, k].any()):
+                    out[f"reward_{name}_mean"] = float(comps[:, k][app[:, k]].mean())
+                out[f"reward_{name}_applicable_frac"] = float(app[:, k].float().mean())
+        out.update(self.scorer.pop_extra())
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out evaluation (:class:`~hyperrl.loop.evaluate.Evaluator`) while the collector is
+        paused (an asynchronous run's engine is the workers')."""
+        with self.collector.paused("pausing for evaluation", drain=False):
+            metrics = self.evaluator.evaluate(self.step_idx)
+        self._emit("eval", metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint / resume
+    def _parts(self) -> dict[str, tuple]:
+        """Checkpoint part name → (module, its optimizer part name, optimizer)."""
+        policy = TrainableView(self.policy) if self.lora else self.policy
+        mods = {"model": (policy, "optim", self.learner.modules["policy"].optimizer)}
+        if self.critic is not None:
+            mods["critic"] = (self.critic, "critic_optim", self.learner.modules["critic"].optimizer)
+        return mods
+
+    def save(self, *, _crash_after: str | None = None) -> Path:
+        """Atomic checkpoint: each rank writes its own shards (no gather), rank 0 the marker; the
+        collector's state (an asynchronous run's buffer) travels in it."""
+        state = {"step": self.step_idx, "version": self.version, "samples_seen": self.samples_seen,
+                 "tokens_seen": self.tokens_seen, "optim_steps": self.learner.optim_steps,
+                 "kl_coef": self.kl_state.beta, "task": self.task.state(), "config": self.cfg.to_dict(),
+                 **self.collector.state()}
+        path = self.checkpointer.save(self.step_idx, self._parts(), state, _crash_after=_crash_after)
+        if self.parallel.rank == 0:
+            self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
+        return path
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Load the given (or latest complete) checkpoint — this rank's shards into its local
+        parameters and optimizer state — and refit the engine before generating."""
+        path = Path(path) if path else self.checkpointer.latest()
+        if path is None:
+            return False
+        st = self.checkpointer.load(path, self._parts())
+        self.collector.load_state(st)
+        self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
+        self.learner.optim_steps = st.get("optim_steps", 0)
+        if "kl_coef" in st:
+            self.kl_state = type(self.kl_state)(st["kl_coef"])
+        self.task.load_state(st.get("task", {}))
+        # versions only grow: an engine already past the checkpoint's version gets the next one
+        target = st["version"] if self.engine.policy_version < st["version"] else self.engine.policy_version + 1
+        self.publisher.publish(target)  # refit before the first generation
+        self.version = target
+        return True
+
+    def close(self) -> None:
+        """Release the collector's workers (an asynchronous run's threads, Ray actors)."""
+        self.collector.close()
+
+    def _emit(self, event: str, metrics: dict) -> None:
+        for h in self.hooks:
+            h(event, self, metrics)
+
+
+class SyncTrainer(Trainer):
+    """The trainer with a :class:`~hyperrl.loop.collect.SyncCollector`: each step generates its
+    batch from the current version (on-policy)."""
+
+
+class AsyncTrainer(Trainer):
+    """The trainer with an :class:`~hyperrl.loop.collect_async.AsyncCollector`: rollout workers
+    generate ahead while the learner trains, every trained token at most ``async.max_staleness``
+    versions stale; η = 0 equals :class:`SyncTrainer` bit for bit (docs/async.md)."""
+
+    @property
+    def buffer(self):
+        """The admission buffer (:class:`hyperrl.loop.admission.Buffer`) at this moment."""
+        return self.collector.buffer
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound η."""
+        return self.collector.eta
