@@ -56,8 +56,8 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, prompts: 
     """One mode in this process: train ``steps`` steps, evaluate every ``every`` (off the clock)."""
     import torch
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
-    from hyperrl.build import build_trainer
 
     ray_ = mode.endswith("r")
     core = mode.rstrip("r")

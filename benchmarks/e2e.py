@@ -36,14 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import append_results, table  # noqa: E402
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config  # noqa: E402
 from hyperrl.data import Sample  # noqa: E402
-from hyperrl.rewards.builtin import register_reward
-from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.data.tasks import ModSumTask, register_task
-from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer, encode_prompt  # noqa: E402
 from hyperrl.models.policy import build_policy, build_tokenizer
-from hyperrl.build import build_trainer
+from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rewards.builtin import register_reward
+from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer, encode_prompt  # noqa: E402
 
 
 def hf_char_tokenizer():

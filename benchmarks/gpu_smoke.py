@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import append_results, table  # noqa: E402
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config  # noqa: E402
 from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.tokenizer import char_tokenizer  # noqa: E402
-from hyperrl.build import build_trainer
 
 QWEN3_0_6B = dict(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151_936)
 TINY = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=1024)

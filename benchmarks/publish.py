@@ -38,8 +38,8 @@ def main():
     import torch
 
     from benchmarks._common import append_results, table, timeit
-    from hyperrl.rollout import TransformersEngine
     from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout import TransformersEngine
     from hyperrl.rollout.publisher import Publisher
     from hyperrl.tokenizer import char_tokenizer
 

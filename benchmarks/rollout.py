@@ -20,8 +20,8 @@ def main():
     import torch
 
     from benchmarks._common import append_results, table
-    from hyperrl.rollout import SamplingParams, TransformersEngine
     from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout import SamplingParams, TransformersEngine
     from hyperrl.rollout.vllm_engine import VLLMEngine
     from hyperrl.tokenizer import char_tokenizer
 

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from hyperrl.build import build
+from hyperrl.compose import build
 from hyperrl.config import TrainConfig
 from hyperrl.distributed import init_distributed
 from hyperrl.export import export_hf

@@ -11,18 +11,18 @@ def kill_and_resume(make, steps: int = 3, after_resume=None):
         for _ in range(steps):
             a.step()
         a.save()
-        state = a._loop_state()["async"]
+        state = a.collector.state()["async"]
     finally:
         a.close()
     assert state["live"], "nothing was in flight at the checkpoint: the test would prove nothing"
     b = make()
     try:
-        assert b.resume() and b.step_idx == steps and b._next_key == state["next_key"]
+        assert b.resume() and b.step_idx == steps and b.collector._next_key == state["next_key"]
         if after_resume is not None:
             after_resume(b)
         for _ in range(steps):
             b.step()
-        live_end = {u.key for u in b.buffer.units} | set(b._requeue)
+        live_end = {u.key for u in b.buffer.units} | set(b.collector._requeue)
     finally:
         b.close()
     return a, b, state, live_end
@@ -40,4 +40,4 @@ def assert_every_sample_trained_once(cfg, a, b, state, live_end, steps: int = 3)
     assert len(uids) == len(set(uids)) == 2 * steps * P * n
     trained = {(u // stride) * P + (u // n) % P for u in uids}
     assert set(state["live"]) <= trained | live_end
-    assert trained | live_end == set(range(b._next_key))
+    assert trained | live_end == set(range(b.collector._next_key))

@@ -14,11 +14,11 @@ import pytest
 import ray
 import torch
 
-from hyperrl.loop.trainer import AsyncTrainer
-from hyperrl.rollout.workers import WorkerError
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
+from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.rollout import WeightPublishError
-from hyperrl.build import build_trainer
+from hyperrl.rollout.workers import WorkerError
 
 from .async_helpers import assert_every_sample_trained_once, kill_and_resume
 
@@ -73,13 +73,13 @@ def _slow_decode(tr, seconds: float = 0.01) -> None:
         gen = actor.engine.generate_requests
         actor.engine.generate_requests = lambda reqs, sp, abort=None, **kw: gen(reqs, sp, abort=_Slow(abort), **kw)
 
-    ray.get([w.actor.__ray_call__.remote(patch) for w in tr.workers])
+    ray.get([w.actor.__ray_call__.remote(patch) for w in tr.collector.workers])
 
 
 def _assert_serving(tr):
     """Every worker serves the learner's version, with exactly the learner's weights."""
     want = {k: v.detach() for k, v in tr.policy.state_dict().items()}
-    for w in tr.workers:
+    for w in tr.collector.workers:
         assert w.info()["version"] == tr.version
         got = _served(w)
         assert all(torch.equal(got[k], want[k]) for k in want), w.name
@@ -89,7 +89,7 @@ def test_ray_workers_train_within_eta_publish_to_every_actor_and_lose_nothing(cl
     tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1"), trainer=_Recording, max_staleness=1)
     _slow_decode(tr)
     try:
-        assert len({w.info()["pid"] for w in tr.workers}) == 2 and tr.engine.policy_version == 0
+        assert len({w.info()["pid"] for w in tr.collector.workers}) == 2 and tr.engine.policy_version == 0
         ms = [tr.step() for _ in range(6)]
         _assert_serving(tr)
         assert 0 <= tr.evaluate()["eval_reward_mean"] <= 1  # evaluation on a paused worker
@@ -111,7 +111,7 @@ def test_a_refused_publication_leaves_every_worker_at_the_old_version(cluster, t
         with pytest.raises(WeightPublishError, match="model.norm.weight: contains NaN"):
             group.load_weights(bad, v + 1)  # refused locally, before anything is shipped
         # a refusal inside one actor: its engine refuses a shape the group's check let through
-        victim = tr.workers[1]
+        victim = tr.collector.workers[1]
         def widen(a):  # the actor's engine now expects a wider final norm
             norm = a.engine.model.model.norm
             norm.weight = torch.nn.Parameter(torch.ones(norm.weight.shape[0] + 1))
@@ -119,7 +119,7 @@ def test_a_refused_publication_leaves_every_worker_at_the_old_version(cluster, t
         ray.get(victim.actor.__ray_call__.remote(widen))
         with pytest.raises(WeightPublishError, match="rollout-worker-1 refused version"):
             group.load_weights({k: t.clone() for k, t in tr.policy.state_dict().items()}, v + 1)
-        assert group.policy_version == v and [w.info()["version"] for w in tr.workers] == [v, v]
+        assert group.policy_version == v and [w.info()["version"] for w in tr.collector.workers] == [v, v]
     finally:
         tr.close()
 
@@ -136,7 +136,7 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
     def killer():
         while len(kills) < 20 and not done.is_set():
             time.sleep(rng.uniform(0.0, 0.5))
-            w = rng.choice(tr.workers)
+            w = rng.choice(tr.collector.workers)
             try:
                 pid = w.info()["pid"]  # alive (restarted) before it is killed again
             except Exception:  # noqa: BLE001 — mid-restart: pick again
@@ -153,19 +153,21 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
         deadline, extra = time.monotonic() + 240, 0
         while extra < 2:
             tr.step()
-            extra += not k.is_alive() and sum(w.restarts for w in tr.workers) == len(kills)
-            assert time.monotonic() < deadline, f"{len(kills)} kills, restarts {[w.restarts for w in tr.workers]}"
+            extra += not k.is_alive() and sum(w.restarts for w in tr.collector.workers) == len(kills)
+            restarts = [w.restarts for w in tr.collector.workers]
+            assert time.monotonic() < deadline, f"{len(kills)} kills, restarts {restarts}"
         _assert_serving(tr)
     finally:
         done.set()
         tr.close()
-    assert len(kills) == 20 and sum(w.restarts for w in tr.workers) == 20
+    assert len(kills) == 20 and sum(w.restarts for w in tr.collector.workers) == 20
     uids = [u for _, us in tr.trained for u in us]
     assert len(uids) == len(set(uids)) == tr.step_idx * 4 * 4  # nothing lost from a trained step, nothing twice
     key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
     trained = {key(u) for u in uids}
-    live = {u.key for u in tr.buffer.units} | set(tr._requeue)
-    assert trained | live == set(range(tr._next_key)) and not trained & live  # every admitted prompt accounted
+    live = {u.key for u in tr.buffer.units} | set(tr.collector._requeue)
+    # every admitted prompt accounted for
+    assert trained | live == set(range(tr.collector._next_key)) and not trained & live
     b = tr.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready and b.evicted == 0
 
@@ -176,7 +178,7 @@ def test_a_worker_past_its_restarts_fails_the_step_naming_it(cluster, tmp_path):
                        trainer=AsyncTrainer, max_staleness=1)
     try:
         tr.step()
-        ray.kill(tr.workers[1].actor, no_restart=True)
+        ray.kill(tr.collector.workers[1].actor, no_restart=True)
         with pytest.raises(WorkerError, match=r"rollout-worker-1 died and was restarted 0 times already "
                                               r"\(async.executor.max_restarts=0\)"):
             for _ in range(5):

@@ -8,9 +8,9 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-from hyperrl.loop.trainer import AsyncTrainer
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
-from hyperrl.build import build_trainer
+from hyperrl.loop.trainer import AsyncTrainer
 
 pytestmark = pytest.mark.xdist_group("ray")  # one Ray instance at a time (README: --dist loadgroup)
 
@@ -39,13 +39,13 @@ def test_workers_span_the_nodes_and_survive_the_loss_of_one(nodes, tmp_path):
                              "--async.max_staleness=1", "--async.executor={name: ray, workers: 2, num_cpus: 1}"])
     tr = build_trainer(cfg, trainer=_Recording, max_staleness=1)
     try:
-        where = {w.name: w.info()["node"] for w in tr.workers}
+        where = {w.name: w.info()["node"] for w in tr.collector.workers}
         assert len(set(where.values())) == 2  # one worker per node
         for _ in range(3):
             tr.step()
         head = ray.get_runtime_context().get_node_id()
         (lost,) = [n for n in nodes.worker_nodes]
-        victim = next(w for w in tr.workers if where[w.name] != head)
+        victim = next(w for w in tr.collector.workers if where[w.name] != head)
         nodes.remove_node(lost)  # the raylet and the actor on it are gone
         nodes.add_node(num_cpus=1)  # a replacement machine joins
         for _ in range(4):
@@ -53,7 +53,7 @@ def test_workers_span_the_nodes_and_survive_the_loss_of_one(nodes, tmp_path):
         assert victim.restarts == 1 and m["async_restarts"] == 1
         assert victim.info()["node"] not in (head, where[victim.name])  # restarted on the new node
         want = tr.policy.state_dict()
-        for w in tr.workers:
+        for w in tr.collector.workers:
             got = ray.get(w.actor.__ray_call__.remote(lambda a: a.engine.state_dict()))
             assert w.info()["version"] == tr.version == 7 and all(torch.equal(got[k], want[k]) for k in want)
     finally:

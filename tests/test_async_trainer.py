@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from hyperrl.loop.trainer import AsyncTrainer
-from hyperrl.rollout.workers import WorkerError
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
+from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.rollout import LocalWorker
-from hyperrl.build import build_trainer
+from hyperrl.rollout.workers import WorkerError
 
 from .async_helpers import assert_every_sample_trained_once, kill_and_resume
 
@@ -74,7 +74,7 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
     b = tr.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
-    assert len(tr._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
+    assert len(tr.collector._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
 
 class _HeldFlag:
@@ -123,13 +123,14 @@ class _FaultyEngine:
 
 
 def _restart_worker(tr, mode):
-    tr.stop_workers()
-    tr.engine = _FaultyEngine(tr.engine, mode)
-    tr.workers = [LocalWorker(tr.engine)]
-    tr.engine.worker = tr.workers[0]
-    tr.workers[0].keep_kv = tr.keep_kv
-    tr.start_workers()
-    return tr.engine
+    tr.collector.stop_workers()
+    c = tr.collector
+    c.engine = _FaultyEngine(c.engine, mode)
+    c.workers = [LocalWorker(c.engine)]
+    c.engine.worker = c.workers[0]
+    c.workers[0].keep_kv = c.keep_kv
+    c.start_workers()
+    return c.engine
 
 
 def test_a_unit_breaking_the_contract_is_evicted_and_its_prompt_readmitted(tmp_path):

@@ -30,4 +30,8 @@ def test_plan_bad_input_named(args, message):
 def test_entry_point_demo_runs():
     out = subprocess.run([sys.executable, "-m", "hyperrl.cli", "demo"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "GSPO" in out.stdout and "max |diff|" in out.stdout
+    assert "gspo" in out.stdout and "max |diff|" in out.stdout
+    from hyperrl.config import RECIPES
+    from hyperrl.demo import DEMO_RECIPES
+
+    assert set(DEMO_RECIPES) <= set(RECIPES.names())  # the demo binds the library's recipes, no copy of its own

@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
-from hyperrl.envs import TOOLS, Tool
 from hyperrl.config.recipes import RECIPES
 from hyperrl.config.resolve import registries
-from hyperrl.build import build_trainer
+from hyperrl.envs import TOOLS, Tool
+from hyperrl.rewards import is_factory
 
 _TINY = ["--task=modsum", "--run.threads=1", "--rollout.prompts_per_step=4", "--rollout.n=2",
          "--rollout.max_new_tokens=2",
@@ -31,8 +32,9 @@ _KINDS = {
     "algo.shaping": ("--algo.shaping=[{}]", []),
     "algo.filter": ("--algo.filter={}", ["--rollout.max_generation_batches=2"]),
     "optim.schedule": ("--optim.schedule={}", ["--optim.warmup_steps=1"]),
-    "rewards": ("--task.rewards=[{}]", []),
-    "rewards[].fn": ("--rewards=[{{fn: {}}}]", []),
+    # one registry: a reward function runs as the task's reward, a reward factory from the rewards: list
+    "rewards[].fn": (lambda name: f"--rewards=[{{fn: {name}}}]" if is_factory(name) else f"--task.rewards=[{name}]",
+                     []),
     "task": ("--task={}", []),
     "env": ("--env={}", []),
     "rollout.engine": ("--rollout.engine={}", []),
@@ -67,7 +69,8 @@ def _cases():
     for kind, (tmpl, extra) in _KINDS.items():
         for name in _REG[kind].names():
             marks = [pytest.mark.xdist_group("ray")] if (kind, name) == ("async.executor", "ray") else []
-            yield pytest.param(kind, name, tmpl.format(name), extra, id=f"{kind}:{name}", marks=marks)
+            override = tmpl(name) if callable(tmpl) else tmpl.format(name)
+            yield pytest.param(kind, name, override, extra, id=f"{kind}:{name}", marks=marks)
     for name in _REG["algo.kl.estimator"].names():
         yield pytest.param("algo.kl.estimator", name + "+", f"--algo.kl.estimator={name}+", ["--algo.kl.coef=0.1"],
                            id=f"algo.kl.estimator:{name}+")
@@ -141,9 +144,9 @@ def test_gdpo_fills_reward_components_from_several_rewards(tmp_path):
 def test_remax_baseline_is_a_greedy_rollout(tmp_path):
     tr, _ = _step(tmp_path, ["--algo.recipe=remax"])
     samples = tr.task.sample(4, 0)
-    batch = tr.rewards(tr.engine.generate([tr.task.encode(s) for s in samples], tr._sampling(0), 2),
+    batch = tr.scorer.score(tr.engine.generate([tr.task.encode(s) for s in samples], tr.generator.sampling(0), 2),
                        dict(enumerate(samples)))
-    tr._samples = dict(enumerate(samples))
+    tr.collector.samples = dict(enumerate(samples))
     base = tr._greedy_baseline(batch)
     assert base.shape == (8,) and torch.equal(base[0::2], base[1::2])  # one baseline per group
     assert torch.equal(base, tr._greedy_baseline(batch))  # greedy: the same every time

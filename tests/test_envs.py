@@ -19,9 +19,9 @@ from hyperrl.envs import (
     run_episodes,
     stack_episodes,
 )
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.rewards import extract_gsm8k_answer, gsm8k_exact
 from hyperrl.rollout import SamplingParams, TransformersEngine
-from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.transforms import sequence_logprobs
 

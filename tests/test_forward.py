@@ -12,8 +12,8 @@ from hyperrl.loop.forward import (
     prefix_groups,
     shared_prefix_logprobs_and_entropy,
 )
-from hyperrl.rollout import SamplingParams, TransformersEngine
 from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rollout import SamplingParams, TransformersEngine
 from hyperrl.trajectory import make_trajectory, validate
 
 V = 40

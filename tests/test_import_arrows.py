@@ -1,18 +1,42 @@
-"""The import arrows: transforms and sharding import nothing from the loop; envs and rollout do not
-import each other; the trainer imports no torch.distributed. Read from every import statement of
-every module (function-level imports included), and checked at run time in a fresh interpreter."""
+"""The import arrows: the package's layers, lowest first, and no import cycle.
+
+Read from every import statement of every module (function-level imports included; relative
+imports resolved), so a cycle hidden behind a function-level import is still one. The layer order
+is stated once, here (docs/trainer.md draws it):
+
+    0 foundations   trajectory, registry, sampling, device, tokenizer
+    1 kernels       transforms, sharding
+    2 rewards
+    3 inputs        envs, data
+    4 runtime       rollout, models, distributed
+    5 config
+    6 loop
+    7 the root      compose (the composition root: build), run (the outer loop: train), cli, export, demo, the facade
+
+A module may import its own package and any package of a lower layer — never a higher one, nor a
+package beside it in its layer.
+"""
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).parents[1] / "hyperrl"
-LOOP = ("hyperrl.trainer", "hyperrl.train", "hyperrl.learner", "hyperrl.parallel", "hyperrl.checkpointer",
-        "hyperrl.recipes", "hyperrl.config", "hyperrl.cli", "hyperrl.tasks", "hyperrl.rollout", "hyperrl.envs",
-        "hyperrl.data", "hyperrl.forward")
+
+LAYERS = [
+    ("trajectory", "registry", "sampling", "device", "tokenizer"),
+    ("transforms", "sharding"),
+    ("rewards",),
+    ("envs", "data"),
+    ("rollout", "models", "distributed"),
+    ("config",),
+    ("loop",),
+    ("",),  # the root: compose (the composition root), run, cli, export, demo and the facade hyperrl/__init__.py
+]
+FOUNDATIONS = LAYERS[0]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+LOOP = tuple(f"hyperrl.{n}" for names in LAYERS[4:] for n in names if n)
 
 
 def _module(path: Path) -> str:
@@ -21,8 +45,13 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MODULES = {_module(p): p for p in PKG.rglob("*.py")}
+
+
 def _imports(path: Path) -> set[str]:
-    """Absolute names of every module ``path`` imports (relative imports resolved)."""
+    """The ``hyperrl`` modules ``path`` imports — each import resolved to the deepest module it
+    names (``from hyperrl import transforms`` → ``hyperrl.transforms``; ``from hyperrl.loop.trainer
+    import Trainer`` → ``hyperrl.loop.trainer``)."""
     mod = _module(path)
     pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
     out = set()
@@ -36,42 +65,97 @@ def _imports(path: Path) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module
-            out.add(name)
-            out |= {f"{name}.{a.name}" for a in node.names}
-    return out
+            for a in node.names:
+                out.add(f"{name}.{a.name}" if f"{name}.{a.name}" in MODULES else name)
+    return {i for i in out if i in MODULES}
 
 
-def _files(sub: str):
-    return sorted((PKG / sub).rglob("*.py")) if (PKG / sub).is_dir() else [PKG / f"{sub}.py"]
+GRAPH = {m: _imports(p) - {m} for m, p in MODULES.items()}
 
 
-def _hits(files, forbidden) -> list:
-    return [(f.name, i) for f in files for i in sorted(_imports(f)) if i.startswith(forbidden)]
+def _top(mod: str) -> str:
+    """The unit a module belongs to: its package, a foundation module itself, or "" — the root layer."""
+    parts = mod.split(".")
+    name = parts[1] if len(parts) > 1 else ""
+    return name if name in LAYER_OF else ""
 
 
-@pytest.mark.parametrize("sub", ["transforms", "sharding", "trajectory", "registry", "sampling"])
-def test_core_imports_nothing_from_the_loop(sub):
-    assert _hits(_files(sub), LOOP) == []
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (as the list of its modules), or None. Iterative DFS with colours."""
+    colour = dict.fromkeys(graph, 0)
+    for root in sorted(graph):
+        if colour[root]:
+            continue
+        stack = [(root, iter(sorted(graph[root])))]
+        path, colour[root] = [root], 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                colour[node] = 2
+                stack.pop()
+                path.pop()
+            elif colour.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif colour.get(nxt) == 0:
+                colour[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, iter(sorted(graph.get(nxt, ())))))
+    return None
 
 
-def test_envs_and_rollout_do_not_import_each_other():
-    assert _hits(_files("envs"), ("hyperrl.rollout",)) == []
-    assert _hits(_files("rollout"), ("hyperrl.envs",)) == []
+ROOT = {"hyperrl", "hyperrl.compose", "hyperrl.run", "hyperrl.cli", "hyperrl.export", "hyperrl.demo"}
+
+
+def test_every_module_has_a_layer():
+    # a package or module not in LAYERS would silently join the root layer: name it there instead
+    assert {m for m in MODULES if _top(m) == ""} == ROOT, "a new package needs a place in LAYERS (and docs/trainer.md)"
+
+
+def test_the_import_graph_has_no_cycle():
+    # package facades (``__init__``) re-export their own modules; an edge into a facade stands for the modules
+    # it re-exports, so facades are kept in the graph: a module importing its own package's facade is a cycle
+    assert _cycle(GRAPH) is None, f"import cycle: {' -> '.join(_cycle(GRAPH))}"
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    bad = sorted((m, i) for m, deps in GRAPH.items() for i in deps
+                 if _top(i) != _top(m) and LAYER_OF[_top(i)] >= LAYER_OF[_top(m)])
+    assert bad == [], f"imports that go up or sideways: {bad}"
+
+
+def test_the_checker_can_fail():
+    # the cycle finder finds a planted cycle, the layer rule catches an upward import, and the walker sees
+    # function-level and relative imports
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert LAYER_OF["loop"] > LAYER_OF["config"] > LAYER_OF["rollout"] > LAYER_OF["transforms"]
+    assert "hyperrl.loop.trainer" in _imports(PKG / "compose.py")
+    assert "hyperrl.envs" in _imports(PKG / "loop" / "generation.py")  # a function-level import
 
 
 def test_the_trainer_imports_no_torch_distributed():
-    assert [i for i in _imports(PKG / "trainer.py") if i.startswith("torch.distributed")] == []
-    tree = ast.parse((PKG / "trainer.py").read_text())
+    path = PKG / "loop" / "trainer.py"
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(i.startswith("torch.distributed") for i in names)
     attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert "distributed" not in attrs and "all_reduce" not in attrs  # nor reaches it through torch.
-    assert "hasattr" not in calls  # no DTensor probing
+    assert not {"hasattr", "getattr"} & calls  # capabilities are declared, not probed
 
 
-def test_the_import_walker_sees_function_level_and_relative_imports(tmp_path):
-    # the checker itself must be able to fail
-    assert "hyperrl.trainer" in _imports(PKG / "train.py")
-    assert "hyperrl.sharding.execute" in _imports(PKG / "sharding" / "publisher.py")
+def test_the_loop_probes_no_engine_capability():
+    """Engines declare what they can do (``engine.capabilities``); no caller probes an attribute."""
+    probes = []
+    for m, p in MODULES.items():
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr") \
+                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value in (
+                        "accepts_lora", "keyed", "resumable", "shared", "buffers", "hold", "capabilities"):
+                probes.append((m, n.args[1].value))
+    assert probes == []
 
 
 def test_core_loads_without_the_loop_at_run_time():

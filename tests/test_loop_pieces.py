@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import hyperrl.transforms as T
-from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.config import load_config
-from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.loop.checkpointer import Checkpointer
+from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.loop.pipeline import build_pipeline
-from hyperrl.rollout import TransformersEngine, WeightPublishError
 from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rollout import TransformersEngine, WeightPublishError
 from hyperrl.rollout.publisher import IdentityExecutor, Publisher
 from hyperrl.trajectory import cat_batches, make_trajectory
 
@@ -274,8 +274,8 @@ def test_one_process_publisher_fuses_into_an_engine_with_vllm_parameters():
     """A one-process publisher into vLLM's layout (fused qkv / gate_up, padded vocab) copies each
     slice into place (LocalExecutor), element-exact; a plain engine keeps the no-copy identity."""
     from hyperrl.models.tiny import tiny_qwen3
-    from hyperrl.sharding.models import from_hf_config
     from hyperrl.rollout.publisher import IdentityExecutor, LocalExecutor, Publisher, source_layout
+    from hyperrl.sharding.models import from_hf_config
     from hyperrl.sharding.simulate import expected_destination
     from hyperrl.sharding.vllm import rollout_layout
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
 from hyperrl.models.lora import AdapterDisabled, MergedView
-from hyperrl.build import build_trainer
 
 TINY = ["--task=modsum", "--task.max_operand=1", "--rollout.max_new_tokens=1", "--rollout.prompts_per_step=32",
         "--rollout.n=8", "--run.threads=1",
@@ -56,7 +56,7 @@ def test_the_reference_is_the_base_with_adapters_disabled(tmp_path):
     init = copy.deepcopy(tr.engine.model)  # the base weights (B = 0 at start)
     m = [tr.step() for _ in range(3)]
     assert m[0]["kl"] < 1e-6 < m[-1]["kl"]  # starts at the reference, then moves away
-    batch = tr.engine.generate([tr.task.encode(s) for s in tr.task.sample(4, 99)], tr._sampling(0), 2)
+    batch = tr.engine.generate([tr.task.encode(s) for s in tr.task.sample(4, 99)], tr.generator.sampling(0), 2)
     with torch.no_grad():
         ref, _ = tr._logprobs(tr.reference, batch)
         base, _ = tr._logprobs(init, batch)

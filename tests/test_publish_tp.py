@@ -16,11 +16,11 @@ def _worker(rank, world):
 
     from hyperrl.distributed.parallelize import parallelize_qwen3
     from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout.publisher import source_layout
     from hyperrl.sharding import reshard_plan, verify
     from hyperrl.sharding.dtensor import local
     from hyperrl.sharding.execute import execute_direct, execute_full_gather
     from hyperrl.sharding.models import from_hf_config
-    from hyperrl.rollout.publisher import source_layout
     from hyperrl.sharding.simulate import expected_destination
     from hyperrl.sharding.vllm import rollout_layout
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
 from hyperrl.data import DataError, PromptDataset
 from hyperrl.data.tasks import FileTask
 from hyperrl.tokenizer import char_tokenizer
-from hyperrl.build import build_trainer
 from tests.hf_fixtures import qwen3_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.rollout import (
     Request,
     SamplingParams,
@@ -16,7 +17,6 @@ from hyperrl.rollout import (
     requests_for,
     resume_requests,
 )
-from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.trajectory import validate
 from hyperrl.transforms import sequence_logprobs

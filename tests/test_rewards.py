@@ -6,10 +6,10 @@ import textwrap
 import pytest
 import torch
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
 from hyperrl.data import Sample
 from hyperrl.rewards import RewardError, build_rewards
-from hyperrl.build import build_trainer
 
 USER_REWARDS = '''
 calls = []

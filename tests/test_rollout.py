@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from hyperrl.rollout import SamplingParams, TransformersEngine, WeightPublishError, filter_logits
 from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.rollout import SamplingParams, TransformersEngine, WeightPublishError, filter_logits
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.trajectory import validate
 from hyperrl.transforms import sequence_logprobs

@@ -5,11 +5,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
-from hyperrl.rewards.builtin import REWARDS, digit_credit, digit_match, exact_answer
 from hyperrl.data.tasks import TASKS, arith_problems
+from hyperrl.rewards.builtin import REWARDS, digit_credit, digit_match, exact_answer
 from hyperrl.tokenizer import char_tokenizer, decode_response
-from hyperrl.build import build_trainer
 
 CHAR = char_tokenizer()
 
@@ -141,7 +141,7 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
     cfg = load_config(None, args)
     tr = build_trainer(cfg)
     samples = tr.task.sample(4, 0)
-    batch = tr.rewards(tr._generate(samples, tr._sampling(0), 4), dict(enumerate(samples)))
+    batch = tr.scorer.score(tr.generator.generate(samples, tr.generator.sampling(0), 4), dict(enumerate(samples)))
     tok = batch["token_rewards"]
     assert (tok[~batch["action_mask"]] == 0).all()
     torch.testing.assert_close(tok.sum(-1), batch["reward"])
@@ -152,9 +152,9 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
     # shaping that changes the reward (clipped to [0.25, 0.5] here) keeps Σ_t token_rewards = reward: the
     # change lands on the last token
     clipped = build_trainer(load_config(None, [*args, "--algo.shaping=[{name: clip, lo: 0.25, hi: 0.5}]"]))
-    from hyperrl.loop.trainer import _Timer
+    from hyperrl.loop.collect import Timer
 
-    batch, _ = clipped.collect(_Timer())
+    batch, _ = clipped.collect(Timer())
     assert float(batch["reward"].min()) == 0.25 and float(batch["reward"].max()) <= 0.5  # the clip binds
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["reward"])
 

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
+from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
 from hyperrl.data import Sample
+from hyperrl.data.tasks import TASKS, arith_problems
 from hyperrl.envs import CalculatorCopyEnv, Limits, run_episodes
 from hyperrl.sampling import SamplingParams
-from hyperrl.data.tasks import TASKS, arith_problems
 from hyperrl.tokenizer import char_tokenizer
-from hyperrl.build import build_trainer
 from hyperrl.transforms import Normalizer
 from tests.hf_fixtures import bpe_tokenizer, qwen3_checkpoint
 from tests.test_tokenizer import ScriptedEngine
@@ -108,10 +108,10 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     """A real rollout of the compact task (a random policy calls with p ≈ 1/95 per episode: 512
     episodes, seeded), the real loss: its gradient with respect to the logits that predict the
     observation tokens is exactly 0, and nonzero at the action tokens."""
-    from hyperrl.loop.trainer import _Timer
+    from hyperrl.loop.collect import Timer
 
     tr = _calculator_trainer(tmp_path)
-    batch, _ = tr.collect(_Timer())
+    batch, _ = tr.collect(Timer())
     called = batch["tool_calls"] > 0
     assert int(called.sum()) >= 1
     batch, _ = tr.prepare(batch)
@@ -151,7 +151,7 @@ def test_the_run_with_a_real_tokenizer_and_the_native_format(tmp_path):
     with pytest.raises(ValueError, match=r"first prompt has 282 tokens.*rollout.max_episode_tokens"):
         _calculator_trainer(tmp_path / "small", *args).step()
     tr = _calculator_trainer(tmp_path / "out", *args, "--rollout.max_episode_tokens=400")
-    assert tr.make_env().tools[0]["function"]["name"] == "calculator"
+    assert tr.generator.make_env().tools[0]["function"]["name"] == "calculator"
     m = tr.step()
     assert {"tool_call_rate", "success_rate"} <= set(m)
     e = tr.evaluate()

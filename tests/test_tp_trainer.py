@@ -11,9 +11,9 @@ _ARGS = ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}", "--model.
 
 
 def _worker(rank, world, out_dir, steps, prompts, lr, stop_save, resume):
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.sharding.simulate import expected_destination
-    from hyperrl.build import build_trainer
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"--run.out_dir={out_dir}", f"--rollout.prompts_per_step={prompts}",
@@ -34,7 +34,7 @@ def _worker(rank, world, out_dir, steps, prompts, lr, stop_save, resume):
     for name, (dim, targets) in tr.engine._splits.items():
         got[name] = torch.cat([p.detach() for p, _ in targets], dim)
     bad = [k for k in want if not torch.equal(want[k], got[k])]
-    plan = tr.publisher.plan
+    plan = tr.publisher.publisher.plan
     recv = sum(t.nbytes for t in plan if t.dst_rank == rank and not t.local)
     skip = ("time_", "tokens_per_s")
     return {"version": tr.engine.policy_version, "bad": bad, "placements": sorted({str(p.placements) for p in

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyperrl.loop.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
-from hyperrl.rollout import WeightPublishError
-from hyperrl.build import build_trainer
-from hyperrl.run import train
+from hyperrl.loop.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from hyperrl.loop.trainer import GateError
+from hyperrl.rollout import WeightPublishError
+from hyperrl.run import train
 
 
 def _cfg(tmp_path, *extra):
@@ -92,7 +92,7 @@ def test_resume_is_bit_identical(tmp_path):
 _CRASH = """
 import sys
 from hyperrl.config import load_config
-from hyperrl.train import build_trainer
+from hyperrl.compose import build_trainer
 cfg = load_config(None, sys.argv[1:])
 tr = build_trainer(cfg)
 tr.resume()
@@ -266,7 +266,7 @@ def test_ppo_with_critic_learns_values_and_policy(tmp_path):
     assert "loss_value" in ms[-1] and "value_clipped_frac" in ms[-1]
     # the critic tracks the return: its mean value on action tokens is close to the mean reward
     samples = tr.task.sample(32, 999)
-    batch = tr.rewards(tr.engine.generate([tr.task.encode(s) for s in samples], tr._sampling(999), 8),
+    batch = tr.scorer.score(tr.engine.generate([tr.task.encode(s) for s in samples], tr.generator.sampling(999), 8),
                        dict(enumerate(samples)))
     with torch.no_grad():
         v = tr.critic(batch)[batch["action_mask"]]
@@ -292,7 +292,7 @@ def test_local_hf_checkpoint_trains_with_its_own_tokenizer(tmp_path):
     sample = tr.task.sample(1, 0)[0]
     assert tr.task.encode(sample) == tr.tok.encode(sample.prompt)  # the BPE's ids, not characters
     m = tr.step()
-    assert m["policy_version"] == 1 and tr._sampling(0).eos_id == tr.tok.eos_token_id
+    assert m["policy_version"] == 1 and tr.generator.sampling(0).eos_id == tr.tok.eos_token_id
 
 
 def test_a_checkpoint_without_a_tokenizer_or_with_a_larger_one_is_refused(tmp_path):
@@ -337,9 +337,9 @@ def test_everything_is_on_the_configured_device_and_dtype_bf16(tmp_path):
     assert _placement(tr) == {"policy": fp32, "engine": bf16, "reference": bf16, "critic": fp32,
                               "policy_optim": fp32, "critic_optim": fp32}
     assert seen == {torch.bfloat16} and torch.isfinite(torch.tensor(m["loss_policy"]))
-    from hyperrl.loop.trainer import _Timer
+    from hyperrl.loop.collect import Timer
 
-    lp, ent = tr._logprobs(tr.policy, tr.collect(_Timer())[0])
+    lp, ent = tr._logprobs(tr.policy, tr.collect(Timer())[0])
     assert lp.dtype == ent.dtype == torch.float32
 
 
@@ -415,9 +415,9 @@ def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
         return orig(*a, **kw)
 
     tr.policy.forward = counting
-    from hyperrl.loop.trainer import _Timer
+    from hyperrl.loop.collect import Timer
 
-    batch, _ = tr.collect(_Timer())
+    batch, _ = tr.collect(Timer())
     out, _ = tr.prepare(batch)
     in_prepare = list(calls)
     with torch.no_grad():

@@ -6,8 +6,8 @@ from .dist_helpers import run_gloo
 
 
 def _worker(rank, world, out_dir):
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
-    from hyperrl.build import build_trainer
 
     torch.manual_seed(0)
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
@@ -20,7 +20,7 @@ def _worker(rank, world, out_dir):
     full = {k: p.full_tensor() for k, p in tr.policy.named_parameters()}
     served = tr.engine.model.state_dict()
     engine_equals_policy = all(torch.equal(served[k], v) for k, v in full.items())
-    transfers = sum(1 for t in tr.publisher.plan if not t.local)
+    transfers = sum(1 for t in tr.publisher.publisher.plan if not t.local)
     return {"version": tr.engine.policy_version, "engine_equals_policy": engine_equals_policy,
             "rewards": [m["reward_mean"] for m in metrics], "remote_transfers": transfers,
             "checksum": float(sum(v.detach().double().sum() for v in full.values()))}
@@ -38,8 +38,8 @@ def test_fsdp2_two_processes_learn_and_publish(tmp_path):
 
 
 def _ckpt_worker(rank, world, out_dir, stop, resume):
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
-    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4",
                              "--model.hidden=64", "--model.intermediate=128"])
@@ -76,8 +76,8 @@ def test_fsdp2_checkpoint_resume_is_identical(tmp_path):
 def _critic_worker(rank, world, out_dir, stop, resume):
     """PPO + critic, both FSDP2-sharded; multi-token answers and a small micro-batch token budget, so
     ranks hold different lengths and micro-batch counts (padded with zero-weight passes)."""
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
-    from hyperrl.build import build_trainer
 
     cfg = load_config("configs/ppo_critic.yaml", [
         f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=8", "--rollout.n=4", "--rollout.max_new_tokens=3",
@@ -165,9 +165,9 @@ def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
 
 
 def _bf16_worker(rank, world, out_dir):
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.sharding.dtensor import local
-    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--task=modsum", "--rollout.prompts_per_step=8",
                              "--rollout.n=4",
@@ -232,9 +232,9 @@ def _lora_worker(rank, world, out_dir, stop, resume):
     """LoRA under torchrun: the frozen base replicated, the adapters' gradients all-reduced."""
     import copy
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.models.lora import MergedView
-    from hyperrl.build import build_trainer
 
     cfg = load_config(None, [f"--run.out_dir={out_dir}", "--rollout.prompts_per_step=32", "--rollout.n=8",
                              "--model.hidden=64", "--model.intermediate=128", "--task=modsum",

@@ -19,8 +19,8 @@ def test_trl_grpo_trainer_with_hyperrl_loss_trains(tmp_path):
     from trl_grpo_hyperrl_loss import HyperRLGRPOTrainer
 
     from benchmarks.e2e import hf_char_tokenizer
-    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.data.tasks import ModSumTask
+    from hyperrl.models.tiny import tiny_qwen3
     from hyperrl.tokenizer import char_tokenizer
 
     tok = char_tokenizer()

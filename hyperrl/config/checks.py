@@ -7,14 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from hyperrl.config.schema import ConfigError, TrainConfig
+from hyperrl.distributed.dims import world_size
 
-__all__ = ["check_config"]
+__all__ = ["check_config", "check_combinations"]
 
 
 def _check_parallel(cfg: TrainConfig) -> None:
     """Tensor parallelism: what it combines with, and the engine's TP degree (1 or the trainer's)."""
-    import os
-
     tp, eng = cfg.run.tp, cfg.rollout.engine
     etp = int(eng.args.get("tp", 1)) if eng.name == "transformers" else 1
     if etp != tp:  # the TP engine broadcasts its group's sampled tokens: the ranks of a TP group train on one batch
@@ -23,10 +22,7 @@ def _check_parallel(cfg: TrainConfig) -> None:
                           f"generate one batch together (separate engines may sample different rows)")
     if tp == 1:
         return
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
-        int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world % tp or world == 1:
         raise ConfigError(f"run.tp={tp}: needs torchrun with a multiple of {tp} processes (WORLD_SIZE={world})")
     for bad, why in ((cfg.model.lora is not None, "model.lora (the adapters' base is replicated, not split)"),
@@ -69,3 +65,96 @@ def check_config(cfg: TrainConfig) -> None:
     _check_files(cfg)
     _check_rewards(cfg)
     _check_parallel(cfg)
+
+
+def _needs(cfg: TrainConfig) -> set[str]:
+    """Every batch key the resolved ``algo`` section's components read (the loop builds from it)."""
+    from hyperrl import transforms as T
+
+    a = cfg.algo
+    fs = [T.ADVANTAGES.factory(a.advantage.name), T.OBJECTIVES.factory(a.objective.name)]
+    fs += [T.CORRECTIONS.factory(a.correction.name)] if a.correction else []
+    fs += [T.FILTERS.factory(a.filter.name)] if a.filter else []
+    fs += [T.SHAPING.factory(s.name) for s in a.shaping]
+    return {n for f in fs for n in f.needs} | ({"ref_logprobs"} if a.kl.coef > 0 else set())
+
+
+def check_combinations(cfg: TrainConfig) -> None:
+    """The loop's combinations of a *resolved* config (every variant known, its arguments complete):
+    what the algorithm needs against what the run can produce, the engine's declared capabilities
+    against what the run asks of it, parallelism, and the asynchronous settings."""
+    from hyperrl.rollout.engines import declared_capabilities
+
+    a, r, m, needs = cfg.algo, cfg.rollout, cfg.model, _needs(cfg)
+    eng = r.engine
+    caps = declared_capabilities(eng.name, eng.args)
+    world = world_size()
+    if "token_rewards" in needs and cfg.env is not None:
+        raise ConfigError(f"algo.advantage={a.advantage.name!r} needs per-token step rewards, which a multi-turn run "
+                          "(env) does not produce; use an outcome advantage (grpo, rloo, …)")
+    if a.proximal == "interpolate" and a.gate_threshold is not None:
+        raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
+                          "(algo.gate_threshold) compares; use proximal: recompute with the gate")
+    if cfg.optim.pack_tokens and world > 1:
+        raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent "
+                          f"number of model calls, which {world} FSDP ranks cannot keep in step; set "
+                          "optim.pack_tokens=0 (or run one process)")
+    if cfg.run.tp > 1 and "values" in needs:
+        raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
+                          f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")
+    if m.compile and caps.shared_weights:
+        raise ConfigError("model.compile with rollout.engine.share_weights: the engine would decode through the "
+                          "compiled training forward; set share_weights: false")
+    if caps.shared_weights:
+        why = []
+        if world > 1:
+            why.append("under torchrun each rank holds a shard, not the served model")
+        if m.lora is not None:
+            why.append("with model.lora the engine serves merged weights the policy does not hold")
+        if m.dtype != m.param_dtype:
+            why.append(f"model.dtype ({m.dtype}) differs from model.param_dtype ({m.param_dtype})")
+        if why:
+            raise ConfigError("rollout.engine.share_weights: " + "; ".join(why) + " — set share_weights: false")
+    if eng.name == "vllm" and eng.args.get("lora_adapters"):
+        if m.lora is None:
+            raise ConfigError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
+        if m.lora.train_modules:
+            raise ConfigError("rollout.engine.lora_adapters: model.lora.train_modules are trained outside the adapters "
+                              "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
+                              "train_modules")
+    _check_async(cfg, caps, needs, world)
+
+
+def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
+    """The ``async`` section (``max_staleness`` set: the asynchronous loop)."""
+    from hyperrl.rollout.workers import PARKING_EXECUTORS
+
+    s, r = getattr(cfg, "async"), cfg.rollout
+    if s.max_staleness is None:
+        return
+    eta = s.max_staleness
+    if not caps.resumable:
+        raise ConfigError(f"rollout.engine={r.engine.name}: asynchronous RL needs an engine with resumable requests "
+                          "(generate_requests: keyed sampling, abort, resume); the transformers engine has them")
+    if caps.shared_weights:
+        raise ConfigError("rollout.engine.share_weights: the engine would generate from weights the learner is "
+                          "changing; an asynchronous run needs its own copy (share_weights: false)")
+    if s.replay is not None and s.schedule != "free":
+        raise ConfigError(f"async.replay with async.schedule={s.schedule}: an event log records a free-running run "
+                          "(a gated run reproduces without one)")
+    if s.kv_cache == "keep" and s.replay is not None:
+        raise ConfigError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
+                          "event log; replay a run recorded with kv_cache: reprefill")
+    if s.kv_cache == "keep" and s.schedule == "free" and s.executor.name not in PARKING_EXECUTORS:
+        raise ConfigError(f"async.kv_cache=keep: the {s.executor.name} executor's workers cannot park mid-generation "
+                          "(the thread executor's can); use kv_cache: reprefill")
+    if s.schedule == "gated" and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:
+        raise ConfigError(f"async.max_concurrent={s.max_concurrent}: the gated schedule admits whole steps — set 0 "
+                          f"or ≥ (η + 1) · rollout.prompts_per_step = {(eta + 1) * r.prompts_per_step}")
+    if cfg.env is not None or cfg.algo.filter is not None or "baseline_reward" in needs:
+        raise ConfigError("async.max_staleness: multi-turn environments (env), group filters with refill "
+                          "(algo.filter) and ReMax's greedy baseline are synchronous-only for now; unset "
+                          "async.max_staleness")
+    if world > 1:
+        raise ConfigError("async.max_staleness: one learner process (rollout workers scale with async.executor: "
+                          "{name: ray, workers: N}); run without torchrun")

@@ -16,7 +16,7 @@ from typing import Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hyperrl.config.checks import check_config
+from hyperrl.config.checks import check_combinations, check_config
 from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries, resolve
 from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
@@ -130,7 +130,9 @@ def validate_config(data: dict) -> TrainConfig:
     except ValidationError as e:
         raise _pydantic_error(e) from None
     check_config(cfg)
-    return resolve(cfg)
+    cfg = resolve(cfg)
+    check_combinations(cfg)
+    return cfg
 
 
 def _data_task(d: dict, *, explicit_task: bool) -> dict:

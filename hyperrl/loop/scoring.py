@@ -25,12 +25,20 @@ class Scorer:
 
     def __init__(self, tokenizer, task, *, rewards: RewardSet | None = None, multi_turn: bool = False,
                  stop_ids: tuple[int, ...] = (), token_rewards: bool = False):
-        self.tok, self.multi_turn, self.stop_ids, self.want_token_rewards = tokenizer, multi_turn, stop_ids, \
-            token_rewards
-        if rewards is None and not multi_turn:
-            rewards = RewardSet(tuple(Reward(name, fn, "hyperrl") for name, fn in task.rewards))
-        self.reward_set = rewards
+        self.tok, self.task, self.multi_turn, self.stop_ids = tokenizer, task, multi_turn, stop_ids
+        self.want_token_rewards, self._rewards = token_rewards, rewards
         self._extra: dict[str, float] = {}
+
+    @property
+    def reward_set(self) -> RewardSet | None:
+        """The rewards scored on each completion: the config's, else the task's named rewards (read
+        each time: a task's rewards may be replaced); None in a multi-turn run without configured
+        rewards (the environment's episode reward alone)."""
+        if self._rewards is not None:
+            return self._rewards
+        if self.multi_turn:
+            return None
+        return RewardSet(tuple(Reward(name, fn, "hyperrl") for name, fn in self.task.rewards))
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 :class:`Trainer` holds what changes during a run (step, policy version, counters, the KL
 controller's state) and calls its collaborators, all built by the composition root
-(:func:`hyperrl.build.build`) and handed in:
+(:func:`hyperrl.compose.build`) and handed in:
 
 * the **collector** (:mod:`hyperrl.loop.collect`): the step's rewarded, shaped batch — generated
   now (:class:`~hyperrl.loop.collect.SyncCollector`) or taken from rollout workers running ahead

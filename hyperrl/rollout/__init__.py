@@ -1,6 +1,5 @@
 """Rollout engines producing token-first trajectory batches (one protocol; see :mod:`.base`)."""
 
-from hyperrl.models.tiny import tiny_qwen3
 from hyperrl.rollout.base import (
     RolloutEngine,
     SamplingParams,
@@ -15,6 +14,6 @@ from hyperrl.rollout.worker_base import LocalWorker, WorkerDied, WorkerError, Wo
 from hyperrl.rollout.workers import EXECUTORS, register_executor
 
 __all__ = ["ENGINES", "EngineContext", "register_engine", "RolloutEngine", "SamplingParams", "WeightPublishError",
-           "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits", "tiny_qwen3",
+           "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits",
            "Request", "keyed_uniform", "keyed_sample", "requests_for", "resume_requests", "EXECUTORS",
            "register_executor", "Workers", "LocalWorker", "WorkerError", "WorkerDied"]

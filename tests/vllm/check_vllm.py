@@ -14,8 +14,8 @@ from pathlib import Path
 def run() -> dict:
     import torch
 
-    from hyperrl.rollout import SamplingParams
     from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout import SamplingParams
     from hyperrl.rollout.vllm_engine import VLLMEngine
     from hyperrl.tokenizer import char_tokenizer
     from hyperrl.transforms import sequence_logprobs

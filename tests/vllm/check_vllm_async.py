@@ -26,11 +26,11 @@ class _After:
 def run() -> dict:
     import torch
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.loop.forward import plain_logprobs_and_entropy
-    from hyperrl.rollout import Request, resume_requests
-    from hyperrl.build import build_trainer
     from hyperrl.loop.trainer import SyncTrainer
+    from hyperrl.rollout import Request, resume_requests
 
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}",
                              f"--run.out_dir={tempfile.mkdtemp()}", "--task=modsum", "--rollout.max_new_tokens=8",
@@ -55,7 +55,7 @@ def run() -> dict:
     res["consumed"] = b.consumed
 
     eng = tr.engine  # no stop token: every request runs its whole budget of 12
-    sp = dataclasses.replace(tr._sampling(0), max_new_tokens=12, stop_ids=(), eos_id=None, seed=5)
+    sp = dataclasses.replace(tr.generator.sampling(0), max_new_tokens=12, stop_ids=(), eos_id=None, seed=5)
     prompts = [tuple(tr.task.encode(s)) for s in tr.task.sample(2, 99)]
     reqs = [Request(1000 + i, prompts[i % 2], i % 2) for i in range(4)]
     full = eng.generate_requests(reqs, sp)

@@ -16,10 +16,10 @@ from pathlib import Path
 def run() -> dict:
     import torch
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.export import export_hf
     from hyperrl.loop.forward import plain_logprobs_and_entropy
-    from hyperrl.build import build_trainer
     from hyperrl.trajectory import stack_episodes
 
     out = Path(tempfile.mkdtemp())

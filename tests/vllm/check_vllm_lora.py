@@ -14,9 +14,9 @@ import tempfile
 def run() -> dict:
     import torch
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.rollout import WeightPublishError
-    from hyperrl.build import build_trainer
 
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, lora_adapters: true, enforce_eager: true}",

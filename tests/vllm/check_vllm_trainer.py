@@ -13,9 +13,9 @@ import tempfile
 def run() -> dict:
     import torch
 
+    from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
     from hyperrl.loop.forward import plain_logprobs_and_entropy
-    from hyperrl.build import build_trainer
 
     out = tempfile.mkdtemp()
     cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}", f"--run.out_dir={out}",
@@ -25,7 +25,7 @@ def run() -> dict:
                              "--run.eval_every=0"])
     tr = build_trainer(cfg)
     steps = [tr.step() for _ in range(cfg.run.steps)]
-    b = tr.engine.generate([tr.task.encode(s) for s in tr.task.held_out(16)], tr._sampling(0), 2)
+    b = tr.engine.generate([tr.task.encode(s) for s in tr.task.held_out(16)], tr.generator.sampling(0), 2)
     with torch.no_grad():
         lp, _ = plain_logprobs_and_entropy(tr.policy, b, cfg.rollout.temperature)
     res = {"engine": type(tr.engine).__name__, "versions": [m["policy_version"] for m in steps],

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hyperrl.config import TrainConfig, validate_config
+from hyperrl.config import ConfigError, TrainConfig, validate_config
 from hyperrl.data.tasks import make_task
 from hyperrl.device import pick_device, torch_dtype
 from hyperrl.distributed import ParallelDims, make_parallel
@@ -36,7 +36,7 @@ from hyperrl.rollout.engines import ENGINES, EngineContext
 from hyperrl.rollout.publisher import Publisher
 from hyperrl.rollout.workers import EXECUTORS
 
-__all__ = ["build", "build_trainer"]
+__all__ = ["build", "build_trainer", "build_models"]
 
 
 def _with_async(cfg: TrainConfig, overrides: dict) -> TrainConfig:
@@ -105,6 +105,10 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **async_ov
     asynchronous = a.max_staleness is not None
     if trainer is None:
         trainer = AsyncTrainer if asynchronous else SyncTrainer
+    if issubclass(trainer, AsyncTrainer) != asynchronous:
+        raise ConfigError(f"async.max_staleness={a.max_staleness}: {trainer.__name__} needs " +
+                          ("the staleness bound η ≥ 0 set (async.max_staleness)" if not asynchronous else
+                           "it unset (null): set is the asynchronous loop (AsyncTrainer)"))
     workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine) if asynchronous else None
     try:
         if workers is not None:
