@@ -78,7 +78,7 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
 
 
 def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **async_overrides) -> Trainer:
-    """Everything a config names, built once it has been checked (:func:`hyperrl.config.load_config`)
+    """Everything a config names, built once it has been checked (:func:`hyperrl.load_config`)
     — see the module doc — and the trainer that runs it: :class:`~hyperrl.loop.trainer.AsyncTrainer`
     when ``async.max_staleness`` is set, else :class:`~hyperrl.loop.trainer.SyncTrainer`.
     Every module, buffer and optimizer state lives on ``run.device``: fp32 master weights

@@ -1,4 +1,4 @@
-"""Every config-shaped check, run at load time (:func:`hyperrl.config.load_config`) — before any
+"""Every config-shaped check, run at load time (:func:`hyperrl.load_config`) — before any
 model, engine, process group or ``out_dir`` exists. Each raises :class:`ConfigError` naming the
 dotted key and the fix."""
 

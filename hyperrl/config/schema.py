@@ -1,7 +1,7 @@
 """The configuration schema: frozen pydantic sections, every key with its default and one line of doc.
 
 Layers, later over earlier: the defaults below ← the recipe named by ``algo.recipe``
-(:mod:`hyperrl.recipes`) ← a YAML file ← ``--a.b=value`` overrides (values parsed as YAML).
+(:mod:`hyperrl.config.recipes`) ← a YAML file ← ``--a.b=value`` overrides (values parsed as YAML).
 Types, unknown keys, dict and list values are validated by pydantic (frozen models,
 ``extra="forbid"``). A **variant** section names a registered factory and its arguments —
 ``objective: {name: gspo, clip_low: 3.0e-4}`` or just ``objective: gspo`` — and is checked
@@ -124,7 +124,7 @@ class CriticConfig(_Frozen):
 
 
 class AlgoConfig(_Frozen):
-    recipe: str = Field("grpo_clip_higher", description="named chain (hyperrl.recipes.RECIPES); the keys below "
+    recipe: str = Field("grpo_clip_higher", description="named chain (hyperrl.config.RECIPES); the keys below "
                         "override its parts")
     advantage: Variant = Field(Variant(name="grpo"), description="advantage estimator (transforms.ADVANTAGES)")
     objective: Variant = Field(Variant(name="ppo_clip"), description="policy objective (transforms.OBJECTIVES)")
@@ -195,7 +195,7 @@ class RunConfig(_Frozen):
     out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
     device: str = Field("cpu", description="cpu | cuda | npu")
     tp: int = Field(1, ge=1, description="tensor parallelism of the trainer's policy under torchrun: groups of tp "
-                    "consecutive ranks split every decoder layer (Megatron's split, hyperrl.parallelize), FSDP2 "
+                    "consecutive ranks split every decoder layer (Megatron's split, hyperrl.distributed.parallelize), FSDP2 "
                     "over the world / tp data-parallel groups; 1 = FSDP2 over every rank")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
@@ -246,7 +246,7 @@ class AsyncConfig(_Frozen):
 
 class _TrainConfig(_Frozen):
     model: ModelConfig = Field(default_factory=ModelConfig)
-    task: Variant = Field(Variant(name="arith"), description="task (hyperrl.tasks.TASKS)")
+    task: Variant = Field(Variant(name="arith"), description="task (hyperrl.data.tasks.TASKS)")
     data: DataConfig = Field(default_factory=DataConfig)
     env: Variant | None = Field(None, description="multi-turn environment (hyperrl.envs.ENVIRONMENTS); null = "
                                 "single-turn")

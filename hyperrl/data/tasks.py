@@ -8,7 +8,7 @@ reward functions ``(response, sample) -> float``; several fill ``reward_componen
 
 ``arith`` (the embedded default, generated in code): ``"17+38="`` → ``"55"`` + EOS, two-digit
 operands ``0..49`` written at a fixed width, 250 operand pairs held out for evaluation; reward: the
-dense per-place :func:`~hyperrl.envs.rewards.digit_match` plus exact match.
+dense per-place :func:`~hyperrl.rewards.builtin.digit_match` plus exact match.
 ``products`` (the tool-use task, with the ``calculator_copy`` environment): ``"347*28="`` →
 ``"09716"``, products a tiny model cannot compute in its head.
 ``modsum`` (the first default): prompt ``"a+b="`` with digits ``a, b``; the answer is

@@ -56,7 +56,7 @@ class CalculatorCopyEnv:
     digit's place is its position — with action mask 0; the answer is the response as is.
     Any registered tool-call format (``hermes`` through the chat template, ``hyperrl`` tags): the
     policy writes the call with its own expression; the answer is the last number in the final
-    response. Reward: :func:`~hyperrl.envs.rewards.digit_match` of the answer (dense per place; 1
+    response. Reward: :func:`~hyperrl.rewards.builtin.digit_match` of the answer (dense per place; 1
     exactly when it is right) plus ``call_reward`` per call that returned a result (shaping that
     makes the rare first calls pay before copying is learned; 0 turns it off). ``info["success"]``:
     the answer is exact (the held-out success rate), whatever the shaping."""

@@ -3,7 +3,7 @@
 Each actor holds its own copy of the run's engine (a
 :class:`~hyperrl.rollout.hf.TransformersEngine`), born serving the engine's current version. The
 learner publishes to one :class:`RayEngine` — the engine protocol over the whole group, planned
-into by the :class:`~hyperrl.sharding.publisher.Publisher` like any engine — which ships the
+into by the :class:`~hyperrl.rollout.publisher.Publisher` like any engine — which ships the
 pieces once through Ray's object store (``ray.put``; every actor reads the same object) and
 commits in two phases: every live actor begins, stages and checks the set complete
 (``prepare``); only if all agree do they commit. A refused piece or an actor past its deadline

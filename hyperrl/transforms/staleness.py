@@ -5,7 +5,7 @@ In asynchronous RL every action token carries the version ``v_t`` of the weights
 learner holding version ``V`` (the weights that train the batch; its update produces ``V + 1``)
 sees each token ``s_t = V − v_t ≥ 0`` updates late. A bound ``η`` (``async.max_staleness``)
 requires ``s_t ≤ η`` on every trained token; the admission rule of
-:mod:`hyperrl.transforms.admission` guarantees it by construction, :func:`staleness_mask` and
+:mod:`hyperrl.loop.admission` guarantees it by construction, :func:`staleness_mask` and
 :func:`staleness_metrics` check and report it.
 
 Decoupled PPO (Hilton et al. 2022; AReaL, Fu et al. 2025) separates the trust-region anchor
