@@ -37,6 +37,39 @@ def test_eta_zero_is_the_sync_trainer_bit_for_bit(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
 
 
+def test_eta_zero_is_the_sync_trainer_bit_for_bit_with_process_credit_and_shaping(tmp_path):
+    """Per-token credit (grpo_process) with reward shaping that changes the reward: the asynchronous
+    collector scores and shapes through the synchronous one's code (score_and_shape), so the
+    token_rewards fix-up — what shaping changed lands on the last token — cannot drift between them
+    (it once did: the asynchronous copy skipped it)."""
+    args = ["--task=arith", "--task.max_operand=9", "--task.rewards=[digit_credit, exact_answer]",
+            "--algo.advantage=grpo_process", "--algo.shaping=[{name: clip, lo: 0.25, hi: 0.5}]",
+            "--rollout.max_new_tokens=3", "--rollout.prompts_per_step=4", "--model.hidden=32", "--model.layers=1",
+            "--model.intermediate=64"]
+    sync = build_trainer(_cfg(tmp_path / "s", *args))
+    asyn = build_trainer(_cfg(tmp_path / "a", *args), trainer=AsyncTrainer, max_staleness=0)
+    seen = []
+    collect = asyn.collector.collect
+
+    def recording(trainer, timer):  # the batch the learner trains on, to check the credit sums to the reward
+        batch, info = collect(trainer, timer)
+        seen.append(batch)
+        return batch, info
+
+    asyn.collector.collect = recording
+    try:
+        ms, ma = [sync.step() for _ in range(4)], [asyn.step() for _ in range(4)]
+    finally:
+        asyn.close()
+    for s, a in zip(ms, ma):
+        same = {k: s[k] for k in s if not k.startswith("time_") and k != "tokens_per_s"}
+        assert same == {k: a[k] for k in same}
+    assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
+    assert any(float(b["reward"].min()) == 0.25 for b in seen)  # the clip binds
+    for b in seen:  # shaping's change is on the last token: the credit still sums to the shaped reward
+        torch.testing.assert_close(b["token_rewards"].sum(-1), b["reward"])
+
+
 # what depends on timing, not on what was generated and trained: how many groups were in flight or
 # ready (admitted) when the learner took its batch, and the clocks
 _TIMING = {"tokens_per_s", "async_admitted", "async_in_flight", "async_ready"}

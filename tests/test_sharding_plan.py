@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hyperrl.sharding import (
+    Block,
     DstLayout,
     Layout,
     LayoutError,
@@ -259,9 +260,10 @@ def test_destination_layouts_that_would_lose_data_are_refused_naming_the_param()
     from hyperrl.sharding import ChunkRule, HeadReplicaRule, Part
 
     tp = ChunkRule(Spec.shard(2, d0="tp"))
-    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6\]\): rule spec .* has 3 dims, the part has 2"):
+    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6\]; from 'w'\): rule spec .* has 3 dims, the part "
+                                          r"has 2"):
         _dst(Part.plain("w", (4, 6), ChunkRule(Spec.shard(3, d0="tp"))))  # used to be accepted, a dim ignored
-    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6, 2\]\): rule spec .* has 2 dims"):
+    with pytest.raises(LayoutError, match=r"p \(part 0, shape \[4, 6, 2\]; from 'w'\): rule spec .* has 2 dims"):
         _dst(Part.plain("w", (4, 6, 2), tp))  # used to crash inside numpy
     with pytest.raises(LayoutError, match=r"block 'e1' at \[5, 0, 0\] .* lies outside the part"):
         _dst(Part.stacked(["e0", "e1"], (4, 6), ChunkRule(Spec.shard(3, d0="tp")), order=[0, 5]))
@@ -275,11 +277,36 @@ def test_destination_layouts_that_would_lose_data_are_refused_naming_the_param()
         _dst(Part.plain("w", (4, 6), ChunkRule(Spec.shard(2, d0="ep"))))
 
 
-def test_unknown_source_axis_names_the_tensor():
+def test_a_placement_that_does_not_fit_its_mesh_or_tensor_is_refused_at_construction():
     from hyperrl.sharding import SpecError
 
-    with pytest.raises(SpecError, match=r"model.norm.weight: spec axis 'tp' is not a mesh axis \['fsdp'\]"):
-        Layout({"model.norm.weight": Placement((8,), torch.float32, Spec.shard(1, d0="tp"), Mesh.of(fsdp=2))})
+    # an axis not on the mesh: named, with the mesh's axes (was accepted until a Layout held it)
+    with pytest.raises(SpecError, match=r"placement of a \[8\] tensor on mesh \['fsdp'\]: spec axis 'tp' is not a "
+                                        r"mesh axis \['fsdp'\]"):
+        Placement((8,), torch.float32, Spec.shard(1, d0="tp"), Mesh.of(fsdp=2))
+    # a spec of another rank than the tensor: both ranks named (was accepted)
+    with pytest.raises(SpecError, match=r"placement of a \[8, 4\] tensor .*: spec has 1 dims but the tensor has shape "
+                                        r"\[8, 4\]"):
+        Placement((8, 4), torch.float32, Spec.shard(1, d0="fsdp"), Mesh.of(fsdp=2))
+    Placement((8, 4), torch.float32, Spec.shard(2, d0="fsdp"), Mesh.of(fsdp=2))  # a fitting one is accepted
+
+
+def test_refused_destination_rules_name_the_parameter_and_its_sources():
+    from hyperrl.sharding import ChunkRule, DstParam, HeadReplicaRule, Part
+
+    def fused(rule):  # one destination parameter "qk" fused from the source tensors w.q and w.k
+        part = Part((8, 6), (Block("w.q", (0, 0), (4, 6)), Block("w.k", (4, 0), (4, 6))), rule)
+        return DstLayout({"qk": DstParam(torch.float32, Mesh.of(tp=2), (part,))})
+
+    # a rule of smaller rank than its part
+    with pytest.raises(LayoutError, match=r"qk \(part 0, shape \[8, 6\]; from 'w.q', 'w.k'\): rule spec .* has 1 "
+                                          r"dims, the part has 2"):
+        fused(ChunkRule(Spec.shard(1, d0="tp")))
+    # kv heads covering fewer rows than the part
+    with pytest.raises(LayoutError, match=r"qk \(part 0, shape \[8, 6\]; from 'w.q', 'w.k'\): 1 kv heads × 4 rows "
+                                          r"cover 4 rows of dim 0, the part has 8"):
+        fused(HeadReplicaRule("tp", n_heads=1, head_dim=4))
+    fused(HeadReplicaRule("tp", n_heads=2, head_dim=4))  # the fitting rule is accepted
 
 
 def test_fan_out_is_a_tree_that_spreads_the_forwards():

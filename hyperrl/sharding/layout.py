@@ -56,6 +56,10 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class Placement:
+    """Where one source tensor lives: its global ``shape`` and ``dtype``, and its ``spec`` (the mesh
+    axes each dim is split over) on ``mesh``. Checked at construction: every spec axis is a mesh
+    axis and the spec has one entry per tensor dim."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     spec: Spec
@@ -63,7 +67,10 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        # the spec is checked against the mesh by Layout, which knows the tensor's name
+        # checked at construction (an axis not on the mesh, a spec of another rank than the tensor);
+        # Layout checks again naming the tensor
+        where = f"placement of a {list(self.shape)} tensor on mesh {list(self.mesh.names)}"
+        self.spec.check(self.mesh, self.shape, where)
 
     @property
     def itemsize(self) -> int:
@@ -256,7 +263,9 @@ def _check_param(name: str, p: DstParam) -> None:
     block outside its part's virtual extent (an expert slot outside its stack, a padded extent
     smaller than the tensor), two blocks in one slot."""
     for i, part in enumerate(p.parts):
-        where = f"{name} (part {i}, shape {list(part.shape)})"
+        srcs = [b.src for b in part.blocks]
+        names = ", ".join(repr(n) for n in srcs[:4]) + (f", … ({len(srcs)} in all)" if len(srcs) > 4 else "")
+        where = f"{name} (part {i}, shape {list(part.shape)}; from {names})"
         part.rule.check(part.shape, p.mesh, where)
         seen: dict[tuple, str] = {}
         L = part.shape
