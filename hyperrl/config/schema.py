@@ -195,8 +195,8 @@ class RunConfig(_Frozen):
     out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
     device: str = Field("cpu", description="cpu | cuda | npu")
     tp: int = Field(1, ge=1, description="tensor parallelism of the trainer's policy under torchrun: groups of tp "
-                    "consecutive ranks split every decoder layer (Megatron's split, hyperrl.distributed.parallelize), FSDP2 "
-                    "over the world / tp data-parallel groups; 1 = FSDP2 over every rank")
+                    "consecutive ranks split every decoder layer (Megatron's split, hyperrl.distributed.parallelize), "
+                    "FSDP2 over the world / tp data-parallel groups; 1 = FSDP2 over every rank")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 
