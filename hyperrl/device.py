@@ -11,6 +11,7 @@ __all__ = ["pick_device", "collective_backend", "npu_available", "torch_dtype", 
 
 
 def npu_available() -> bool:
+    """True when ``torch_npu`` is installed and an Ascend NPU is visible (importing it registers ``torch.npu``)."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     import torch_npu  # noqa: F401  (registers torch.npu)

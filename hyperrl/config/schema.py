@@ -57,6 +57,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 
 class LoraConfig(_Frozen):
+    """``model.lora``: LoRA adapters (PEFT) trained instead of every weight."""
+
     r: int = Field(8, ge=1, description="LoRA rank")
     alpha: int = Field(16, ge=1, description="LoRA alpha (scale alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (training forwards only)")
@@ -68,6 +70,9 @@ class LoraConfig(_Frozen):
 
 
 class ModelConfig(_Frozen):
+    """``model``: the policy — a tiny random Qwen3 sized by these keys, or a local checkpoint — its tokenizer,
+    dtypes, LoRA and compile."""
+
     hidden: int = Field(128, description="tiny Qwen3: hidden size (random init; ignored with checkpoint)")
     layers: int = Field(2, description="tiny Qwen3: decoder layers")
     heads: int = Field(4, description="tiny Qwen3: attention heads")
@@ -90,6 +95,9 @@ class ModelConfig(_Frozen):
 
 
 class RolloutConfig(_Frozen):
+    """``rollout``: the engine and what a step generates — prompts per step, samples per prompt, sampling, multi-
+    turn budgets, refill rounds."""
+
     engine: Variant = Field(Variant(name="transformers"), description="rollout engine (hyperrl.rollout.ENGINES)")
     prompts_per_step: int = Field(32, ge=1, description="prompts (groups) per step, over all ranks")
     n: int = Field(16, ge=1, description="samples per prompt (the group size)")
@@ -108,6 +116,8 @@ class RolloutConfig(_Frozen):
 
 
 class KLConfig(_Frozen):
+    """``algo.kl``: the KL term — coefficient β, estimator, clamps and the β controller."""
+
     coef: float = Field(0.0, ge=0, description="β of the KL loss term (> 0 builds a reference model)")
     estimator: str = Field("k3", description="KL estimator (hyperrl.transforms.KL_ESTIMATORS; '+' suffix: "
                            "straight-through)")
@@ -117,6 +127,9 @@ class KLConfig(_Frozen):
 
 
 class CriticConfig(_Frozen):
+    """``algo.critic``: the critic (built when the advantage needs ``values``) — its lr, value clip and loss
+    weight."""
+
     lr: float = Field(0.003, gt=0, description="critic learning rate (a critic is built when a factory needs "
                       "'values')")
     value_clip: float | None = Field(0.2, description="value clip around the rollout-time values (null = off)")
@@ -124,6 +137,9 @@ class CriticConfig(_Frozen):
 
 
 class AlgoConfig(_Frozen):
+    """``algo``: the algorithm — a named recipe whose parts (advantage, objective, aggregation, KL, correction,
+    shaping, filter) are variants overriding it."""
+
     recipe: str = Field("grpo_clip_higher", description="named chain (hyperrl.config.RECIPES); the keys below "
                         "override its parts")
     advantage: Variant = Field(Variant(name="grpo"), description="advantage estimator (transforms.ADVANTAGES)")
@@ -149,6 +165,8 @@ class AlgoConfig(_Frozen):
 
 
 class OptimConfig(_Frozen):
+    """``optim``: the optimizer (AdamW), lr schedule, clipping, mini- and micro-batching and the trainer's forward."""
+
     lr: float = Field(1e-3, gt=0, description="policy learning rate (AdamW)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
@@ -167,6 +185,9 @@ class OptimConfig(_Frozen):
 
 
 class DataConfig(_Frozen):
+    """``data``: verl-style prompt files (parquet / JSONL / JSON); setting ``train_files`` makes the task
+    ``files``."""
+
     train_files: list[str] = Field(default_factory=list, description="parquet / JSONL / JSON training prompts "
                                    "(verl columns); set = task 'files' (do not also set task)")
     val_files: list[str] = Field(default_factory=list, description="validation prompts (evaluation runs on these, "
@@ -180,6 +201,9 @@ class DataConfig(_Frozen):
 
 
 class RunConfig(_Frozen):
+    """``run``: steps, seed, evaluation, checkpoints, export, output directory, device, tensor parallelism,
+    threads, logging."""
+
     steps: int = Field(4000, ge=0, description="training steps")
     seed: int = Field(0, description="seed of data, sampling, init and update order")
     eval_every: int = Field(100, ge=0, description="held-out evaluation every k steps (0 = off)")
@@ -222,6 +246,9 @@ class RewardSpec(_Frozen):
 
 
 class AsyncConfig(_Frozen):
+    """``async``: asynchronous RL — the staleness bound η (unset: the synchronous loop), admission, schedule, KV-
+    cache policy, replay and where the rollout workers run."""
+
     max_staleness: int | None = Field(None, ge=0, description="η: asynchronous RL (AsyncTrainer) — a trained token "
                                       "lags the learner by at most η versions; null = the synchronous SyncTrainer "
                                       "(docs/async.md)")
@@ -245,6 +272,8 @@ class AsyncConfig(_Frozen):
 
 
 class _TrainConfig(_Frozen):
+    """The sections of :data:`TrainConfig` but ``async`` (a keyword: added by name below)."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: Variant = Field(Variant(name="arith"), description="task (hyperrl.data.tasks.TASKS)")
     data: DataConfig = Field(default_factory=DataConfig)
@@ -265,6 +294,9 @@ class _TrainConfig(_Frozen):
 TrainConfig = create_model("TrainConfig", __base__=_TrainConfig, __module__=__name__,
                            **{"async": (AsyncConfig, Field(default_factory=AsyncConfig, description="asynchronous "
                                                            "RL: the staleness bound η and the rollout worker"))})
+TrainConfig.__doc__ = ("The whole run's configuration, frozen: ``model``, ``task``, ``data``, ``env``, ``rewards``, "
+                       "``rollout``, ``algo``, ``optim``, ``run`` and ``async`` (read it as ``getattr(cfg, 'async')``). "
+                       "Load it with :func:`hyperrl.config.load_config`, which checks everything.")
 
 
 def _plain(m):
@@ -280,5 +312,3 @@ def _plain(m):
 
 
 # ----------------------------------------------------------------------------- layers and merging
-
-

@@ -56,6 +56,9 @@ def _answer(row: dict, gt_key: str, extra_key: str, answer_key: str):
 
 
 class PromptDataset:
+    """Loaded prompt rows (:class:`Sample`) and how many were skipped (``overlong_prompts: filter``); indexable,
+    sized."""
+
     def __init__(self, samples: list[Sample], skipped: int = 0):
         self.samples, self.skipped = samples, skipped
 

@@ -120,6 +120,10 @@ ToolFormatName = Annotated[str, AfterValidator(_known_format)]
 
 
 class ToolRunner:
+    """Runs the tool calls a response makes: parses them in its format (``fmt``: a ``TOOL_FORMATS`` name), at most
+    ``max_calls_per_turn`` per turn and ``max_concurrency`` at once, each call's error or timeout an
+    observation, never a crash."""
+
     def __init__(self, tools: dict[str, Tool] | None = None, *, max_calls_per_turn: int = 4, max_concurrency: int = 4,
                  fmt: str = "hyperrl"):
         self.tools = tools if tools is not None else {n: TOOLS.build(n)() for n in TOOLS.names()}
@@ -278,6 +282,8 @@ class BM25Index:
 
 
 def make_search_tool(index: BM25Index, *, k: int = 3, name: str = "search") -> Tool:
+    """A ``search(query)`` tool over a :class:`BM25Index`: the ``k`` best documents, numbered, as its observation
+    (``no results`` when none match)."""
     def search(query: str) -> str:
         hits = index.search(query, k)
         return "\n".join(f"[{j + 1}] {d[index.text_key]}" for j, (_, d) in enumerate(hits)) or "no results"

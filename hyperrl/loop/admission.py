@@ -97,6 +97,8 @@ def capacity(in_flight: int, accepted: int, version: int, eta: int, batch: int, 
 
 
 def buffer_init(eta: int, batch: int, max_concurrent: int) -> Buffer:
+    """An empty admission buffer for staleness bound ``eta``, ``batch`` groups per step and at most
+    ``max_concurrent`` groups in flight (checked by :func:`check_admission`)."""
     check_admission(eta, batch, max_concurrent)
     return Buffer(eta, batch, max_concurrent)
 

@@ -77,6 +77,7 @@ def rng_states() -> dict[str, torch.Tensor]:
 
 
 def set_rng_states(rng: dict[str, torch.Tensor]) -> None:
+    """Restore the RNG states :func:`rng_states` recorded (torch, and Python's and numpy's when present)."""
     import random
 
     import numpy as np
@@ -149,6 +150,8 @@ def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], stat
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete ``step_<k>`` directory under ``root`` (its ``COMPLETE`` marker written), or None; half-
+    written ``.tmp`` directories are never taken."""
     root = Path(root)
     if not root.exists():
         return None

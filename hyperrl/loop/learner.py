@@ -86,6 +86,11 @@ class Optimized:
 
 
 class Learner:
+    """The optimizer side of a step: ``modules`` (name → :class:`Optimized`: a module, its optimizer and base lr)
+    updated by one composed loss over epochs × mini-batches × micro-batches, with the lr schedule
+    (:func:`hyperrl.transforms.lr_multiplier`), the global token normaliser and gradient clipping at
+    ``grad_clip``; every collective through ``parallel``."""
+
     def __init__(self, modules: dict[str, Optimized], *, grad_clip: float, schedule: str = "constant",
                  total_steps: int = 1, warmup: int = 0, min_lr_ratio: float = 0.0,
                  parallel: LocalParallel | None = None):

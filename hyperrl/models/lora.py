@@ -50,10 +50,13 @@ def apply_lora(model: torch.nn.Module, *, r: int, alpha: int, dropout: float, ta
 
 
 def is_lora(model) -> bool:
+    """Is ``model`` a PEFT model with adapters (one that can disable them)?"""
     return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that train (``requires_grad``): a LoRA model's adapters (and ``train_modules``), every weight
+    otherwise."""
     return [p for p in model.parameters() if p.requires_grad]
 
 

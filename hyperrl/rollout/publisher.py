@@ -149,6 +149,11 @@ def _device(shards: dict[str, torch.Tensor]) -> torch.device:
 
 
 class Publisher:
+    """Publishes a trainer's weights into an engine's own layout: the reshard plan from the source ``Layout`` (read
+    from the model's DTensor placements) into the destination ``DstLayout`` (``engine.layout(world)``), run
+    by ``executor`` (identity views in one process, direct-reshard across processes) inside the engine's
+    ``begin → stage → commit`` transaction."""
+
     def __init__(self, src: Layout, dst: DstLayout, executor=None, *, engine=None, rank: int = 0,
                  fan_out: bool = False):
         self.src, self.dst = cast_to_destination(src, dst), dst

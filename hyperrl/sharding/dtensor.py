@@ -92,6 +92,7 @@ def dtensor_spec(t, meshes: dict | None = None) -> tuple[Mesh, Spec]:
 
 
 def is_dtensor(t) -> bool:
+    """Is ``t`` a ``torch.distributed.tensor.DTensor``?"""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

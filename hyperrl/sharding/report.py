@@ -117,6 +117,7 @@ def plan_traffic(plan) -> tuple[list[int], list[int], np.ndarray]:
 
 
 def plan_str(plan) -> str:
+    """A readable summary of a plan: its counts, then its first 20 transfers one per line."""
     head = (f"Plan: {len(plan.src)} source tensors -> {len(plan.dst)} destination params, "
             f"{len(plan.groups)} geometry groups, {len(plan):,} transfers, fan_out={plan.fan_out}")
     lines = [head]

@@ -32,6 +32,7 @@ def random_state(layout: Layout, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def source_shards(layout: Layout, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Each source rank's local shards of the ``full`` tensors under ``layout`` (rank → name → tensor)."""
     shards: dict[int, dict[str, torch.Tensor]] = {}
     for name, pl in layout.items():
         for rank, box in boxes(pl.spec, pl.mesh, pl.shape, name).items():
@@ -48,6 +49,8 @@ def _alloc(dst: DstLayout) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def simulate(plan: Plan, full: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Run ``plan`` on one process: cut each source rank's shards from the ``full`` tensors, apply every transfer
+    in phase order, and return each destination rank's parameters — what the executors must produce."""
     shards = source_shards(plan.src, full)
     out = _alloc(plan.dst)
     ts = sorted(plan, key=lambda t: t.phase)

@@ -97,6 +97,7 @@ class KLState:
 
 
 def fixed_kl_init(beta: float) -> KLState:
+    """The fixed controller's state: β = ``beta`` for the whole run."""
     return KLState(float(beta))
 
 
@@ -106,6 +107,7 @@ def fixed_kl_update(state: KLState, kl: float, n_steps: int) -> KLState:
 
 
 def adaptive_kl_init(beta: float) -> KLState:
+    """The adaptive controller's initial state: β = ``beta``."""
     return KLState(float(beta))
 
 

@@ -21,6 +21,7 @@ class RunningStats:
 
 
 def running_stats_init() -> RunningStats:
+    """An empty running mean / variance (count, mean, M2 all 0)."""
     return RunningStats(0.0, 0.0, 0.0)
 
 
