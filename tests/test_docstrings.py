@@ -63,7 +63,9 @@ def test_the_checker_can_fail():
 
     assert not _own_doc(Bare) and _own_doc(documented)
 
-    class Child(hr_trainer := importlib.import_module("hyperrl.loop.trainer").Trainer):
+    trainer = importlib.import_module("hyperrl.loop.trainer").Trainer
+
+    class Child(trainer):
         pass
 
-    assert not _own_doc(Child) and _own_doc(hr_trainer)  # an inherited docstring is not its own
+    assert not _own_doc(Child) and _own_doc(trainer)  # an inherited docstring is not its own

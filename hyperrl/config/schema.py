@@ -295,8 +295,9 @@ TrainConfig = create_model("TrainConfig", __base__=_TrainConfig, __module__=__na
                            **{"async": (AsyncConfig, Field(default_factory=AsyncConfig, description="asynchronous "
                                                            "RL: the staleness bound η and the rollout worker"))})
 TrainConfig.__doc__ = ("The whole run's configuration, frozen: ``model``, ``task``, ``data``, ``env``, ``rewards``, "
-                       "``rollout``, ``algo``, ``optim``, ``run`` and ``async`` (read it as ``getattr(cfg, 'async')``). "
-                       "Load it with :func:`hyperrl.config.load_config`, which checks everything.")
+                       "``rollout``, ``algo``, ``optim``, ``run`` and ``async`` (read it as "
+                       "``getattr(cfg, 'async')``). Load it with :func:`hyperrl.config.load_config`, which checks "
+                       "everything.")
 
 
 def _plain(m):
