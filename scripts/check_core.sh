@@ -13,7 +13,7 @@ python3 -m venv "$venv"
 for mod in transformers pyarrow yaml matplotlib jsonschema peft; do
   if "$venv/bin/python" -c "import $mod" 2>/dev/null; then echo "check_core: $mod is importable in the core venv" >&2; exit 1; fi
 done
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_advantages.py tests/test_aggregation.py \
-  tests/test_batching.py tests/test_kl.py tests/test_logprobs.py tests/test_misc_transforms.py tests/test_objectives.py \
-  tests/test_trajectory.py tests/test_async_pieces.py tests/test_sharding_algebra.py tests/test_sharding_plan.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/transforms/test_advantages.py tests/transforms/test_aggregation.py \
+  tests/transforms/test_batching.py tests/transforms/test_kl.py tests/transforms/test_logprobs.py tests/transforms/test_misc_transforms.py tests/transforms/test_objectives.py \
+  tests/foundations/test_trajectory.py tests/loop/test_async_pieces.py tests/sharding/test_sharding_algebra.py tests/sharding/test_sharding_plan.py
 "$venv/bin/hyperrl" plan --model qwen3-4b --trainer fsdp=8 --rollout tp=2,dp=4 | tail -3

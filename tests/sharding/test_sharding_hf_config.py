@@ -1,0 +1,86 @@
+"""Plans from an HF config.json: for each family the layouts name exactly the tensors (and shapes) a
+real transformers model of that config saves, and plan exactly."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from hyperrl.sharding import reshard_plan, verify
+from hyperrl.sharding.models import from_hf_config, hf_tensor_shapes, trainer_layout
+from hyperrl.sharding.simulate import expected_destination, random_state, simulate
+from hyperrl.sharding.vllm import rollout_layout
+
+ATTN = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=48)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", ATTN),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**ATTN, "head_dim": 8, "tie_word_embeddings": True}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", ATTN),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {**ATTN, "moe_intermediate_size": 16, "num_experts": 4,
+                                                          "num_experts_per_tok": 2,
+                                                          "shared_expert_intermediate_size": 24}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**ATTN, "head_dim": 8, "moe_intermediate_size": 16,
+                                                          "num_experts": 4, "num_experts_per_tok": 2,
+                                                          "mlp_only_layers": [0]}),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **ATTN, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1}),
+}
+
+
+def _checkpoint(tmp_path, family):
+    from safetensors import safe_open
+
+    cfg_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw))
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_layouts_from_config_json_name_the_saved_tensors_and_plan_exactly(tmp_path, family):
+    saved = _checkpoint(tmp_path, family)
+    cfg = from_hf_config(tmp_path)  # the directory; the file works too
+    assert hf_tensor_shapes(cfg) == saved  # every tensor the checkpoint holds, by name and shape
+    ep = 2 if cfg.experts else 1
+    src = trainer_layout(cfg, fsdp=2, tp=1, ep=ep, dtype=torch.float32)
+    dst = rollout_layout(cfg, tp=2, dp=2, dtype=torch.float32, offset=0)  # colocated: some copies are local
+    plan = reshard_plan(src, dst)
+    verify(plan)
+    full = random_state(src, seed=2)
+    got, want = simulate(plan, full), expected_destination(dst, full)
+    assert all(torch.equal(got[r][n], t) for r, ps in want.items() for n, t in ps.items())
+    s = plan.stats()
+    assert s.wire_bytes == s.recv_min_bytes and s.local_bytes > 0
+
+
+def test_unsupported_or_incomplete_configs_are_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not modelled; supported: qwen2"):
+        from_hf_config(tmp_path / "config.json")
+    with pytest.raises(ValueError, match="'num_hidden_layers' is missing"):
+        from_hf_config({"model_type": "qwen3", "hidden_size": 8, "num_attention_heads": 2})
+    with pytest.raises(ValueError, match="no such file"):
+        from_hf_config(tmp_path / "nope")
+
+
+@pytest.mark.slow
+def test_cli_plans_a_config_json_colocated(tmp_path):
+    _checkpoint(tmp_path, "qwen3_moe")
+    out = subprocess.run([sys.executable, "-m", "hyperrl.cli", "plan", "--model", str(tmp_path / "config.json"),
+                          "--trainer", "fsdp=2,ep=2", "--rollout", "tp=2,dp=2", "--colocated", "--fan-out", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["trainer_ranks"] == 4 and info["rollout_ranks"] == 4 and info["local_bytes"] > 0
+    assert info["wire_bytes"] == info["recv_min_bytes"] and info["egress_bytes"] == info["src_min_bytes"]
+    bad = subprocess.run([sys.executable, "-m", "hyperrl.cli", "plan", "--model", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--model:" in bad.stderr and "no such file" in bad.stderr
