@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 import time
 from contextlib import contextmanager
@@ -52,41 +51,15 @@ from tensordict import TensorDict
 
 from hyperrl import transforms as T
 from hyperrl.loop import admission as A
+from hyperrl.loop.async_schedules import make_schedule
 from hyperrl.loop.collect import Timer, sample_uid, score_and_shape
 from hyperrl.rollout.requests import Request, resume_requests
-from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError
+from hyperrl.rollout.worker_base import WorkerDied, WorkerError
 from hyperrl.trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 
-__all__ = ["AsyncCollector", "WorkerError", "ASYNC_SCHEDULES"]
+__all__ = ["AsyncCollector", "WorkerError"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
-ASYNC_SCHEDULES = ("free", "gated")  # async.schedule (the config's Literal; checked at load)
-
-
-@dataclasses.dataclass
-class _Log:
-    """A recorded free-running run: its worker calls (in the order they started) and its takes."""
-
-    calls: list[dict]
-    takes: dict[int, list]
-
-
-def _read_event_log(path) -> _Log:
-    """``async_events.jsonl`` of a free-running run → the calls to make and the batches to take."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"async.replay: {p} does not exist (a free-running run writes out_dir/async_events.jsonl)")
-    calls, takes = [], {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        e = json.loads(line)
-        if "resume" in e:
-            raise ValueError(f"async.replay: {p}:{n}: the recorded run was resumed from a checkpoint; only a run "
-                             "recorded from its start replays")
-        if "call" in e:
-            calls.append(e)
-        elif "take" in e:
-            takes[e["take"]] = e["keys"]
-    return _Log(sorted(calls, key=lambda e: e["call"]), takes)
 
 
 class AsyncCollector:
@@ -101,7 +74,8 @@ class AsyncCollector:
                  log: Path | None, fresh: bool):
         self.executor, self.engine, self.task, self.generator = workers, workers.engine, task, generator
         self.scorer, self.pipeline, self.rollout, self.seed, self.threads = scorer, pipeline, rollout, seed, threads
-        self.eta, self.timeout_s, self.schedule = eta, timeout_s, schedule
+        self.eta, self.timeout_s = eta, timeout_s
+        self.schedule = make_schedule(schedule, replay)  # free, gated or the replay of a recorded run
         self.workers = list(workers.workers)
         self.keep_kv = kv_cache == "keep" and schedule == "free"
         for w in self.workers:
@@ -124,8 +98,7 @@ class AsyncCollector:
         self._next_key, self.restarts = 0, 0
         # the event log: every worker call (its requests, version, decode steps before an interruption)
         # and every batch taken — what a replay needs to run the same calls and takes (module doc)
-        self._replay = _read_event_log(replay) if replay is not None else None
-        self._log = log if schedule == "free" and replay is None else None
+        self._log = log if self.schedule.records else None
         if self._log is not None and fresh:
             self._log.parent.mkdir(parents=True, exist_ok=True)
             self._log.write_text("")  # a fresh run: a fresh log (a resumed one appends)
@@ -182,44 +155,14 @@ class AsyncCollector:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ the rollout workers' threads
-    def _can_take(self) -> bool:
-        """(under the lock) Is there a call for a worker to make? Replay: the log's next call, once its
-        requests wait and the engine serves its version."""
-        if self._paused:
-            return False
-        if self._replay is None:
-            return bool(self._pending)
-        calls = self._replay.calls
-        if not calls or calls[0]["version"] != self.engine.policy_version:
-            return False
-        waiting = {q.uid for q in self._pending}
-        return all(u in waiting for u in calls[0]["uids"])
-
     def _take(self) -> tuple[list[Request], int | None, dict]:
-        """(under the lock) A worker's call: its requests, ``stop_after`` and its log record. Free: an
-        even share of what waits. Gated: the next fixed chunk of the earliest step (⌈P·n / workers⌉
-        requests) — the same calls, with the same rows, in every run. Replay: the log's next call."""
-        W, r = len(self.workers), self.rollout
-        stop_after = LIVE
-        if self._replay is not None:
-            call = self._replay.calls.pop(0)
-            by_uid = {q.uid: q for q in self._pending}
-            reqs = [by_uid[u] for u in call["uids"]]
-            taken = set(call["uids"])
-            self._pending = [q for q in self._pending if q.uid not in taken]
-            stop_after = call["steps"]
-        else:
-            if self.schedule == "gated":
-                step = self._pending[0].group_id // r.prompts_per_step
-                same = sum(1 for q in self._pending if q.group_id // r.prompts_per_step == step)
-                k = min(same, math.ceil(r.prompts_per_step * r.n / W))
-            else:
-                k = math.ceil(len(self._pending) / W)
-            reqs, self._pending = self._pending[:k], self._pending[k:]
+        """(under the lock) A worker's call, by the schedule: its requests, ``stop_after`` and its log
+        record (with the recorded call it replays, if any)."""
+        reqs, stop_after, replayed = self.schedule.take(self)
         self._seq += 1
         record = {"call": self._seq, "version": self.engine.policy_version, "uids": [q.uid for q in reqs]}
-        if self._replay is not None:
-            record["replayed"] = call
+        if replayed is not None:
+            record["replayed"] = replayed
         return reqs, stop_after, record
 
     def _work(self, w) -> None:
@@ -229,7 +172,7 @@ class AsyncCollector:
             sp = dataclasses.replace(self.generator.sampling(0), seed=self.seed * 7919)  # SyncTrainer's keyed seed
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or self._can_take())
+                    self._cond.wait_for(lambda: self._stop or (not self._paused and self.schedule.can_take(self)))
                     if self._stop:
                         return
                     reqs, stop_after, record = self._take()
@@ -240,8 +183,7 @@ class AsyncCollector:
                     except WorkerDied:  # its requests came back to nobody: they wait again, unchanged
                         with self._cond:
                             self._pending = reqs + self._pending
-                            if self._replay is not None:
-                                self._replay.calls.insert(0, record["replayed"])
+                            self.schedule.died(record.get("replayed"))
                             self.restarts += 1
                             self._cond.notify_all()
                         w.restart()  # serving the current version (or a WorkerError naming it)
@@ -327,7 +269,7 @@ class AsyncCollector:
         with timer("wait"), self._cond:
             self._top_up()
 
-            keys = self._replayed_take()
+            keys = self.schedule.batch_keys(self.step_idx)
 
             def ready():
                 self.buffer, got = A.take_batch(self.buffer, self.version) if keys is None else \
@@ -356,15 +298,6 @@ class AsyncCollector:
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
         return batch, {**counters, **{k: float(v) for k, v in st.items()}}
 
-    def _replayed_take(self) -> list | None:
-        """The unit keys the recorded run took at this step (None when not replaying)."""
-        if self._replay is None:
-            return None
-        if self.step_idx not in self._replay.takes:
-            raise ValueError(f"async.replay: the event log ends before step {self.step_idx} (it has "
-                             f"{len(self._replay.takes)} steps)")
-        return self._replay.takes[self.step_idx]
-
     def _pause(self, what: str, *, drain: bool = True) -> None:
         """Stop the workers taking requests and wait (deadline) until none is generating. Free: the
         running generations are interrupted (their rows resume later). Gated: nothing is
@@ -373,18 +306,14 @@ class AsyncCollector:
         this version run first, each stopping where the recorded one was interrupted."""
         with self._cond:
             try:
-                if self._replay is not None and drain:
-                    calls = self._replay.calls
-                    self._wait(lambda: not self._busy and (not calls or calls[0]["version"] > self.version), what)
-                elif self.schedule == "gated":
-                    self._wait(lambda: self.buffer.in_flight == 0 and not self._busy, what)
+                self.schedule.drain(self, what, drain)
                 self._paused = True
                 if self.keep_kv:  # park every running generation at its next step, its cache kept
                     for w in self.workers:
                         w.hold(self._notify)
                     self._wait(lambda: all(w.parked or w.name not in self._busy for w in self.workers), what)
                     return
-                if self.schedule == "free" and self._replay is None:
+                if self.schedule.interrupts:
                     for w in self.workers:
                         w.interrupt()
                 self._wait(lambda: not self._busy, what)

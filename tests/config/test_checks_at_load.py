@@ -69,3 +69,19 @@ def test_the_engines_declared_capabilities_are_what_they_build(tmp_path):
         assert tr.engine.capabilities == declared_capabilities("transformers", args)
         assert tr.engine.capabilities.shared_weights == bool(args)
     assert declared_capabilities("no-such-engine", {}) == Capabilities()
+
+
+def test_every_async_schedule_is_a_config_choice():
+    """``async.schedule`` is a Literal checked by pydantic at load; the collector builds the schedule
+    object registered under the same name, so the two lists must agree."""
+    from typing import get_args
+
+    from hyperrl.config import AsyncConfig
+    from hyperrl.loop.async_schedules import ASYNC_SCHEDULES, ReplaySchedule, make_schedule
+
+    assert set(get_args(AsyncConfig.model_fields["schedule"].annotation)) == set(ASYNC_SCHEDULES.names())
+    for name in ASYNC_SCHEDULES.names():
+        assert make_schedule(name, None).name == name
+    with pytest.raises(ValueError, match=r"async.replay: .* does not exist"):
+        make_schedule("free", "/nonexistent/async_events.jsonl")
+    assert ReplaySchedule.interrupts is False  # a replay stops where the recorded calls stopped, never by interrupt
