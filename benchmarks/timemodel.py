@@ -39,9 +39,9 @@ LAYOUTS = [  # (name, trainer axes, trainer offset, rollout axes, rollout offset
 
 
 def _model():
-    from hyperrl.sharding.models import ModelConfig
+    from hyperrl.sharding.models import ModelShape
 
-    return ModelConfig("bench-qwen3", hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
+    return ModelShape("bench-qwen3", hidden=512, layers=4, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
                        vocab=8192, tied=False)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.requests import Request
 from hyperrl.rollout.transports import TRANSPORTS
 from hyperrl.trajectory import NO_VERSION, stack_episodes
 
@@ -80,24 +82,25 @@ class VLLMEngine(TransactionalEngine):
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
         if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
             self._read_layout(cfg)
-        self._lora_rank, self._transport = lora_rank, None
+        self._lora_rank, self.weight_transport = lora_rank, None
+        self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")  # published LoRA adapters
         self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
         self.last_reload_s = 0.0
 
     @property
     def transport(self) -> str:
         """The weight transport's name (``TRANSPORTS``); setting it switches the transport."""
-        return self._transport.name
+        return self.weight_transport.name
 
     @transport.setter
     def transport(self, name: str) -> None:
         if name not in TRANSPORTS:
             raise ValueError(f"transport={name!r}: one of {', '.join(TRANSPORTS.names())}")
-        if self._transport is not None:
-            self._transport.close()
-        self._transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
+        if self.weight_transport is not None:
+            self.weight_transport.close()
+        self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
         self.capabilities = Capabilities(resumable=True, lora_adapters=self._lora_rank is not None,
-                                         buffers=self._transport.in_place)
+                                         buffers=self.weight_transport.in_place)
 
     @property
     def policy_version(self) -> int:
@@ -105,25 +108,32 @@ class VLLMEngine(TransactionalEngine):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
                  group_offset: int = 0) -> TensorDict:
-        from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
-        sp = VSP(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                 max_tokens=sampling.max_new_tokens, logprobs=0, seed=sampling.seed,
-                 stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
+        sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
                                  lora_request=self._lora)
-        rows = []
-        for i, (p, out) in enumerate(zip(prompts, outs)):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [float(step[t].logprob) for t, step in zip(ids, c.logprobs)]
-                rows.append(dict(tokens=list(p) + ids, action=[False] * len(p) + [True] * len(ids),
-                                 logprobs=[0.0] * len(p) + lps, reward=0.0, group_id=group_offset + i,
-                                 version=self._version, finish_reason=_FINISH.get(c.finish_reason, "aborted")))
+        rows = [self._row(Request(0, tuple(p), group_offset + i), c, finished=True)
+                for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
         return stack_episodes(rows, self.pad_id)
+
+    def _row(self, r: Request, c, *, finished: bool, uid: bool = False) -> dict:
+        """One trajectory row of request ``r`` from vLLM's completion ``c`` (None: nothing generated):
+        prompt + partial + new tokens, the sampled tokens' log-probs, versions per token; ``finished``
+        False → ``aborted`` (``uid``: the row carries ``sample_uid`` and per-token versions)."""
+        new = list(c.token_ids) if c is not None else []
+        lps = [float(step[t].logprob) for t, step in zip(new, c.logprobs)] if c is not None else []
+        reason = _FINISH.get(c.finish_reason, "aborted") if finished and c is not None else "aborted"
+        P, K = len(r.prompt), len(r.partial)
+        row = dict(tokens=list(r.prompt) + list(r.partial) + new, action=[False] * P + [True] * (K + len(new)),
+                   logprobs=[0.0] * P + list(r.partial_logprobs) + lps, reward=0.0, group_id=r.group_id,
+                   version=self._version, finish_reason=reason)
+        if uid:
+            row.update(sample_uid=r.uid, token_versions=[NO_VERSION] * P + list(r.partial_versions) +
+                       [self._version] * len(new))
+        return row
 
 
     def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
@@ -134,7 +144,6 @@ class VLLMEngine(TransactionalEngine):
         aborted`` with their tokens so far. Each request samples with its own seed
         ``keyed_seed(seed, uid, len(partial))``: a resumed request is the same in every run, but
         (unlike the transformers engine's per-token keys) an interruption changes its later draws."""
-        from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
         from hyperrl.rollout.requests import keyed_seed
@@ -149,9 +158,7 @@ class VLLMEngine(TransactionalEngine):
             if budget < 1:
                 raise ValueError(f"Request {r.uid}: {len(r.partial)} tokens generated already, no budget left under "
                                  f"max_new_tokens={sampling.max_new_tokens}; it is finished (length), not resumable")
-            sp = VSP(n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                     max_tokens=budget, logprobs=0, seed=keyed_seed(sampling.seed, r.uid, len(r.partial)),
-                     stop_token_ids=list(sampling.stops) or None, ignore_eos=not sampling.stops, detokenize=False)
+            sp = _vllm_sampling(sampling, n=1, max_tokens=budget, seed=keyed_seed(sampling.seed, r.uid, len(r.partial)))
             rid = f"hyperrl-{next(self._request_ids)}"
             ids[rid] = r
             eng.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.partial)), sp,
@@ -167,16 +174,8 @@ class VLLMEngine(TransactionalEngine):
         for rid, r in ids.items():
             out = latest.get(rid)
             c = out.outputs[0] if out is not None and out.outputs else None
-            new = list(c.token_ids) if c is not None else []
-            lps = [float(step[t].logprob) for t, step in zip(new, c.logprobs)] if c is not None else []
-            finished = out is not None and out.finished and c is not None  # else aborted (or never stepped)
-            reason = _FINISH.get(c.finish_reason, "aborted") if finished else "aborted"
-            P, K = len(r.prompt), len(r.partial)
-            rows.append(dict(tokens=list(r.prompt) + list(r.partial) + new,
-                             action=[False] * P + [True] * (K + len(new)),
-                             logprobs=[0.0] * P + list(r.partial_logprobs) + lps, reward=0.0, group_id=r.group_id,
-                             version=self._version, token_versions=[NO_VERSION] * P + list(r.partial_versions) +
-                             [self._version] * len(new), finish_reason=reason, sample_uid=r.uid))
+            # finished only when vLLM says so; else aborted (or never stepped)
+            rows.append(self._row(r, c, finished=out is not None and out.finished, uid=True))
         return stack_episodes(rows, self.pad_id)
 
     def load_lora(self, peft_model, version: int) -> None:
@@ -293,15 +292,15 @@ class VLLMEngine(TransactionalEngine):
         if name in self._dropped:  # a tied model's lm_head.weight: vLLM ties it itself
             return
         self._txn.add(name, t)
-        self._txn.staged[name] = self._transport.stage(name, t)  # no reference to the trainer's tensor is kept
+        self._txn.staged[name] = self.weight_transport.stage(name, t)  # no reference to the trainer's tensor is kept
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         try:
             try:
-                args = self._transport.payload(staged, self._views, version)
-                res = self.llm.collective_rpc("hyperrl_load", args=(self._transport.name, *args))
+                args = self.weight_transport.payload(staged, self._views, version)
+                res = self.llm.collective_rpc("hyperrl_load", args=(self.weight_transport.name, *args))
             finally:
-                self._transport.done()
+                self.weight_transport.done()
         except Exception as e:  # noqa: BLE001
             raise WeightPublishError(f"vLLM reload of version {version} failed: {e!r}") from e
         # seconds of the last commit inside vLLM's own reload (the same for every transport), worker 0
@@ -312,7 +311,7 @@ class VLLMEngine(TransactionalEngine):
         """An in-place transport's (``shm``) destination slot of every parameter, for a publisher to
         fill directly; None otherwise. The worker reads them only at commit, so an aborted
         publication leaves V intact."""
-        return self._transport.buffers()
+        return self.weight_transport.buffers()
 
     def _views(self, name: str, t: torch.Tensor) -> list:
         """``[(checkpoint name, element offset, shape)]`` of an engine parameter (itself when unfused)."""
@@ -321,10 +320,20 @@ class VLLMEngine(TransactionalEngine):
     def close(self) -> None:
         """Remove the shared-memory segment now (it is also removed when the engine is collected) and
         shut vLLM's engine-core and worker processes down; the engine serves nothing afterwards."""
-        self._transport.close()
+        self.weight_transport.close()
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _vllm_sampling(sampling: SamplingParams, *, n: int, max_tokens: int, seed: int | None):
+    """hyperrl's :class:`SamplingParams` as vLLM's: ``n`` samples of at most ``max_tokens``, the
+    sampled token's log-prob, stop ids (EOS ignored when there are none), token ids only."""
+    from vllm import SamplingParams as VSP
+
+    return VSP(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+               max_tokens=max_tokens, logprobs=0, seed=seed, stop_token_ids=list(sampling.stops) or None,
+               ignore_eos=not sampling.stops, detokenize=False)
 
 
 def _checkpoint_views(p) -> list:

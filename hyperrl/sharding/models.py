@@ -20,11 +20,14 @@ from hyperrl.sharding.layout import Layout, Placement
 from hyperrl.sharding.mesh import Mesh
 from hyperrl.sharding.spec import Spec
 
-__all__ = ["ModelConfig", "MODELS", "trainer_layout", "hf_tensor_shapes", "parse_parallel", "from_hf_config"]
+__all__ = ["ModelShape", "MODELS", "trainer_layout", "hf_tensor_shapes", "parse_parallel", "from_hf_config"]
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelShape:
+    """A model's numbers as the planner needs them (hidden size, layers, heads, experts, …) — not the
+    run's ``model`` config section (:class:`hyperrl.config.ModelConfig`)."""
+
     name: str
     hidden: int
     layers: int
@@ -51,19 +54,19 @@ class ModelConfig:
 
 
 MODELS = {
-    "qwen3-4b": ModelConfig("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, True),
-    "qwen3-0.6b": ModelConfig("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, True),
-    "qwen3-30b-a3b": ModelConfig("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, False, 128, 768),
-    "deepseek-v3": ModelConfig("deepseek-v3", 7168, 61, 128, 128, 128, 18432, 129280, False, 256, 2048, 3, 1,
+    "qwen3-4b": ModelShape("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, True),
+    "qwen3-0.6b": ModelShape("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, False, 128, 768),
+    "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 128, 128, 18432, 129280, False, 256, 2048, 3, 1,
                                (1536, 512, 128, 64, 128)),
     # tiny shapes with the same structure, for execution tests
-    "qwen3-tiny": ModelConfig("qwen3-tiny", 64, 2, 4, 2, 16, 96, 250, True),
-    "qwen3-moe-tiny": ModelConfig("qwen3-moe-tiny", 32, 2, 4, 2, 8, 48, 130, False, 8, 24),
-    "deepseek-tiny": ModelConfig("deepseek-tiny", 32, 3, 4, 4, 8, 48, 100, False, 8, 16, 1, 1, (24, 16, 8, 4, 8)),
+    "qwen3-tiny": ModelShape("qwen3-tiny", 64, 2, 4, 2, 16, 96, 250, True),
+    "qwen3-moe-tiny": ModelShape("qwen3-moe-tiny", 32, 2, 4, 2, 8, 48, 130, False, 8, 24),
+    "deepseek-tiny": ModelShape("deepseek-tiny", 32, 3, 4, 4, 8, 48, 100, False, 8, 16, 1, 1, (24, 16, 8, 4, 8)),
 }
 
 
-def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_tensor_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """The HF checkpoint's tensor names and shapes, in state-dict order."""
     H, out = cfg.hidden, {"model.embed_tokens.weight": (cfg.vocab, cfg.hidden)}
     for i in range(cfg.layers):
@@ -123,7 +126,7 @@ def _dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if name.endswith("e_score_correction_bias") else dtype
 
 
-def trainer_layout(cfg: ModelConfig, *, fsdp: int, tp: int = 1, ep: int = 1, dtype=torch.bfloat16,
+def trainer_layout(cfg: ModelShape, *, fsdp: int, tp: int = 1, ep: int = 1, dtype=torch.bfloat16,
                    offset: int = 0) -> Layout:
     """FSDP2 × TP × EP placements of every HF tensor (see module doc)."""
     if cfg.experts and cfg.experts % ep:
@@ -172,8 +175,8 @@ _MOE = ("qwen2_moe", "qwen3_moe")
 _MLA = ("deepseek_v3",)
 
 
-def from_hf_config(source) -> ModelConfig:
-    """A :class:`ModelConfig` from an HF ``config.json`` (a path to the file or its directory,
+def from_hf_config(source) -> ModelShape:
+    """A :class:`ModelShape` from an HF ``config.json`` (a path to the file or its directory,
     or the parsed dict): Qwen2 / Qwen3 / Llama / Mistral dense, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3
     (MLA). An unsupported ``model_type`` or a missing field is an error naming it."""
     import json
@@ -208,14 +211,14 @@ def from_hf_config(source) -> ModelConfig:
             raise ValueError(f"{where}: q_lora_rank is null (DeepSeek-V2-Lite style q_proj) — not modelled")
         mla = tuple(need(k) for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                       "v_head_dim"))
-        return ModelConfig(**common, experts=need("n_routed_experts", "num_local_experts"),
+        return ModelShape(**common, experts=need("n_routed_experts", "num_local_experts"),
                            expert_intermediate=need("moe_intermediate_size"),
                            first_dense=int(c.get("first_k_dense_replace", 0)),
                            shared_experts=int(c.get("n_shared_experts") or 0), mla=mla, qk_norm=False)
     qwen = kind.startswith("qwen")
     flags = dict(qk_norm=kind.startswith("qwen3"), qkv_bias=kind.startswith("qwen2"))
     if kind in _MOE:
-        return ModelConfig(**common, experts=need("num_experts", "num_local_experts"),
+        return ModelShape(**common, experts=need("num_experts", "num_local_experts"),
                            expert_intermediate=need("moe_intermediate_size"),
                            shared_intermediate=int(c.get("shared_expert_intermediate_size") or 0),
                            sparse_step=int(c.get("decoder_sparse_step") or 1),
@@ -223,4 +226,4 @@ def from_hf_config(source) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         if not qwen and c.get(key):
             raise ValueError(f"{where}: {key}=true (biases on o_proj / the MLP) is not modelled")
-    return ModelConfig(**common, **flags)
+    return ModelShape(**common, **flags)

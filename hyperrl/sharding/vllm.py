@@ -17,7 +17,7 @@ import torch
 
 from hyperrl.sharding.layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
 from hyperrl.sharding.mesh import Mesh
-from hyperrl.sharding.models import ModelConfig, hf_tensor_shapes
+from hyperrl.sharding.models import ModelShape, hf_tensor_shapes
 from hyperrl.sharding.spec import Box, Spec
 
 __all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
@@ -65,7 +65,7 @@ def padded_vocab(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def rollout_layout(cfg: ModelConfig, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
+def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
                    dtype=torch.bfloat16, offset: int = 0) -> DstLayout:
     """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}."""
     if ep not in (1, dp * tp):

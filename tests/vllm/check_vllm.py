@@ -82,7 +82,7 @@ def run() -> dict:
     except Exception as e:  # noqa: BLE001
         results["nan_publish"] = str(e)[:200]
     results["diff_after_nan"] = diff(eng.generate(prompts, sp, n=2))
-    seg = Path(eng._segment_path)
+    seg = Path(eng.weight_transport.path)  # the shm transport's segment
     results["segment_existed"] = seg.exists()
     eng.close()
     results["segment_removed"] = not seg.exists()

@@ -46,7 +46,7 @@ def run() -> dict:
             partial.append(m["partial_rows_frac"])
         res["restarts"] = m["async_restarts"]
     finally:
-        tr.stop_workers()
+        tr.collector.stop_workers()
     res.update(steps=5, staleness=stale, partial=partial, evicted=m["async_evicted"], version=tr.version,
                served=tr.engine.policy_version)
     # every trained sample once: the buffer's accounting
