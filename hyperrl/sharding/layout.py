@@ -67,8 +67,7 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        # checked at construction (an axis not on the mesh, a spec of another rank than the tensor);
-        # Layout checks again naming the tensor
+        # checked at construction (an axis not on the mesh, a spec of another rank than the tensor)
         where = f"placement of a {list(self.shape)} tensor on mesh {list(self.mesh.names)}"
         self.spec.check(self.mesh, self.shape, where)
 
@@ -88,9 +87,7 @@ class Layout(Mapping):
     """Immutable ``name → Placement`` for a whole source state dict."""
 
     def __init__(self, placements: Mapping[str, Placement]):
-        self._p = dict(placements)
-        for name, pl in self._p.items():
-            pl.spec.check(pl.mesh, pl.shape, name)
+        self._p = dict(placements)  # each Placement checked its spec against its mesh and shape when made
 
     def __getitem__(self, k: str) -> Placement:
         return self._p[k]
