@@ -26,6 +26,7 @@ from hyperrl.loop.evaluate import Evaluator
 from hyperrl.loop.generation import Generator, stop_ids_of
 from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.loop.pipeline import build_pipeline
+from hyperrl.loop.prepare import Forwards, Preparer
 from hyperrl.loop.publish import PolicyPublisher
 from hyperrl.loop.scoring import Scorer
 from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
@@ -77,18 +78,20 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     return policy, engine, reference, critic
 
 
-def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, **async_overrides) -> Trainer:
+def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=None, **async_overrides) -> Trainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.load_config`)
     — see the module doc — and the trainer that runs it: :class:`~hyperrl.loop.trainer.AsyncTrainer`
     when ``async.max_staleness`` is set, else :class:`~hyperrl.loop.trainer.SyncTrainer`.
     Every module, buffer and optimizer state lives on ``run.device``: fp32 master weights
     (``model.param_dtype``), compute in ``model.dtype``. ``trainer``: another trainer class over
-    the same pieces; ``async_overrides``: keys of the ``async`` section (``max_staleness=1``),
-    checked as at load."""
+    the same pieces; ``pipeline``: a :class:`~hyperrl.loop.pipeline.Pipeline` of your own in place of
+    the config's (e.g. ``dataclasses.replace(p, transform=T.chain(p.transform, my_stage))``; what it
+    ``needs`` decides what is built); ``async_overrides``: keys of the ``async`` section
+    (``max_staleness=1``), checked as at load."""
     cfg = _with_async(cfg, async_overrides)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    pipeline = build_pipeline(cfg.algo)
+    pipeline = pipeline if pipeline is not None else build_pipeline(cfg.algo)
     device = pick_device(cfg.run.device)
     tok = build_tokenizer(cfg)
     task = make_task(cfg.task, tok, cfg.run.seed)
@@ -144,6 +147,8 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
     scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None, stop_ids=stop_ids,
                     token_rewards="token_rewards" in pipeline.needs)
     evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
+    forwards = Forwards(cfg, parallel, next(policy.parameters()).device)
+    preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic)
     if workers is None:
         collector = SyncCollector(generator, scorer, pipeline, task, parallel, r)
     else:
@@ -154,7 +159,8 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
                                    log=Path(cfg.run.out_dir) / "async_events.jsonl",
                                    fresh=checkpointer.latest() is None)
     return trainer(cfg, policy=policy, engine=engine, tokenizer=tok, task=task, pipeline=pipeline,
-                   collector=collector, generator=generator, scorer=scorer, evaluator=evaluator, learner=learner,
+                   collector=collector, generator=generator, scorer=scorer, evaluator=evaluator, forwards=forwards,
+                   preparer=preparer, learner=learner,
                    publisher=publisher, checkpointer=checkpointer,
                    kl_controller=pipeline.kl_controller(pipeline.kl_coef), parallel=parallel, reference=reference,
                    critic=critic, hooks=hooks)

@@ -5,8 +5,9 @@
 * :mod:`.collect` — the :class:`Collector` protocol and the synchronous collector;
   :mod:`.collect_async` — the asynchronous one; :mod:`.admission` — its pure buffer;
 * :mod:`.generation`, :mod:`.scoring` — generation rounds and rewards;
-* :mod:`.pipeline` — the algorithm's bound components; :mod:`.forward`, :mod:`.learner` — the
-  trainer's forwards and the optimizer steps; :mod:`.evaluate` — held-out evaluation;
+* :mod:`.pipeline` — the algorithm's bound components; :mod:`.prepare` — the trainer's forwards and
+  what the pipeline needs (values, baselines, old / reference log-probs, the gate); :mod:`.forward`
+  — the forward kernels; :mod:`.learner` — the optimizer steps; :mod:`.evaluate` — held-out evaluation;
 * :mod:`.publish` — policy → engine; :mod:`.checkpoint`, :mod:`.checkpointer` — the format and
   the per-rank writer; :mod:`.hooks` — metrics files, progress, TensorBoard, W&B, the reward plot.
 

@@ -22,36 +22,18 @@ imports no ``torch.distributed``. Users observe through hooks ``hook(event, trai
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
-from hyperrl.device import compute_context, torch_dtype
 from hyperrl.loop.collect import Timer
-from hyperrl.loop.forward import packed_logprobs_and_entropy, policy_logprobs
 from hyperrl.loop.hooks import completion_rows
-from hyperrl.loop.learner import map_micro_batches
+from hyperrl.loop.prepare import GateError
 from hyperrl.models.lora import TrainableView, is_lora
 
 __all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError"]
-
-
-class GateError(RuntimeError):
-    """The bit-exact gate refused an update: trainer and rollout log-probs disagree."""
-
-
-@contextmanager
-def _eval_mode(module: torch.nn.Module):
-    """``module.eval()`` inside, its previous mode restored after."""
-    was = module.training
-    module.eval()
-    try:
-        yield module
-    finally:
-        module.train(was)
 
 
 class Trainer:
@@ -59,14 +41,15 @@ class Trainer:
     trainer reads the config's scalars (``cfg``: a resolved :class:`~hyperrl.config.TrainConfig`)."""
 
     def __init__(self, cfg, *, policy, engine, tokenizer, task, pipeline, collector, generator, scorer, evaluator,
-                 learner, publisher, checkpointer, kl_controller, parallel, reference=None, critic=None, hooks=()):
+                 forwards, preparer, learner, publisher, checkpointer, kl_controller, parallel, reference=None,
+                 critic=None, hooks=()):
         self.cfg, self.policy, self.engine, self.tok, self.task = cfg, policy, engine, tokenizer, task
         self.pipeline, self.collector, self.generator, self.scorer = pipeline, collector, generator, scorer
         self.evaluator, self.learner, self.publisher, self.checkpointer = evaluator, learner, publisher, checkpointer
+        self.forwards, self.preparer = forwards, preparer
         self.parallel, self.reference, self.critic = parallel, reference, critic
         self.hooks = list(hooks)
         self.device = next(policy.parameters()).device
-        self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
         self.lora = is_lora(policy)  # adapters train; publication merges them; checkpoints hold them only
         self.kl_controller = kl_controller  # an (init, update) pair
         self.kl_state = kl_controller.init()
@@ -104,47 +87,12 @@ class Trainer:
         return self.scorer.names
 
     # ------------------------------------------------------------------ prepare
-    def _single_pass(self) -> bool:
-        """One on-policy pass with no gate, reference or correction: the rollout's own log-probs
-        serve as the behaviour policy (the trainer's forward would recompute the same values up to
-        float rounding), and the mismatch metrics come from the update's forward — one forward saved."""
-        a, p = self.cfg.algo, self.pipeline
-        return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
-            self.reference is None and p.correction is None
-
-    @torch.no_grad()
     def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
-        """Add what the pipeline needs: critic ``values``, a greedy ``baseline_reward``, behaviour
-        ``old_logprobs`` (checked by the gate), ``ref_logprobs``."""
-        out, needs = batch.copy(), self.pipeline.needs
-        if self.critic is not None:
-            out.set("values", self._no_grad(self._values, batch))
-        if "baseline_reward" in needs:
-            out.set("baseline_reward", self._greedy_baseline(batch))
-        if self._single_pass() or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in loss)
-            return out.set("old_logprobs", batch["rollout_logprobs"]), {}
-        with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
-            lp, _ = self._no_grad(lambda rows: self._logprobs(self.policy, rows), batch)
-        mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
-        thr = self.cfg.algo.gate_threshold
-        if thr is not None and float(mm["mismatch_max_abs"]) > thr:
-            raise GateError(f"step {self.step_idx}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
-                            f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
-                            f"refused, still serving version {self.version}")
-        out.set("old_logprobs", lp)
-        if self.reference is not None:
-            with _eval_mode(self.policy):
-                out.set("ref_logprobs", self._no_grad(lambda rows: self._logprobs(self.reference, rows), batch)[0])
-        return out, {k: float(v) for k, v in mm.items()}
+        """Critic values, the greedy baseline, old / reference log-probs and the gate
+        (:class:`~hyperrl.loop.prepare.Preparer`)."""
+        return self.preparer.prepare(batch, step=self.step_idx, version=self.version, baseline=self.greedy_baseline)
 
-    def _no_grad(self, fn, batch: TensorDict):
-        """``fn(batch)`` without autograd, micro-batched by ``optim.micro_batch_tokens`` (peak memory
-        bounded by the micro-batch, not the rollout batch); the whole batch at once when it is 0."""
-        if not self.cfg.optim.micro_batch_tokens:
-            return fn(batch)
-        return map_micro_batches(fn, batch, self.cfg.optim.micro_batch_tokens, self.parallel)
-
-    def _greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
+    def greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
         """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,
         broadcast to the group's rows ``[B]``."""
         groups = torch.unique(batch["group_id"]).tolist()
@@ -155,42 +103,24 @@ class Trainer:
         by_group = dict(zip(groups, greedy.tolist()))
         return torch.tensor([by_group[g] for g in batch["group_id"].tolist()], dtype=torch.float32)
 
-    def _amp(self):
-        """Mixed precision of every trainer forward (``model.dtype`` over ``model.param_dtype``)."""
-        return compute_context(self.device, *self._dtypes)
-
-    def _logprobs(self, model, batch: TensorDict):
-        # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
-        shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
-        with self._amp():
-            if self.cfg.optim.pack_tokens:
-                return packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                   self.cfg.optim.pack_tokens)
-            return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
-                                   agree=self.parallel.agree_forward())
-
-    def _values(self, batch: TensorDict) -> torch.Tensor:
-        with self._amp():
-            return self.critic(batch).float()
-
     # ------------------------------------------------------------------ update, publish
     def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
         """The composed loss of a micro-batch: the policy terms (objective, KL, entropy, correction)
         plus the critic's value term; mismatch metrics from ``transforms.correction``."""
         p = self.pipeline
-        lp, ent = self._logprobs(self.policy, part)
+        lp, ent = self.forwards.logprobs(self.policy, part)
         if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
             part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
                 part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
         corr = p.correction(part) if p.correction is not None else None
         out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
                             **p.loss_kwargs(self.kl_state.beta))
-        if self._single_pass():
+        if self.preparer.single_pass:
             out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
         if self.critic is not None:
             c = self.cfg.algo.critic
-            out = out + T.critic_loss(part, self._values(part), clip=c.value_clip, agg=p.agg, normalizer=norm,
-                                      coef=c.value_coef)
+            values = self.forwards.values(self.critic, part)
+            out = out + T.critic_loss(part, values, clip=c.value_clip, agg=p.agg, normalizer=norm, coef=c.value_coef)
         return out
 
     def update(self, batch: TensorDict) -> dict:

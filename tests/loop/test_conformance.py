@@ -146,8 +146,8 @@ def test_remax_baseline_is_a_greedy_rollout(tmp_path):
     tr, _ = _step(tmp_path, ["--algo.recipe=remax"])
     samples = tr.task.sample(4, 0)
     batch = tr.scorer.score(tr.engine.generate([tr.task.encode(s) for s in samples], tr.generator.sampling(0), 2),
-                       dict(enumerate(samples)))
+                           dict(enumerate(samples)))
     tr.collector.samples = dict(enumerate(samples))
-    base = tr._greedy_baseline(batch)
+    base = tr.greedy_baseline(batch)
     assert base.shape == (8,) and torch.equal(base[0::2], base[1::2])  # one baseline per group
-    assert torch.equal(base, tr._greedy_baseline(batch))  # greedy: the same every time
+    assert torch.equal(base, tr.greedy_baseline(batch))  # greedy: the same every time

@@ -59,8 +59,8 @@ def test_the_reference_is_the_base_with_adapters_disabled(tmp_path):
     assert m[0]["kl"] < 1e-6 < m[-1]["kl"]  # starts at the reference, then moves away
     batch = tr.engine.generate([tr.task.encode(s) for s in tr.task.sample(4, 99)], tr.generator.sampling(0), 2)
     with torch.no_grad():
-        ref, _ = tr._logprobs(tr.reference, batch)
-        base, _ = tr._logprobs(init, batch)
+        ref, _ = tr.forwards.logprobs(tr.reference, batch)
+        base, _ = tr.forwards.logprobs(init, batch)
     act = batch["action_mask"]
     assert torch.allclose(ref[act], base[act], atol=1e-6)
 

@@ -9,6 +9,7 @@ import torch
 from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
 from hyperrl.loop.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from hyperrl.loop.pipeline import build_pipeline
 from hyperrl.loop.trainer import GateError
 from hyperrl.rollout import WeightPublishError
 from hyperrl.run import train
@@ -344,7 +345,7 @@ def test_everything_is_on_the_configured_device_and_dtype_bf16(tmp_path):
     assert seen == {torch.bfloat16} and torch.isfinite(torch.tensor(m["loss_policy"]))
     from hyperrl.loop.collect import Timer
 
-    lp, ent = tr._logprobs(tr.policy, tr.collect(Timer())[0])
+    lp, ent = tr.forwards.logprobs(tr.policy, tr.collect(Timer())[0])
     assert lp.dtype == ent.dtype == torch.float32
 
 
@@ -403,9 +404,9 @@ def test_a_user_extends_the_pipeline_in_python(tmp_path):
         return batch.copy().set("advantages", batch["advantages"].clamp(-0.5, 0.5))
 
     cfg = _cfg(tmp_path, "--task.max_operand=1")
-    base = build_trainer(cfg).pipeline
-    tr = build_trainer(cfg)
-    tr.pipeline = dataclasses.replace(base, transform=T.chain(base.transform, clip_adv))
+    base = build_pipeline(cfg.algo)
+    tr = build_trainer(cfg, pipeline=dataclasses.replace(base, transform=T.chain(base.transform, clip_adv)))
+    assert tr.pipeline is tr.collector.pipeline  # one pipeline: the collector shapes with the one the trainer uses
     m = tr.step()
     assert seen[0] > 0.5 and m["adv_max_abs"] <= 0.5 and m["policy_version"] == 1  # the stage really clipped
 
@@ -427,7 +428,7 @@ def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
     out, _ = tr.prepare(batch)
     in_prepare = list(calls)
     with torch.no_grad():
-        whole = tr._logprobs(tr.policy, batch)[0]
+        whole = tr.forwards.logprobs(tr.policy, batch)[0]
     m = batch["action_mask"]
     assert torch.allclose(out["old_logprobs"][m], whole[m], atol=1e-5)
     assert torch.allclose(out["ref_logprobs"][m], whole[m], atol=1e-5)  # the reference is the initial policy

@@ -1,0 +1,117 @@
+"""Preparing a batch for the update: the trainer's forwards (log-probs, values) and what the
+pipeline needs before its advantages — critic values, a greedy baseline, behaviour and reference
+log-probs — with the bit-exact gate.
+
+:class:`Forwards` runs every trainer forward under mixed precision (``model.dtype`` over
+``model.param_dtype``): log-probs and entropy by the shared-prefix, packed or plain forward
+(:mod:`hyperrl.loop.forward`), the critic's values, and no-grad passes micro-batched by
+``optim.micro_batch_tokens``. :class:`Preparer` adds the keys the pipeline reads.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from tensordict import TensorDict
+
+from hyperrl import transforms as T
+from hyperrl.device import compute_context, torch_dtype
+from hyperrl.loop.forward import packed_logprobs_and_entropy, policy_logprobs
+from hyperrl.loop.learner import map_micro_batches
+
+__all__ = ["Forwards", "Preparer", "GateError"]
+
+
+class GateError(RuntimeError):
+    """The bit-exact gate refused an update: trainer and rollout log-probs disagree."""
+
+
+@contextmanager
+def _eval_mode(module: torch.nn.Module):
+    """``module.eval()`` inside, its previous mode restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was)
+
+
+class Forwards:
+    """The trainer's forwards on ``device`` (``cfg``: the resolved config; ``parallel``: the
+    data-parallel strategy, which keeps the ranks' forward paths and micro-batch counts in step)."""
+
+    def __init__(self, cfg, parallel, device: torch.device):
+        self.cfg, self.parallel, self.device = cfg, parallel, device
+        self._dtypes = (torch_dtype(cfg.model.dtype), torch_dtype(cfg.model.param_dtype))
+
+    def amp(self):
+        """Mixed precision of every trainer forward (``model.dtype`` over ``model.param_dtype``)."""
+        return compute_context(self.device, *self._dtypes)
+
+    def logprobs(self, model, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token log-probs and entropies ``[B, T]`` of ``model`` on ``batch`` (at the sampling temperature)."""
+        # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
+        shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
+        with self.amp():
+            if self.cfg.optim.pack_tokens:
+                return packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                   self.cfg.optim.pack_tokens)
+            return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
+                                   agree=self.parallel.agree_forward())
+
+    def values(self, critic, batch: TensorDict) -> torch.Tensor:
+        """The critic's token-aligned values ``[B, T]`` in fp32."""
+        with self.amp():
+            return critic(batch).float()
+
+    def no_grad(self, fn, batch: TensorDict):
+        """``fn(batch)`` without autograd, micro-batched by ``optim.micro_batch_tokens`` (peak memory
+        bounded by the micro-batch, not the rollout batch); the whole batch at once when it is 0."""
+        if not self.cfg.optim.micro_batch_tokens:
+            return fn(batch)
+        return map_micro_batches(fn, batch, self.cfg.optim.micro_batch_tokens, self.parallel)
+
+
+class Preparer:
+    """Adds what the pipeline needs before its advantages (see :meth:`prepare`)."""
+
+    def __init__(self, forwards: Forwards, policy, pipeline, cfg, *, reference=None, critic=None):
+        self.forwards, self.policy, self.pipeline, self.cfg = forwards, policy, pipeline, cfg
+        self.reference, self.critic = reference, critic
+
+    @property
+    def single_pass(self) -> bool:
+        """One on-policy pass with no gate, reference or correction: the rollout's own log-probs
+        serve as the behaviour policy (the trainer's forward would recompute the same values up to
+        float rounding), and the mismatch metrics come from the update's forward — one forward saved."""
+        a = self.cfg.algo
+        return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
+            self.reference is None and self.pipeline.correction is None
+
+    @torch.no_grad()
+    def prepare(self, batch: TensorDict, *, step: int, version: int, baseline=None) -> tuple[TensorDict, dict]:
+        """A new batch with critic ``values``, the greedy ``baseline_reward`` (``baseline(batch)``),
+        behaviour ``old_logprobs`` (checked by the gate: :class:`GateError`) and ``ref_logprobs``, as
+        the pipeline needs; returns it and the mismatch metrics."""
+        f, out, needs = self.forwards, batch.copy(), self.pipeline.needs
+        if self.critic is not None:
+            out.set("values", f.no_grad(lambda rows: f.values(self.critic, rows), batch))
+        if "baseline_reward" in needs:
+            out.set("baseline_reward", baseline(batch))
+        if self.single_pass or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in the loss)
+            return out.set("old_logprobs", batch["rollout_logprobs"]), {}
+        with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
+            lp, _ = f.no_grad(lambda rows: f.logprobs(self.policy, rows), batch)
+        mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
+        thr = self.cfg.algo.gate_threshold
+        if thr is not None and float(mm["mismatch_max_abs"]) > thr:
+            raise GateError(f"step {step}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
+                            f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
+                            f"refused, still serving version {version}")
+        out.set("old_logprobs", lp)
+        if self.reference is not None:
+            with _eval_mode(self.policy):
+                out.set("ref_logprobs", f.no_grad(lambda rows: f.logprobs(self.reference, rows), batch)[0])
+        return out, {k: float(v) for k, v in mm.items()}
