@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def read_event_log(path) -> EventLog:
     return EventLog(sorted(calls, key=lambda e: e["call"]), takes)
 
 
-class Schedule:
+class Schedule(ABC):
     """The base: a call may start whenever requests wait. ``interrupts``: a pause interrupts running
     generations; ``records``: the run's event log is written."""
 
@@ -69,13 +70,14 @@ class Schedule:
         """Is there a call for a worker to make now?"""
         return bool(c._pending)
 
+    @abstractmethod
     def take(self, c) -> tuple[list, int, dict | None]:
         """A worker's call: its requests (removed from ``c._pending``), ``stop_after``, and the
         recorded call it replays (None)."""
-        raise NotImplementedError
 
     def drain(self, c, what: str, drain: bool) -> None:
         """What a pause waits for before the workers stop taking calls (nothing here)."""
+        return None  # a default hook: nothing to do
 
     def batch_keys(self, step: int) -> list | None:
         """The unit keys to take at ``step`` (None: earliest deadline first)."""
@@ -83,6 +85,7 @@ class Schedule:
 
     def died(self, replayed: dict | None) -> None:
         """A worker died mid-call: its requests wait again (the collector's); here, nothing more."""
+        return None  # a default hook: nothing to do
 
 
 @ASYNC_SCHEDULES.register("free")

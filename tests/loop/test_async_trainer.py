@@ -22,6 +22,15 @@ def _cfg(tmp_path, *extra):
                               "--run.eval_every=0", "--rollout.prompts_per_step=8", "--rollout.n=4", *extra])
 
 
+def _assert_same_run(sync, asyn, ms, ma):
+    """Every step's metrics (the clocks aside) and the final weights equal, step for step."""
+    for s, a in zip(ms, ma):
+        same = {k: s[k] for k in s if not k.startswith("time_") and k != "tokens_per_s"}
+        assert same == {k: a[k] for k in same}
+        assert a["staleness_max"] == 0 and a["async_evicted"] == 0
+    assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
+
+
 def test_eta_zero_is_the_sync_trainer_bit_for_bit(tmp_path):
     sync = build_trainer(_cfg(tmp_path / "s"))
     asyn = build_trainer(_cfg(tmp_path / "a"), trainer=AsyncTrainer, max_staleness=0)
@@ -29,11 +38,7 @@ def test_eta_zero_is_the_sync_trainer_bit_for_bit(tmp_path):
         ms, ma = [sync.step() for _ in range(5)], [asyn.step() for _ in range(5)]
     finally:
         asyn.close()
-    for s, a in zip(ms, ma):
-        same = {k: s[k] for k in s if not k.startswith("time_") and k != "tokens_per_s"}
-        assert same == {k: a[k] for k in same}
-        assert a["staleness_max"] == 0 and a["async_evicted"] == 0
-    assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
+    _assert_same_run(sync, asyn, ms, ma)
 
 
 def test_eta_zero_is_the_sync_trainer_bit_for_bit_with_process_credit_and_shaping(tmp_path):
@@ -60,10 +65,7 @@ def test_eta_zero_is_the_sync_trainer_bit_for_bit_with_process_credit_and_shapin
         ms, ma = [sync.step() for _ in range(4)], [asyn.step() for _ in range(4)]
     finally:
         asyn.close()
-    for s, a in zip(ms, ma):
-        same = {k: s[k] for k in s if not k.startswith("time_") and k != "tokens_per_s"}
-        assert same == {k: a[k] for k in same}
-    assert all(torch.equal(p, q) for p, q in zip(sync.policy.parameters(), asyn.policy.parameters()))
+    _assert_same_run(sync, asyn, ms, ma)
     assert any(float(b["reward"].min()) == 0.25 for b in seen)  # the clip binds
     for b in seen:  # shaping's change is on the last token: the credit still sums to the shaped reward
         torch.testing.assert_close(b["token_rewards"].sum(-1), b["reward"])
@@ -366,3 +368,16 @@ def test_kv_cache_keep_continues_each_generation_over_its_cache_across_publicati
     with pytest.raises(ValueError, match="async.kv_cache=keep with async.replay"):
         build_trainer(_cfg(tmp_path / "r", "--async.max_staleness=1", "--async.kv_cache=keep",
                            f"--async.replay={tmp_path / 'x.jsonl'}"))
+
+
+def test_a_synchronous_run_refuses_an_asynchronous_checkpoint(tmp_path):
+    """Resume never mixes runs: a checkpoint carrying an asynchronous buffer is not silently resumed by a
+    synchronous trainer (its buffered prompts would be dropped)."""
+    a = build_trainer(_cfg(tmp_path, "--async.max_staleness=1"))
+    try:
+        a.step()
+        a.save()
+    finally:
+        a.close()
+    with pytest.raises(ValueError, match=r"resume: the checkpoint was written by an asynchronous run"):
+        build_trainer(_cfg(tmp_path)).resume()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +24,7 @@ def view_of(t: torch.Tensor, offset: int, shape) -> torch.Tensor:
     return t.reshape(-1)[offset:offset + n].view(tuple(shape))
 
 
-class Transport:
+class Transport(ABC):
     """Base of the transports: ``shapes`` — the engine's parameters (name → a meta tensor of its
     shape) — and ``dtype``, what the worker loads. ``in_place``: ``buffers()`` returns slots a
     publisher fills directly. Subclasses implement :meth:`payload` and :meth:`receive`."""
@@ -42,18 +43,20 @@ class Transport:
         """The destination slot of every parameter (an in-place transport), else None."""
         return None
 
+    @abstractmethod
     def payload(self, staged: dict[str, torch.Tensor], views, version: int) -> tuple:
         """The worker call's arguments (plain data) for the ``staged`` pieces; ``views(name, t)``
         lists each engine parameter's ``(checkpoint name, element offset, shape)``."""
-        raise NotImplementedError
 
     def done(self) -> None:
         """After the worker call (successful or not): release what the payload needed."""
+        return None  # a default hook: nothing to do
 
     def close(self) -> None:
         """Release the transport's resources (the engine is closing)."""
+        return None  # a default hook: nothing to do
 
     @staticmethod
+    @abstractmethod
     def receive(*payload) -> Iterator[tuple[str, torch.Tensor]]:
         """(In vLLM's worker.) The ``(checkpoint name, tensor)`` pairs of a payload, each cloned."""
-        raise NotImplementedError
