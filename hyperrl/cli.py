@@ -7,8 +7,65 @@ import argparse
 import sys
 
 
+def _known_errors() -> dict[type, tuple[str, int]]:
+    """Error type → (its one-word label, exit code): 2 for what the user can fix (config, data,
+    tokenizer, reward, checkpoint, export, evaluation, planner input), 1 for a failure at run time
+    (a rollout worker, a publication)."""
+    from hyperrl.config import ConfigError
+    from hyperrl.data import DataError
+    from hyperrl.export import ExportError
+    from hyperrl.loop.checkpoint import CheckpointError
+    from hyperrl.loop.evaluate import EvaluationError
+    from hyperrl.loop.prepare import GateError
+    from hyperrl.registry import HyperparameterError
+    from hyperrl.rewards import RewardError
+    from hyperrl.rollout.base import WeightPublishError
+    from hyperrl.rollout.worker_base import WorkerError
+    from hyperrl.sharding.layout import LayoutError
+    from hyperrl.sharding.mesh import MeshError
+    from hyperrl.sharding.spec import SpecError
+    from hyperrl.tokenizer import TokenizerError
+
+    return {ConfigError: ("config error", 2), HyperparameterError: ("config error", 2), DataError: ("data error", 2),
+            TokenizerError: ("tokenizer error", 2), RewardError: ("reward error", 2),
+            CheckpointError: ("checkpoint error", 2), ExportError: ("export error", 2),
+            EvaluationError: ("evaluation error", 2), GateError: ("gate error", 2), LayoutError: ("plan error", 2),
+            MeshError: ("plan error", 2), SpecError: ("plan error", 2), WorkerError: ("rollout worker error", 1),
+            WeightPublishError: ("publication error", 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hyperrl", description=__doc__)
+    """Run a command. A known error (config, data, tokenizer, reward, checkpoint, export,
+    evaluation, planner input) prints one line naming the key / file / row / step and the fix, and
+    exits 2 (1 for a rollout worker's or a publication's failure); ``--debug`` or
+    ``HYPERRL_DEBUG=1`` shows the traceback instead. Anything else is a crash: its traceback, exit 1."""
+    import os
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("HYPERRL_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _main(argv)
+    except SystemExit as e:  # argparse and the planner's input checks: a message, exit 2
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+    except Exception as e:
+        if debug:
+            raise
+        known = next((v for t, v in _known_errors().items() if isinstance(e, t)), None)
+        if known is None:
+            raise
+        label, code = known
+        msg = str(e).strip().replace("\n", " ")
+        print(f"{label}: {msg}\n(the traceback: rerun with --debug or HYPERRL_DEBUG=1)", file=sys.stderr)
+        return code
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hyperrl", description=__doc__,
+                                     epilog="--debug (or HYPERRL_DEBUG=1): show the traceback of an error")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="build GRPO/DAPO/GSPO losses on a synthetic batch and time group advantages")
     from hyperrl.sharding import cli as plan_cli
@@ -25,17 +82,16 @@ def main(argv: list[str] | None = None) -> int:
                         "that transformers and vLLM load")
     ex.add_argument("checkpoint", help="a checkpoint directory, e.g. runs/default/checkpoints/step_1000")
     ex.add_argument("out_dir", help="where to write the model directory")
+    ex.add_argument("--adapters", action="store_true", help="a LoRA run: write only the adapters (PEFT's "
+                    "adapter_model.safetensors + adapter_config.json, which PEFT and vLLM's LoRA load) and the "
+                    "tokenizer, not merged weights")
     args, rest = parser.parse_known_args(argv)
     if args.command == "export":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from hyperrl.export import ExportError, export_hf
+        from hyperrl.export import export_hf
 
-        try:
-            print(f"exported {args.checkpoint} → {export_hf(args.checkpoint, args.out_dir)}")
-        except (ExportError, FileNotFoundError) as e:
-            print(f"hyperrl export: {e}", file=sys.stderr)
-            return 2
+        print(f"exported {args.checkpoint} → {export_hf(args.checkpoint, args.out_dir, adapters=args.adapters)}")
         return 0
     if args.command == "plan":
         if rest:
@@ -59,26 +115,20 @@ def main(argv: list[str] | None = None) -> int:
 def _config(args, overrides: list[str]) -> int:
     import json
 
-    from hyperrl.config import ConfigError, describe, load_config
+    from hyperrl.config import describe, load_config
 
-    try:
-        if args.config or overrides:
-            print(json.dumps(load_config(args.config, overrides).to_dict(), indent=1))
-        else:
-            print(describe())
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    if args.config or overrides:
+        print(json.dumps(load_config(args.config, overrides).to_dict(), indent=1))
+    else:
+        print(describe())
     return 0
 
 
 def _train(args, overrides: list[str]) -> int:
-    from hyperrl.config import ConfigError, load_config
+    from hyperrl.config import load_config
     from hyperrl.run import train
 
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    cfg = load_config(args.config, overrides)
     summary = train(cfg, resume=not args.no_resume)
     import torch.distributed as dist
 

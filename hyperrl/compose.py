@@ -97,7 +97,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     task = make_task(cfg.task, tok, cfg.run.seed)
     need = getattr(task, "response_tokens", 0)
     if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
-        raise ValueError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
                          f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
     dims = ParallelDims.from_env(cfg.run.tp)
     parallel = make_parallel(dims)

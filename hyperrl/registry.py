@@ -84,6 +84,9 @@ class Factory:
     requires: tuple[str, ...] = ()  # importable modules it needs, with the install hint (module, hint)
     doc: str = ""
     params: dict[str, Param] = field(default_factory=dict)
+    # config keys (dotted) this plug-in sets when the user leaves them unset — e.g. a task's response
+    # budget; applied at load (:func:`hyperrl.load_config`), listed by ``hyperrl config``
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def check(self, args: dict, where: str = "") -> dict:
         """Validated hyperparameters (unknown names and wrong types raise, naming ``where.arg``)."""
@@ -137,21 +140,25 @@ class Registry(Generic[F]):
         self._items: dict[str, Factory] = {}
 
     def register(self, name: str, *, needs: tuple[str, ...] = (), produces: tuple[str, ...] = (),
-                 requires: tuple[tuple[str, str], ...] = (), overwrite: bool = False) -> Callable[[F], F]:
+                 requires: tuple[tuple[str, str], ...] = (), settings: dict[str, Any] | None = None,
+                 overwrite: bool = False) -> Callable[[F], F]:
         """Decorator: ``@REG.register("my_variant", needs=("values",))`` adds ``fn`` under ``name``;
         its keyword-only parameters are its hyperparameters. Returns ``fn`` unchanged."""
 
         def deco(fn: F) -> F:
-            self.add(name, fn, needs=needs, produces=produces, requires=requires, overwrite=overwrite)
+            self.add(name, fn, needs=needs, produces=produces, requires=requires, settings=settings,
+                     overwrite=overwrite)
             return fn
 
         return deco
 
-    def add(self, name: str, fn: Callable, *, needs=(), produces=(), requires=(), overwrite: bool = False) -> Factory:
+    def add(self, name: str, fn: Callable, *, needs=(), produces=(), requires=(), settings=None,
+            overwrite: bool = False) -> Factory:
         if name in self._items and not overwrite:
             raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
         doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-        f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), tuple(requires), doc, _params(fn))
+        f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), tuple(requires), doc, _params(fn),
+                    dict(settings or {}))
         self._items[name] = f
         return f
 

@@ -19,6 +19,7 @@ from hyperrl.config import TrainConfig
 from hyperrl.distributed import init_distributed
 from hyperrl.export import export_hf
 from hyperrl.loop.hooks import (
+    clip_warning,
     eval_line,
     plot_rewards,
     progress_bar,
@@ -64,6 +65,7 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         hooks.append(write_jsonl(jsonl))
+        hooks.append(clip_warning(cfg.rollout.max_new_tokens))
         if cfg.run.log_completions:
             hooks.append(write_completions(out / "completions.jsonl"))
         tb = tensorboard(out)

@@ -92,6 +92,7 @@ def check_combinations(cfg: TrainConfig) -> None:
     if "token_rewards" in needs and cfg.env is not None:
         raise ConfigError(f"algo.advantage={a.advantage.name!r} needs per-token step rewards, which a multi-turn run "
                           "(env) does not produce; use an outcome advantage (grpo, rloo, …)")
+    _check_groups(cfg)
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")
@@ -123,6 +124,27 @@ def check_combinations(cfg: TrainConfig) -> None:
                               "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
                               "train_modules")
     _check_async(cfg, caps, needs, world)
+
+
+def _check_groups(cfg: TrainConfig) -> None:
+    """A group-relative advantage or a group filter (its factory ``needs`` ``group_id``) with
+    ``rollout.n < 2``: every group is a singleton — advantages 0 (nothing learned), every group
+    filtered out (every update skipped). TRL refuses ``num_generations < 2`` likewise."""
+    from hyperrl import transforms as T
+
+    a, n = cfg.algo, cfg.rollout.n
+    if n >= 2:
+        return
+    adv = T.ADVANTAGES.factory(a.advantage.name)
+    if "group_id" in adv.needs and a.advantage.args.get("singleton", "zero") != "raw":
+        raise ConfigError(f"rollout.n={n}: algo.advantage={a.advantage.name!r} compares each sample with the other "
+                          f"samples of its prompt, and a group of one has advantage 0 — nothing is learned. Set "
+                          f"rollout.n ≥ 2 (TRL: num_generations), or use an advantage without groups (reinforce_pp, "
+                          f"gae, remax), or algo.advantage.singleton=raw (the raw reward as advantage)")
+    if a.filter is not None and "group_id" in T.FILTERS.factory(a.filter.name).needs:
+        raise ConfigError(f"rollout.n={n}: algo.filter={a.filter.name!r} keeps groups whose rewards differ, and a "
+                          f"group of one never does — every update would be skipped. Set rollout.n ≥ 2 or drop "
+                          f"algo.filter")
 
 
 def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:

@@ -21,7 +21,7 @@ from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries, resolve
 from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
 
-__all__ = ["load_config", "validate_config", "describe"]
+__all__ = ["load_config", "validate_config", "describe", "CHECKPOINT_SETTINGS"]
 
 
 def _is_variant(annotation) -> bool:
@@ -118,7 +118,86 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     for layer in (base, data, over):
         merged = _merge(TrainConfig, merged, layer)
     merged = _data_task(merged, explicit_task="task" in data or "task" in over)
+    user = _dotted_keys(data) | _dotted_keys(over)
+    merged = _settings(merged, user)
+    for key in ("checkpoint", "tokenizer"):  # recorded absolute: `hyperrl export` and resume from any directory
+        if merged["model"].get(key):
+            merged["model"] = {**merged["model"], key: str(Path(merged["model"][key]).resolve())}
+    if "run.out_dir" not in user:
+        default = _merge(TrainConfig, TrainConfig().to_dict(), {"algo": recipe_config(AlgoConfig().recipe)})
+        merged["run"]["out_dir"] = _out_dir(merged, default, p.stem if path is not None else None)
     return validate_config(merged)
+
+
+# A local checkpoint is a pretrained model: the toy task's learning rate (1e-3, for random weights)
+# would wreck it. 1e-6 is verl's actor and TRL's GRPOConfig default.
+CHECKPOINT_SETTINGS = {"optim.lr": 1e-6}
+
+# run.* keys that do not change what a run trains: a config that differs only in these keeps its
+# output directory (a longer run.steps resumes the same run)
+_NOT_IDENTITY = ("steps", "eval_every", "eval_prompts", "eval_n", "log_completions", "keep_last_k", "export",
+                 "ckpt_every", "out_dir", "threads", "wandb_project", "device")
+
+
+def _dotted_keys(d: dict, prefix: str = "") -> set[str]:
+    """Every dotted key a layer sets (``{"run": {"steps": 3}}`` → ``{"run", "run.steps"}``)."""
+    out = set()
+    for k, v in d.items():
+        out.add(prefix + str(k))
+        if isinstance(v, dict):
+            out |= _dotted_keys(v, f"{prefix}{k}.")
+    return out
+
+
+def _set(d: dict, key: str, value) -> None:
+    *parents, last = key.split(".")
+    for p in parents:
+        d = d[p]
+    d[last] = value
+
+
+def _settings(d: dict, user: set[str]) -> dict:
+    """The keys the task's factory declares (``settings``) and, with ``model.checkpoint``,
+    :data:`CHECKPOINT_SETTINGS` — for every such key the user left unset (schema defaults are the
+    embedded arith task's)."""
+    import copy
+
+    from hyperrl.data.tasks import TASKS
+
+    task = _as_spec(d.get("task"))
+    name = task.get("name") if isinstance(task, dict) else None
+    settings = dict(TASKS.factory(name).settings) if name in TASKS else {}
+    if (d.get("model") or {}).get("checkpoint"):
+        settings.update(CHECKPOINT_SETTINGS)
+    todo = {k: v for k, v in settings.items() if k not in user}
+    if not todo:
+        return d
+    d = copy.deepcopy(d)
+    for k, v in todo.items():
+        _set(d, k, v)
+    return d
+
+
+def _identity(d: dict) -> str:
+    """A short hash of what a run trains (everything but :data:`_NOT_IDENTITY`)."""
+    import hashlib
+    import json
+
+    run = {k: v for k, v in (d.get("run") or {}).items() if k not in _NOT_IDENTITY}
+    blob = json.dumps({**d, "run": run}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:8]
+
+
+def _out_dir(d: dict, default: dict, stem: str | None) -> str:
+    """``run.out_dir`` when unset: ``runs/default`` for the embedded default (differing at most in
+    :data:`_NOT_IDENTITY`), else ``runs/<config file's stem or task>-<hash of the config>`` — the
+    same command resumes its own run; a different model, task or hyperparameter never lands in
+    another run's directory."""
+    if stem is None and _identity(d) == _identity(default):
+        return default["run"]["out_dir"]
+    task = _as_spec(d.get("task"))
+    name = stem or (task.get("name") if isinstance(task, dict) else None) or "run"
+    return f"runs/{name}-{_identity(d)}"
 
 
 def validate_config(data: dict) -> TrainConfig:
@@ -145,7 +224,8 @@ def _data_task(d: dict, *, explicit_task: bool) -> dict:
     if explicit_task:
         raise ConfigError("data.train_files and task are both set: data.train_files builds the task (files); "
                           "remove task, or drop data.train_files and use the task's own arguments")
-    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "rewards")
+    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "apply_chat_template",
+            "rewards")
     return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
 
 
@@ -174,6 +254,13 @@ def describe() -> str:
                              for p in f.params.values())
             needs = f"  needs {list(f.needs)}" if f.needs else ""
             lines.append(f"  {n}({args}){needs}")
+    lines.append("Settings a task (or a model.checkpoint) applies to keys the config leaves unset:")
+    from hyperrl.data.tasks import TASKS
+
+    for n in TASKS.names():
+        if TASKS.factory(n).settings:
+            lines.append(f"  task {n}: {TASKS.factory(n).settings}")
+    lines.append(f"  model.checkpoint set: {CHECKPOINT_SETTINGS}")
     lines.append("algo.recipe: named chains")
     for n in RECIPES.names():
         lines.append(f"  {n}: {RECIPES.factory(n).doc}")

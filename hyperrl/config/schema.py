@@ -99,10 +99,13 @@ class RolloutConfig(_Frozen):
     turn budgets, refill rounds."""
 
     engine: Variant = Field(Variant(name="transformers"), description="rollout engine (hyperrl.rollout.ENGINES)")
-    prompts_per_step: int = Field(32, ge=1, description="prompts (groups) per step, over all ranks")
-    n: int = Field(16, ge=1, description="samples per prompt (the group size)")
-    max_new_tokens: int = Field(3, ge=1, description="response budget per turn (the default task's answers: 2 "
-                                "digits + EOS)")
+    prompts_per_step: int = Field(32, ge=1, description="prompts (groups) per step, over all ranks (files "
+                                  "tasks: 8 when unset)")
+    n: int = Field(16, ge=1, description="samples per prompt (the group size; files tasks: 8 "
+                   "when unset; ≥ 2 for a group-relative advantage)")
+    max_new_tokens: int = Field(3, ge=1, description="response budget per turn (the arith default's answers: 2 "
+                                "digits + EOS; a files task sets 512 when unset — hyperrl config lists each task's "
+                                "settings)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature (also divides the trainer's logits)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (1 = off)")
     top_k: int = Field(0, ge=0, description="top-k sampling (0 = off)")
@@ -167,7 +170,8 @@ class AlgoConfig(_Frozen):
 class OptimConfig(_Frozen):
     """``optim``: the optimizer (AdamW), lr schedule, clipping, mini- and micro-batching and the trainer's forward."""
 
-    lr: float = Field(1e-3, gt=0, description="policy learning rate (AdamW)")
+    lr: float = Field(1e-3, gt=0, description="policy learning rate (AdamW); 1e-3 suits the tiny random model — "
+                      "with model.checkpoint it is 1e-6 when unset (verl's and TRL's default)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="global gradient-norm clip")
@@ -196,6 +200,12 @@ class DataConfig(_Frozen):
     max_prompt_length: int = Field(0, ge=0, description="prompt token limit (0 = none)")
     overlong_prompts: Literal["error", "filter", "truncate"] = Field("error", description="a prompt over "
                                                                      "max_prompt_length: error | filter | truncate")
+    apply_chat_template: Literal["auto", "always", "never"] = Field("auto", description="auto: chat-message "
+                                                                    "prompts through the tokenizer's chat template, "
+                                                                    "plain strings as is (warned once when the "
+                                                                    "tokenizer has a template); always: a string is "
+                                                                    "a user turn through the template; never: no "
+                                                                    "template (messages as 'role: content' lines)")
     rewards: list[str] = Field(default_factory=lambda: ["gsm8k_exact"], description="the files task's registered "
                                "rewards (the top-level rewards: list overrides them)")
 
@@ -204,10 +214,10 @@ class RunConfig(_Frozen):
     """``run``: steps, seed, evaluation, checkpoints, export, output directory, device, tensor parallelism,
     threads, logging."""
 
-    steps: int = Field(4000, ge=0, description="training steps")
+    steps: int = Field(4000, ge=0, description="training steps (files tasks: 500 when unset)")
     seed: int = Field(0, description="seed of data, sampling, init and update order")
     eval_every: int = Field(100, ge=0, description="held-out evaluation every k steps (0 = off)")
-    eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation")
+    eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation (files tasks: 64 when unset)")
     eval_n: int = Field(1, ge=1, description="samples per held-out prompt: eval_reward_mean = mean@k, "
                         "eval_pass_at_k = mean over prompts of the best sample's reward")
     log_completions: int = Field(0, ge=0, description="write k rows per step (prompt, completion, rewards, "
@@ -216,7 +226,9 @@ class RunConfig(_Frozen):
     export: bool = Field(True, description="at the end, save_pretrained model + tokenizer to out_dir/hf "
                          "(loads with transformers / vLLM); also `hyperrl export CKPT DIR`")
     ckpt_every: int = Field(0, ge=0, description="checkpoint every k steps (0 = only at the end)")
-    out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/")
+    out_dir: str = Field("runs/default", description="metrics.jsonl, reward_curve.png, checkpoints/; unset: "
+                         "runs/default for the embedded default, else runs/<config file's stem or task>-<hash of "
+                         "the config> (rerunning a command resumes its own run, never another's)")
     device: str = Field("cpu", description="cpu | cuda | npu")
     tp: int = Field(1, ge=1, description="tensor parallelism of the trainer's policy under torchrun: groups of tp "
                     "consecutive ranks split every decoder layer (Megatron's split, hyperrl.distributed.parallelize), "
@@ -238,6 +250,9 @@ class RewardSpec(_Frozen):
     name: str | None = Field(None, description="metric name (default: the function's)")
     data_source: str | list[str] | None = Field(None, description="score only samples of these data_source "
                                                 "values (the rest: not applicable)")
+    abstains: bool = Field(False, description="a TRL-style reward may return None for rows it does not score "
+                           "(TRL's multi-task convention): those rows are not applicable, counted in "
+                           "reward_<name>_applicable_frac; false = a None is an error naming the row")
 
     @model_validator(mode="before")
     @classmethod

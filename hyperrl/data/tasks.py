@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample
+from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample, render_chat
 from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
@@ -214,21 +214,49 @@ class FileTask:
     chat prompt holds the generation prompt)."""
 
     def __init__(self, tokenizer, train, val=None, rewards=("gsm8k_exact",), *, seed: int = 0,
-                 prompt_key: str = "prompt", max_prompt_length: int = 0, overlong_prompts: str = "error"):
+                 prompt_key: str = "prompt", max_prompt_length: int = 0, overlong_prompts: str = "error",
+                 apply_chat_template: str = "auto"):
         if overlong_prompts not in ("error", "filter", "truncate"):
             raise ValueError(f"overlong_prompts={overlong_prompts!r}: choose error | filter | truncate")
+        if apply_chat_template not in ("auto", "always", "never"):
+            raise ValueError(f"data.apply_chat_template={apply_chat_template!r}: choose auto | always | never")
         self.tokenizer, self.rewards = tokenizer, _reward_fns(rewards, "task.rewards")
         self.max_len, self.overlong, self._ids, self.filtered = max_prompt_length, overlong_prompts, {}, 0
+        self.chat = apply_chat_template
         self.dataset = self._bounded(_dataset(train, prompt_key), "train")
         self.val = self._bounded(_dataset(val, prompt_key), "val") if val else None
         self.loader = PromptLoader(self.dataset, 1, seed=seed)
+        self._warn_plain_prompts()
+
+    def _warn_plain_prompts(self) -> None:
+        """``auto`` with plain-string prompts and a tokenizer that has a chat template: said once —
+        the model sees the raw text, without the template it was tuned on."""
+        if self.chat != "auto" or not getattr(self.tokenizer, "chat_template", None):
+            return
+        first = next((s for s in self.dataset.samples if isinstance(s.prompt, str)), None)
+        if first is not None:
+            import warnings
+
+            warnings.warn(f"{first.source}: the prompt is a plain string and the tokenizer has a chat template; it "
+                          "is encoded as raw text, without the template. Set data.apply_chat_template=always to wrap "
+                          "it as a user turn, or never to silence this", UserWarning, stacklevel=3)
+
+    def _encode(self, prompt) -> list[int]:
+        """``apply_chat_template``: auto — chat messages through the template, strings as is;
+        always — a string is a user turn through the template; never — messages as plain ``role:
+        content`` lines."""
+        if self.chat == "always" and isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        elif self.chat == "never" and not isinstance(prompt, str):
+            prompt = render_chat(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def _bounded(self, ds: PromptDataset, which: str) -> PromptDataset:
         if not self.max_len:
             return ds
         keep = []
         for s in ds.samples:
-            ids = encode_prompt(self.tokenizer, s.prompt)
+            ids = self._encode(s.prompt)
             if len(ids) > self.max_len:
                 if self.overlong == "error":
                     raise DataError(f"{s.source}: prompt of {len(ids)} tokens > data.max_prompt_length="
@@ -249,14 +277,14 @@ class FileTask:
     def held_out(self, k: int) -> list[Sample]:
         """The first ``k`` validation rows (all of them when fewer) — never training rows."""
         if self.val is None:
-            raise ValueError("evaluation needs validation data: set data.val_files (or task.val_files), or "
-                             "run.eval_every=0")
+            raise DataError("evaluation needs validation data: set data.val_files (or task.val_files), or "
+                            "run.eval_every=0")
         return self.val.samples[: min(k, len(self.val))]
 
     def encode(self, sample: Sample) -> list[int]:
-        """A string prompt as is; chat messages through the tokenizer's chat template."""
+        """The prompt's ids (``apply_chat_template``: see :meth:`_encode`)."""
         ids = self._ids.get(sample.source)
-        return list(ids) if ids is not None else encode_prompt(self.tokenizer, sample.prompt)
+        return list(ids) if ids is not None else self._encode(sample.prompt)
 
     def reward(self, response: str, sample: Sample) -> float:
         return float(self.rewards[0][1](response, sample))
@@ -346,7 +374,15 @@ def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail
                       _reward_fns(rewards, "task.rewards"))
 
 
-@register_task("parquet", produces=("reward",))
+# What a task over the user's own data sets when the config leaves these keys unset (the schema's
+# defaults are the embedded arith task's: 3-token answers, 4,000 steps): a response budget for
+# real answers (verl's max_response_length default, 512 tokens), a batch one machine generates
+# (TRL's num_generations, 8, over 8 prompts), and 64 validation prompts per evaluation.
+FILE_TASK_SETTINGS = {"rollout.max_new_tokens": 512, "rollout.prompts_per_step": 8, "rollout.n": 8,
+                      "run.steps": 500, "run.eval_prompts": 64}
+
+
+@register_task("parquet", produces=("reward",), settings=FILE_TASK_SETTINGS)
 def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
             rewards: tuple[RewardName, ...] = ("gsm8k_exact",)) -> FileTask:
     """Prompts from a verl-style parquet file (``prompt``, ``reward_model.ground_truth`` …);
@@ -354,14 +390,16 @@ def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
     return FileTask(tokenizer, path, val_path, rewards, seed=seed)
 
 
-@register_task("files", produces=("reward",))
+@register_task("files", produces=("reward",), settings=FILE_TASK_SETTINGS)
 def files(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
           rewards: tuple[RewardName, ...] = ("gsm8k_exact",), prompt_key: str = "prompt", max_prompt_length: int = 0,
-          overlong_prompts: Literal["error", "filter", "truncate"] = "error") -> FileTask:
+          overlong_prompts: Literal["error", "filter", "truncate"] = "error",
+          apply_chat_template: Literal["auto", "always", "never"] = "auto") -> FileTask:
     """Prompts from parquet / JSONL / JSON files (verl's columns), validation from ``val_files``;
     what ``data.train_files`` / ``data.val_files`` build."""
     return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, seed=seed, prompt_key=prompt_key,
-                    max_prompt_length=max_prompt_length, overlong_prompts=overlong_prompts)
+                    max_prompt_length=max_prompt_length, overlong_prompts=overlong_prompts,
+                    apply_chat_template=apply_chat_template)
 
 
 def make_task(spec, tokenizer, seed: int):

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Evaluator"]
+__all__ = ["Evaluator", "EvaluationError"]
+
+
+class EvaluationError(ValueError):
+    """A held-out evaluation that cannot run (no validation prompts); names the key to set."""
 
 
 class Evaluator:
     """``evaluate(step)`` → ``eval_reward_mean`` (mean@k), ``eval_pass_at_k`` (the mean over prompts
-    of the best sample's reward: pass@k for 0/1 rewards), ``eval_response_len_mean``, each reward's
+    of the best sample's reward: pass@k for 0/1 rewards), ``eval_response_len_mean``,
+    ``eval_response_clipped_frac`` (responses that hit the token budget without a stop), each reward's
     mean; multi-turn: the tool-call rate and, when the environment reports it, ``eval_success_rate``.
     Data parallel: each rank evaluates its share of the prompts and the sums are all-reduced (exact means)."""
 
@@ -26,13 +31,13 @@ class Evaluator:
         r, g = batch["reward"], batch["group_id"]
         best = torch.full((len(samples),), float("-inf")).scatter_reduce(0, g, r, "amax")
         sums = {"rows": r.numel(), "prompts": len(samples), "reward": float(r.sum()), "best": float(best.sum()),
-                "len": float(batch["action_mask"].sum())}
+                "len": float(batch["action_mask"].sum()), "clipped": float(self.scorer.clipped(batch).sum())}
         if "tool_calls" in batch.keys():
             sums["tool_rows"] = float((batch["tool_calls"] > 0).sum())
         if "success" in batch.keys():
             sums["success"] = float(batch["success"].sum())
         comps, app = batch["reward_components"], batch["reward_applicable"]
-        if comps.shape[1] > 1:
+        if comps.shape[1] >= 1:
             for j, name in enumerate(self.scorer.names):
                 sums[f"r/{name}"] = float(comps[:, j][app[:, j]].sum())
                 sums[f"n/{name}"] = float(app[:, j].sum())
@@ -45,11 +50,11 @@ class Evaluator:
         sums = self.parallel.sum_metrics(self._sums(samples) if samples else {})
         rows, prompts = sums.get("rows", 0.0), sums.get("prompts", 0.0)
         if not rows:
-            raise ValueError("evaluation: the task returned no held-out prompts (check run.eval_prompts and the "
-                             "validation data)")
+            raise EvaluationError("the task returned no held-out prompts; check run.eval_prompts and the validation "
+                                  "data (data.val_files), or set run.eval_every=0")
         metrics = {"step": step, "eval_reward_mean": sums["reward"] / rows,
                    "eval_pass_at_k": sums["best"] / prompts, "eval_n": self.eval_n,
-                   "eval_response_len_mean": sums["len"] / rows}
+                   "eval_response_len_mean": sums["len"] / rows, "eval_response_clipped_frac": sums["clipped"] / rows}
         if "tool_rows" in sums:
             metrics["eval_tool_call_rate"] = sums["tool_rows"] / rows
         if "success" in sums:

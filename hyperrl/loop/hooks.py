@@ -2,6 +2,7 @@
 
 Events: ``"step"``, ``"eval"``, ``"checkpoint"``, ``"completions"`` (``run.log_completions``).
 :func:`write_jsonl` (``metrics.jsonl``), :func:`write_completions`, :func:`progress_bar` (tqdm),
+:func:`clip_warning` (responses cut off by the token budget),
 :func:`tensorboard` and :func:`wandb_hook` are hooks; :func:`plot_rewards` draws
 ``reward_curve.png`` from ``metrics.jsonl``.
 """
@@ -12,8 +13,8 @@ import json
 import math
 from pathlib import Path
 
-__all__ = ["write_jsonl", "write_completions", "progress_bar", "tensorboard", "wandb_hook", "plot_rewards",
-           "eval_line", "completion_rows"]
+__all__ = ["write_jsonl", "write_completions", "progress_bar", "clip_warning", "tensorboard", "wandb_hook",
+           "plot_rewards", "eval_line", "completion_rows"]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list, list]:
@@ -39,12 +40,15 @@ def plot_rewards(jsonl: Path, png: Path) -> dict[str, list[str]]:
     fig, axes = plt.subplots(1, 4 if tools else 3, figsize=(16 if tools else 13, 3.8))
     ax = axes[0]
     ax.plot(*_series(steps, "reward_mean"), label="train reward (batch mean)", lw=1)
+    if any("reward_raw_mean" in r for r in steps):  # reward shaping: the score before it, beside the shaped
+        ax.plot(*_series(steps, "reward_raw_mean"), label="train score before shaping", lw=1)
     k = evals[-1].get("eval_n", 1) if evals else 1
     ax.plot(*_series(evals, "eval_reward_mean"), "o-", label=f"held-out mean@{k}")
     if k > 1:
         ax.plot(*_series(evals, "eval_pass_at_k"), "s--", label=f"held-out pass@{k}")
-    for key in sorted({key for r in evals for key in r if key.startswith("eval_reward_") and key.endswith("_mean")}
-                      - {"eval_reward_mean"}):
+    named = sorted({key for r in evals for key in r if key.startswith("eval_reward_") and key.endswith("_mean")}
+                   - {"eval_reward_mean"})
+    for key in named if len(named) > 1 else ():
         ax.plot(*_series(evals, key), ".:", label=f"held-out {key[len('eval_reward_'):-len('_mean')]}")
     ax.set_title("reward")
     panels = [(axes[1], "entropy", [("entropy", "train (action tokens)")]),
@@ -77,6 +81,7 @@ def eval_line(metrics: dict) -> str:
     """``reward 1.234 (digit_credit 0.700, exact_answer 0.534)`` — each named reward when several."""
     parts = [f"{k[len('eval_reward_'):-len('_mean')]} {v:.3f}" for k, v in sorted(metrics.items())
              if k.startswith("eval_reward_") and k.endswith("_mean") and k != "eval_reward_mean"]
+    parts = parts if len(parts) > 1 else []
     tail = "".join(f", {name} {metrics[k]:.3f}" for k, name in (("eval_tool_call_rate", "tool calls"),
                                                                  ("eval_success_rate", "success")) if k in metrics)
     return f"reward {metrics['eval_reward_mean']:.3f}" + (f" ({', '.join(parts)})" if parts else "") + tail
@@ -98,6 +103,35 @@ def progress_bar(total: int, start: int):
             bar.write(f"step {metrics['step']}: held-out {eval_line(metrics)}")
 
     return bar, hook
+
+
+def clip_warning(max_new_tokens: int, *, threshold: float = 0.5, window: int = 50, say=None):
+    """A hook that says once (``say``: print to stderr by default) when responses keep hitting the
+    token budget: the mean ``response_clipped_frac`` over ``window`` training steps, or a held-out
+    evaluation's ``eval_response_clipped_frac`` after step 0, at or above ``threshold`` — a run
+    whose answers are cut off by ``rollout.max_new_tokens`` learns from truncated text."""
+    import sys
+
+    say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    recent: list[float] = []
+    warned = False
+
+    def hook(event, trainer, metrics):
+        nonlocal warned
+        frac = None
+        if event == "step" and "response_clipped_frac" in metrics:
+            recent.append(metrics["response_clipped_frac"])
+            if len(recent) == window:
+                frac, where = sum(recent) / window, f"over steps {metrics['step'] - window + 1}–{metrics['step']}"
+                recent.clear()
+        elif event == "eval" and metrics.get("step", 0) > 0 and "eval_response_clipped_frac" in metrics:
+            frac, where = metrics["eval_response_clipped_frac"], f"at the held-out evaluation of step {metrics['step']}"
+        if frac is not None and frac >= threshold and not warned:
+            warned = True
+            say(f"warning: {frac:.0%} of responses hit rollout.max_new_tokens={max_new_tokens} without a stop token "
+                f"{where} — they are cut off; raise rollout.max_new_tokens (response_clipped_frac in metrics.jsonl)")
+
+    return hook
 
 
 def tensorboard(out: Path):

@@ -18,7 +18,7 @@ class Pipeline:
     ``shape``: batch → batch (reward shaping, in order); ``filter``: batch → (batch, dropped) or
     None (the loop refills); ``transform``: batch → batch with ``advantages`` (and ``returns``);
     ``objective`` / ``correction``: bound callables for :func:`hyperrl.transforms.policy_loss`;
-    ``needs``: every batch key the components read.
+    ``needs``: every batch key the components read; ``shaped``: reward shaping is configured.
     """
 
     shape: Callable
@@ -34,6 +34,7 @@ class Pipeline:
     kl_controller: Callable
     entropy_coef: float
     needs: frozenset
+    shaped: bool = False  # reward shaping changes ``reward`` (the raw score is logged beside it)
 
     def loss_kwargs(self, beta: float) -> dict:
         """Keyword arguments of ``policy_loss`` (β from the KL controller's state)."""
@@ -64,4 +65,4 @@ def build_pipeline(algo) -> Pipeline:
         kl_coef=algo.kl.coef, kl_estimator=algo.kl.estimator, kl_clamp_input=algo.kl.clamp_input,
         kl_clamp_output=algo.kl.clamp_output,
         kl_controller=T.KL_CONTROLLERS.build(algo.kl.controller.name, **algo.kl.controller.args),
-        entropy_coef=algo.entropy_coef, needs=frozenset(needs))
+        entropy_coef=algo.entropy_coef, needs=frozenset(needs), shaped=bool(algo.shaping))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from hyperrl.rewards import Reward, RewardSet
+from hyperrl.rewards import Reward, RewardError, RewardSet
 from hyperrl.tokenizer import decode_response
 
 __all__ = ["Scorer"]
@@ -69,7 +69,15 @@ class Scorer:
                 if tuple(i) not in seen:
                     seen[tuple(i)] = decode_response(self.tok, i, self.stop_ids)
             texts = [seen[tuple(i)] for i in ids]
-            c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
+            try:
+                c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
+            except RewardError as e:  # name the row as the run knows it: its sample_uid and prompt
+                if e.row is None:
+                    raise
+                uid = int(batch["sample_uid"][e.row]) if "sample_uid" in batch.keys() else None
+                src = getattr(rows[e.row], "source", None)
+                raise RewardError(f"{e} (sample_uid {uid}" + (f", prompt {src}" if src else "") + ")",
+                                  row=e.row) from e
             comps.append(c)
             app.append(a)
             weights.append(rs.weights)
@@ -80,6 +88,25 @@ class Scorer:
         if self.want_token_rewards:
             out.set("token_rewards", self._token_rewards(batch, ids, rows, comps, app))
         return out
+
+    def clipped(self, batch: TensorDict) -> torch.Tensor:
+        """``[B]`` bool: rows whose last action token is not a stop (EOS or a stop id) — the response
+        ran into ``rollout.max_new_tokens`` (or the episode's token budget) instead of ending."""
+        m = batch["action_mask"].bool()
+        if m.shape[1] == 0:
+            return torch.zeros(m.shape[0], dtype=torch.bool)
+        pos = torch.arange(m.shape[1]).expand_as(m)
+        last = torch.where(m, pos, -1).max(-1).values
+        tok = batch["tokens"].gather(1, last.clamp(min=0)[:, None])[:, 0]
+        stops = torch.tensor(sorted({*self.stop_ids} | ({self.tok.eos_token_id} if self.tok.eos_token_id is not None
+                                                         else set())), dtype=tok.dtype)
+        return (last >= 0) & ~torch.isin(tok, stops)
+
+    def raw_reward(self, batch: TensorDict) -> torch.Tensor:
+        """``[B]``: the weighted sum of ``reward_components`` — the reward before any shaping."""
+        rs = self.reward_set
+        w = torch.cat(([torch.ones(1)] if self.multi_turn else []) + ([rs.weights] if rs is not None else []))
+        return (batch["reward_components"] * w).sum(-1)
 
     def _token_rewards(self, batch: TensorDict, ids: list[list[int]], rows: list, comps, app) -> torch.Tensor:
         """``token_rewards`` ``[B, T]`` on the action tokens (:meth:`RewardSet.token_rewards`);

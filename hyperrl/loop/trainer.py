@@ -32,6 +32,7 @@ from hyperrl.loop.collect import Timer
 from hyperrl.loop.hooks import completion_rows
 from hyperrl.loop.prepare import GateError
 from hyperrl.models.lora import TrainableView, is_lora
+from hyperrl.rewards import RewardError
 
 __all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError"]
 
@@ -60,7 +61,10 @@ class Trainer:
     def step(self) -> dict:
         """One RL step; returns its metrics (averaged over data-parallel ranks)."""
         timer = Timer()
-        batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
+        try:
+            batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
+        except RewardError as e:
+            raise RewardError(f"step {self.step_idx + 1}: {e}", row=e.row) from e
         batch = batch.to(self.device)
         gate, losses = {}, {"update_skipped": 1.0}
         if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
@@ -163,14 +167,17 @@ class Trainer:
         out = {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
                "zero_variance_group_frac": float(g.constant.float().mean()), "adv_mean": float(adv.mean()),
                "adv_std": float(adv.std()) if adv.numel() > 1 else 0.0, "adv_max_abs": float(adv.abs().max()),
-               "response_len_mean": float(m.sum(-1).float().mean())}
+               "response_len_mean": float(m.sum(-1).float().mean()),
+               "response_clipped_frac": float(self.scorer.clipped(batch).float().mean())}
+        if self.pipeline.shaped and "reward_components" in batch.keys():  # the score before shaping
+            out["reward_raw_mean"] = float(self.scorer.raw_reward(batch).mean())
         if "tool_calls" in batch.keys():  # multi-turn: how often the policy used a tool
             calls = batch["tool_calls"].float()
             out["tool_call_rate"], out["tool_calls_mean"] = float((calls > 0).float().mean()), float(calls.mean())
         if "success" in batch.keys():  # the environment's verdict, whatever reward shaping adds
             out["success_rate"] = float(batch["success"].float().mean())
         comps = batch["reward_components"] if "reward_components" in batch.keys() else None
-        if comps is not None and comps.shape[1] > 1:  # each reward over the rows it applies to
+        if comps is not None:  # each reward over the rows it applies to (one reward too)
             app = batch["reward_applicable"]
             for k, name in enumerate(self.scorer.names):
                 if bool(app[:, k].any()):
@@ -184,7 +191,10 @@ class Trainer:
         """Held-out evaluation (:class:`~hyperrl.loop.evaluate.Evaluator`) while the collector is
         paused (an asynchronous run's engine is the workers')."""
         with self.collector.paused("pausing for evaluation", drain=False):
-            metrics = self.evaluator.evaluate(self.step_idx)
+            try:
+                metrics = self.evaluator.evaluate(self.step_idx)
+            except RewardError as e:
+                raise RewardError(f"evaluation at step {self.step_idx}: {e}", row=e.row) from e
         self._emit("eval", metrics)
         return metrics
 

@@ -8,7 +8,8 @@ A config's ``rewards:`` list (:class:`hyperrl.config.RewardSpec`) names each rew
   factory whose hyperparameters are the spec's ``kwargs`` (``math_verify``, ``reward_model``).
 * ``style``: ``trl`` — ``fn(prompts, completions, completion_ids, **columns, **kwargs) -> list[float
   | None]`` called once per batch (TRL's ``reward_funcs``; ``None`` = not applicable; chat prompts
-  give chat completions ``[{"role": "assistant", "content": ...}]``; ``columns`` are the dataset's
+  give chat completions ``[{"role": "assistant", "content": ...}]``; ``None`` only with ``abstains:
+  true``, else an error; ``columns`` are the dataset's
   other columns plus ``answer``); ``verl`` — ``fn(data_source, solution_str, ground_truth,
   extra_info, **kwargs) -> float | {"score": float, ...}`` per sample (verl's ``compute_score``;
   a dict's other numeric keys are logged); ``hyperrl`` — ``fn(response, sample, **kwargs) -> float``.
@@ -41,7 +42,13 @@ __all__ = ["Reward", "RewardSet", "RewardError", "load_function",
 
 
 class RewardError(ValueError):
-    """A reward that cannot be loaded or returned something unusable; names the reward and row."""
+    """A reward that cannot be loaded, raised, or returned something unusable; the message names
+    the reward and the row (``row``: the batch row, when one is to blame; the loop adds the step
+    and the row's ``sample_uid`` and data source)."""
+
+    def __init__(self, msg: str, *, row: int | None = None):
+        super().__init__(msg)
+        self.row = row
 
 
 def load_function(ref: str, where: str) -> Callable:
@@ -75,53 +82,85 @@ class Reward:
     weight: float = 1.0
     data_sources: tuple[str, ...] | None = None
     kwargs: dict = field(default_factory=dict)
+    abstains: bool = False  # None for a row = not applicable (counted), not an error
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _source(sample) -> str | None:
     return (getattr(sample, "extra", None) or {}).get("data_source")
 
 
-def _value(v, reward: Reward, row: int, allow_none: bool) -> tuple[float | None, dict]:
+def _value(v, reward: Reward, row: int) -> tuple[float | None, dict]:
+    """One returned value → (a finite float, or None when the reward abstains; a verl dict's extras)."""
     extra = {}
     if isinstance(v, dict) and reward.style == "verl":
         if "score" not in v:
-            raise RewardError(f"reward {reward.name!r}: row {row} returned a dict without 'score' (keys {sorted(v)})")
+            raise RewardError(f"reward {reward.name!r} returned a dict without 'score' (keys {sorted(v)})", row=row)
         extra = {k: float(x) for k, x in v.items() if k != "score" and isinstance(x, int | float | bool)}
         v = v["score"]
-    if v is None and allow_none:
-        return None, extra
+    if v is None:
+        if reward.abstains:
+            return None, extra
+        raise RewardError(f"reward {reward.name!r} returned None; return a number, or declare that it "
+                          "abstains on rows it does not score (rewards[].abstains: true — they count as not "
+                          "applicable)", row=row)
     if isinstance(v, torch.Tensor) and v.numel() == 1:
         v = v.item()
     if not isinstance(v, int | float | bool):
-        raise RewardError(f"reward {reward.name!r}: row {row} returned {type(v).__name__} {v!r}; expected a number"
-                          + (" or None" if allow_none else ""))
+        raise RewardError(f"reward {reward.name!r} returned {type(v).__name__} {_short(v)}; expected a number",
+                          row=row)
     if not math.isfinite(float(v)):
-        raise RewardError(f"reward {reward.name!r}: row {row} returned {v}; rewards must be finite")
+        raise RewardError(f"reward {reward.name!r} returned {v}; rewards must be finite (a NaN or "
+                          "an infinity is never trained on as 0)", row=row)
     return float(v), extra
 
 
+def _invoke(reward: Reward, row: int | None, *args, **kwargs):
+    """``reward.fn(...)``; an exception from the user's code becomes a :class:`RewardError` naming
+    the reward (and the row, for a per-sample style)."""
+    try:
+        return reward.fn(*args, **kwargs)
+    except RewardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure in user code is reported as the reward's
+        where = "" if row is not None else f" (one call on {len(kwargs.get('completions', []))} rows)"
+        raise RewardError(f"reward {reward.name!r} raised {type(e).__name__}: {e}{where}", row=row) from e
+
+
 def _call(reward: Reward, prompts, texts, ids, samples) -> tuple[list, list[dict]]:
-    """One reward over the rows it applies to: values (float | None) and per-row extras."""
+    """One reward over the rows it applies to: values (float | None) and per-row extras. Every
+    input is a copy: a reward that mutates its arguments cannot change the dataset."""
+    import copy
+
     n = len(texts)
+    prompts, samples = copy.deepcopy(list(prompts)), copy.deepcopy(list(samples))
     if reward.style == "trl":
         chat = [isinstance(p, list) for p in prompts]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         keys = sorted({k for s in samples for k in (s.extra or {}) if k not in ("prompt",)})
         columns = {k: [(s.extra or {}).get(k) for s in samples] for k in keys}
         columns["answer"] = [s.answer for s in samples]
-        out = reward.fn(prompts=list(prompts), completions=completions, completion_ids=[list(i) for i in ids],
-                        **columns, **reward.kwargs)
-        out = list(out) if not isinstance(out, torch.Tensor) else out.tolist()
+        out = _invoke(reward, None, prompts=prompts, completions=completions, completion_ids=[list(i) for i in ids],
+                      **columns, **reward.kwargs)
+        if isinstance(out, torch.Tensor):
+            out = out.tolist() if out.dim() == 1 else out
+        if not isinstance(out, list | tuple):
+            raise RewardError(f"reward {reward.name!r} (trl style) returned {type(out).__name__} {_short(out)}; "
+                              f"expected a list of {n} numbers (one per completion)")
         if len(out) != n:
             raise RewardError(f"reward {reward.name!r} returned {len(out)} values for {n} completions")
-        vals = [_value(v, reward, i, allow_none=True) for i, v in enumerate(out)]
+        vals = [_value(v, reward, i) for i, v in enumerate(out)]
     elif reward.style == "verl":
-        vals = [_value(reward.fn(data_source=_source(s), solution_str=t, ground_truth=s.answer,
-                                 extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs), reward, i, False)
+        vals = [_value(_invoke(reward, i, data_source=_source(s), solution_str=t, ground_truth=s.answer,
+                               extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs), reward, i)
                 for i, (t, s) in enumerate(zip(texts, samples))]
     else:
-        vals = [_value(reward.fn(t, s, **reward.kwargs), reward, i, False) for i, (t, s) in enumerate(zip(texts,
-                                                                                                       samples))]
+        vals = [_value(_invoke(reward, i, t, s, **reward.kwargs), reward, i) for i, (t, s) in enumerate(zip(texts,
+                                                                                                         samples))]
     return [v for v, _ in vals], [e for _, e in vals]
 
 
@@ -148,8 +187,13 @@ class RewardSet:
             rows = [i for i, s in enumerate(samples) if r.data_sources is None or _source(s) in r.data_sources]
             if not rows:
                 continue
-            vals, extras = _call(r, [prompts[i] for i in rows], [texts[i] for i in rows], [ids[i] for i in rows],
-                                 [samples[i] for i in rows])
+            try:
+                vals, extras = _call(r, [prompts[i] for i in rows], [texts[i] for i in rows],
+                                     [ids[i] for i in rows], [samples[i] for i in rows])
+            except RewardError as e:  # the row within this reward's rows → the batch row
+                if e.row is None:
+                    raise
+                raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
             got = [(i, float(v)) for i, v in zip(rows, vals) if v is not None]  # one write per reward, not per row
             if got:
                 idx = torch.tensor([i for i, _ in got])
@@ -197,6 +241,46 @@ def _style_of(fn: Callable) -> str:
     return "hyperrl"
 
 
+_CALLS = {"trl": "fn(prompts=, completions=, completion_ids=, **columns)",
+          "verl": "fn(data_source=, solution_str=, ground_truth=, extra_info=)",
+          "hyperrl": "fn(response, sample)"}
+
+
+def _check_signature(fn: Callable, style: str, kwargs: dict, key: str) -> None:
+    """Load time: ``fn`` can be called the way its declared ``style`` calls it (TRL: by keyword,
+    with ``completions`` — the dataset's columns may fill other parameters; verl: the four
+    keywords; hyperrl: two positionals), else a :class:`RewardError` naming the style that fits."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return
+    ps = sig.parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+    why = None
+    if style == "trl":
+        required = {n for n, p in ps.items() if p.default is inspect.Parameter.empty and p.kind in
+                    (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+        if "completions" not in ps and not var_kw:
+            why = "it has no 'completions' parameter (and no **kwargs)"
+        elif required & {"solution_str", "ground_truth", "response", "sample"}:
+            why = f"it requires {sorted(required & {'solution_str', 'ground_truth', 'response', 'sample'})}"
+        elif any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in ps.values()):
+            why = "it has positional-only parameters (TRL passes every argument by keyword)"
+    else:
+        try:
+            if style == "verl":
+                sig.bind(data_source=None, solution_str="", ground_truth=None, extra_info=None, **kwargs)
+            else:
+                sig.bind("", None, **kwargs)
+        except TypeError as e:
+            why = str(e)
+    if why is not None:
+        fits = _style_of(fn)
+        hint = f"; its signature looks {fits}-style: set style: {fits}" if fits != style else ""
+        raise RewardError(f"{key}.style: {style} calls {_CALLS[style]}, which {getattr(fn, '__name__', fn)}"
+                          f"{sig} cannot take — {why}{hint}")
+
+
 def check_rewards(specs, where: str = "rewards") -> None:
     """Load time: every spec resolves — files import, names are registered, factory
     hyperparameters and requirements check, names are distinct — without building reward models."""
@@ -224,6 +308,7 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
                                   "(prompts, completions, completion_ids, **columns), verl (data_source, solution_str, "
                                   "ground_truth, extra_info) or hyperrl (response, sample)")
             fn, name = load_function(ref, f"{key}.fn"), ref.rpartition(":")[2]
+            _check_signature(fn, style, kwargs, key)
         elif ref in REWARDS and is_factory(ref):
             f = REWARDS.factory(ref)
             f.check(kwargs, f"{key}.kwargs")
@@ -242,7 +327,8 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
         seen.add(name)
         ds = spec.data_source
         sources = None if ds is None else ((ds,) if isinstance(ds, str) else tuple(ds))
-        out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs))
+        out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs,
+                          abstains=bool(getattr(spec, "abstains", False))))
     return out
 
 

@@ -133,6 +133,7 @@ def trainer_layout(cfg: ModelShape, *, fsdp: int, tp: int = 1, ep: int = 1, dtyp
         raise ValueError(f"ep={ep} does not divide {cfg.experts} experts")
     if not cfg.experts and ep != 1:
         raise ValueError(f"ep={ep}: {cfg.name} has no experts")
+    check_tensor_parallel(cfg, tp, ep=ep, where="trainer tp")
     mesh = Mesh.of(fsdp=fsdp, ep=ep, tp=tp, offset=offset)
     groups = [mesh.submesh(ep=k) for k in range(ep)]
     per_group = cfg.experts // ep if cfg.experts else 0
@@ -164,10 +165,33 @@ def parse_parallel(text: str) -> dict[str, int]:
         if "=" not in item:
             raise ValueError(f"{text!r}: expected comma-separated axis=size, got {item!r}")
         k, v = item.split("=", 1)
+        k, v = k.strip(), v.strip()
         if not v.isdigit() or int(v) < 1:
             raise ValueError(f"{text!r}: size of {k!r} must be a positive integer, got {v!r}")
-        out[k.strip()] = int(v)
+        if k in out:
+            raise ValueError(f"{text!r}: axis {k!r} is given twice ({out[k]} and {v}); give each axis once")
+        out[k] = int(v)
     return out
+
+
+def check_tensor_parallel(cfg: ModelShape, tp: int, *, ep: int = 1, where: str = "tp") -> None:
+    """The split rules vLLM (and a Megatron-style trainer) apply to ``tp``: query heads divisible
+    by ``tp`` (a split never lands mid-head), kv heads either divisible by ``tp`` or dividing it
+    (then replicated), MLA heads likewise, an MoE expert's width divisible by ``tp`` when experts
+    are not expert-parallel. Raises ``ValueError`` naming the number and the sizes that fit."""
+    def fits(n: int) -> str:
+        return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+    if cfg.heads % tp:
+        raise ValueError(f"{where}={tp}: {cfg.name} has {cfg.heads} attention heads, which {tp} ranks cannot split "
+                         f"evenly (vLLM requires heads % tp == 0); tp ∈ {{{fits(cfg.heads)}}}")
+    if not cfg.mla and cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise ValueError(f"{where}={tp}: {cfg.name} has {cfg.kv_heads} key/value heads; tp must divide them or be a "
+                         f"multiple of them (replicated heads)")
+    if cfg.experts and ep == 1 and cfg.expert_intermediate % tp:
+        raise ValueError(f"{where}={tp}: the experts' width {cfg.expert_intermediate} is not divisible by {tp}")
+    if cfg.intermediate % tp:
+        raise ValueError(f"{where}={tp}: the MLP width {cfg.intermediate} is not divisible by {tp}")
 
 
 _DENSE = ("qwen2", "qwen3", "llama", "mistral")

@@ -17,7 +17,7 @@ import torch
 
 from hyperrl.sharding.layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
 from hyperrl.sharding.mesh import Mesh
-from hyperrl.sharding.models import ModelShape, hf_tensor_shapes
+from hyperrl.sharding.models import ModelShape, check_tensor_parallel, hf_tensor_shapes
 from hyperrl.sharding.spec import Box, Spec
 
 __all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
@@ -74,6 +74,12 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
         raise ValueError(f"expert_placement={expert_placement!r}; choose 'linear' or 'round_robin'")
     if cfg.experts and ep > 1 and cfg.experts % ep:
         raise ValueError(f"ep={ep} does not divide {cfg.experts} experts")
+    if not cfg.experts and ep != 1:
+        raise ValueError(f"ep={ep}: {cfg.name} has no experts")
+    check_tensor_parallel(cfg, tp, ep=ep, where="rollout tp")
+    if padded_vocab(cfg.vocab) % tp:
+        raise ValueError(f"rollout tp={tp}: vLLM pads the vocabulary ({cfg.vocab}) to {padded_vocab(cfg.vocab)} rows, "
+                         f"which {tp} ranks cannot split evenly")
     mesh = Mesh.of(dp=dp, tp=tp, offset=offset)
     shapes = hf_tensor_shapes(cfg)
     col, row = ChunkRule(Spec.shard(2, d0="tp")), ChunkRule(Spec.shard(2, d1="tp"))

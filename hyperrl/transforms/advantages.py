@@ -343,44 +343,44 @@ def _token_rewards(batch: TensorDict) -> torch.Tensor:
     return scores_to_token_rewards(batch["reward"], batch["action_mask"])
 
 
-@register_advantage("grpo", needs=("reward",), produces=("advantages",))
+@register_advantage("grpo", needs=("reward", "group_id"), produces=("advantages",))
 def _grpo(batch, *, eps=1e-6, singleton="zero"):
     return _broadcast(grpo_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
-@register_advantage("dr_grpo", needs=("reward",), produces=("advantages",))
+@register_advantage("dr_grpo", needs=("reward", "group_id"), produces=("advantages",))
 def _dr_grpo(batch, *, singleton="zero"):
     return _broadcast(dr_grpo_advantages(batch["reward"], batch["group_id"], singleton=singleton), batch)
 
 
-@register_advantage("batch_std", needs=("reward",), produces=("advantages",))
+@register_advantage("batch_std", needs=("reward", "group_id"), produces=("advantages",))
 def _batch_std(batch, *, eps=1e-6, singleton="zero"):
     return _broadcast(batch_std_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
-@register_advantage("rloo", needs=("reward",), produces=("advantages",))
+@register_advantage("rloo", needs=("reward", "group_id"), produces=("advantages",))
 def _rloo(batch, *, singleton="zero"):
     return _broadcast(rloo_advantages(batch["reward"], batch["group_id"], singleton=singleton), batch)
 
 
-@register_advantage("opo", needs=("reward",), produces=("advantages",))
+@register_advantage("opo", needs=("reward", "group_id"), produces=("advantages",))
 def _opo(batch, *, singleton="zero"):
     lengths = batch["action_mask"].sum(-1)
     return _broadcast(opo_advantages(batch["reward"], batch["group_id"], lengths, singleton=singleton), batch)
 
 
-@register_advantage("gpg", needs=("reward",), produces=("advantages",))
+@register_advantage("gpg", needs=("reward", "group_id"), produces=("advantages",))
 def _gpg(batch, *, f_norm=1.0, singleton="zero"):
     return _broadcast(gpg_advantages(batch["reward"], batch["group_id"], f_norm=f_norm, singleton=singleton), batch)
 
 
-@register_advantage("grpo_passk", needs=("reward",), produces=("advantages",))
+@register_advantage("grpo_passk", needs=("reward", "group_id"), produces=("advantages",))
 def _passk(batch, *, eps=1e-6, norm_by_std=True):
     adv = grpo_passk_advantages(batch["reward"], batch["group_id"], eps=eps, norm_by_std=norm_by_std)
     return _broadcast(adv, batch)
 
 
-@register_advantage("normalize_then_sum", needs=("reward_components",), produces=("advantages",))
+@register_advantage("normalize_then_sum", needs=("reward_components", "group_id"), produces=("advantages",))
 def _nts(batch, *, components_key="reward_components", weights=None, eps=1e-6):
     if components_key not in batch.keys():
         raise KeyError(f"{components_key}: normalize_then_sum needs per-component rewards [B, K] under this key")
@@ -405,7 +405,7 @@ def _rpp(batch, *, gamma=1.0, masked="skip", unbiased=True):
     return {"advantages": adv, "returns": ret}
 
 
-@register_advantage("reinforce_pp_baseline", needs=("reward",), produces=("advantages",))
+@register_advantage("reinforce_pp_baseline", needs=("reward", "group_id"), produces=("advantages",))
 def _rppb(batch, *, unbiased=True, singleton="zero"):
     adv = reinforce_pp_baseline_advantages(batch["reward"], batch["group_id"], batch["action_mask"], unbiased=unbiased,
                                            singleton=singleton)
@@ -420,7 +420,7 @@ def _remax(batch, *, baseline_key="baseline_reward"):
     return {"advantages": adv, "returns": ret}
 
 
-@register_advantage("grpo_process", needs=("token_rewards",), produces=("advantages",))
+@register_advantage("grpo_process", needs=("token_rewards", "group_id"), produces=("advantages",))
 def _grpo_process(batch, *, eps=1e-6, step_key="step_mask"):
     if "token_rewards" not in batch.keys():
         raise KeyError("token_rewards: grpo_process needs per-token step rewards [B, T] (a task with token credit, "

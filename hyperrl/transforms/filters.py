@@ -19,7 +19,7 @@ def informative_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.T
     return ~group_stats(scores, group_ids).constant
 
 
-@register_filter("dynamic_sampling", needs=("reward",))
+@register_filter("dynamic_sampling", needs=("reward", "group_id"))
 def dynamic_sampling_filter(batch, *, key: str = "reward"):
     """DAPO dynamic sampling: drop groups whose rewards are all equal. Returns a *new* batch and
     the number of dropped sequences (the caller samples more prompts to refill)."""

@@ -27,7 +27,7 @@ def test_answer_fallbacks_and_custom_columns(tmp_path):
     p = _write(tmp_path, "a.parquet", {"question": ["q1", "q2", "q3"],
                                        "extra_info": [{"solution": "s1"}, None, None],
                                        "answer": [None, "a2", None]})
-    with pytest.raises(DataError, match=r"a.parquet: column 'prompt' missing .*set prompt_key"):
+    with pytest.raises(DataError, match=r"a.parquet: column 'prompt' missing .*set data.prompt_key"):
         PromptDataset.from_parquet(p)
     with pytest.raises(DataError, match=r"a.parquet:2: no answer"):
         PromptDataset.from_parquet(p, prompt_key="question")

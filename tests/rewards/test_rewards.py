@@ -59,7 +59,7 @@ def test_trl_and_verl_functions_from_a_file_weighted_and_routed(tmp_path, user_f
     cfg = _specs(tmp_path, f"""
         rewards:
           - {{fn: "{user_file}:accuracy", style: trl, weight: 2.0}}
-          - {{fn: "{user_file}:only_long", style: trl}}
+          - {{fn: "{user_file}:only_long", style: trl, abstains: true}}
           - {{fn: "{user_file}:compute_score", style: verl, data_source: chat, name: exact}}
     """)
     rs = build_rewards(cfg.rewards)
@@ -93,8 +93,8 @@ def test_chat_prompts_give_trl_chat_completions(tmp_path):
 
 
 @pytest.mark.parametrize("fn, match", [("short", "returned 1 values for 3 completions"),
-                                       ("text", "row 0 returned str 'yes'; expected a number"),
-                                       ("nan", "row 0 returned nan; rewards must be finite")])
+                                       ("text", "returned str 'yes'; expected a number — batch row 0"),
+                                       ("nan", "returned nan; rewards must be finite.* — batch row 0")])
 def test_bad_reward_values_name_the_reward_and_row(tmp_path, user_file, fn, match):
     rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{user_file}:{fn}", style: trl}}]').rewards)
     with pytest.raises(RewardError, match=f"reward '{fn}'.*{match}" if "values" not in match else match):
@@ -163,3 +163,69 @@ def test_configured_rewards_drive_a_training_step_and_gdpo_weights(tmp_path, use
     assert m["reward_mean"] == pytest.approx(m["reward_accuracy_mean"] + 0.5 * m["reward_starts_with_digit_mean"])
     gdpo = _specs(tmp_path, rewards, "--algo.recipe=gdpo", *tiny)
     assert gdpo.algo.advantage.args["weights"] == [1.0, 0.5]  # the rewards' weights, one per component
+
+
+def test_a_reward_file_signature_is_checked_against_its_style_at_load(tmp_path, user_file):
+    # accuracy is TRL-style (prompts, completions, ...): declared verl it cannot take solution_str
+    with pytest.raises(ConfigError, match=r"rewards\[0\].style: verl calls .*accuracy.*set style: trl"):
+        _specs(tmp_path, f'rewards: [{{fn: "{user_file}:accuracy", style: verl}}]')
+    # compute_score is verl-style: declared trl it has no completions
+    with pytest.raises(ConfigError, match=r"rewards\[0\].style: trl calls .*no 'completions'.*set style: verl"):
+        _specs(tmp_path, f'rewards: [{{fn: "{user_file}:compute_score", style: trl}}]')
+    _specs(tmp_path, f'rewards: [{{fn: "{user_file}:compute_score", style: verl}}]')  # as declared: loads
+
+
+RAISING = '''
+def none(prompts, completions, **kw):
+    return None
+
+def nones(prompts, completions, **kw):
+    return [None for _ in completions]
+
+def boom(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "x":
+        raise ZeroDivisionError("division by zero")
+    return 1.0
+
+def inf(prompts, completions, **kw):
+    return [1.0, float("inf"), 0.0]
+
+def mutate(prompts, completions, **kw):
+    for p in prompts:
+        if isinstance(p, list):
+            p[0]["content"] += " MUTATED"
+    prompts.clear()
+    return [0.0 for _ in completions]
+'''
+
+
+@pytest.mark.parametrize("fn, style, match", [
+    ("none", "trl", r"reward 'none' \(trl style\) returned NoneType None; expected a list of 3 numbers"),
+    ("nones", "trl", r"reward 'nones' returned None; .*abstains: true.* — batch row 0"),
+    ("boom", "verl", r"reward 'boom' raised ZeroDivisionError: division by zero — batch row 1"),
+    ("inf", "trl", r"reward 'inf' returned inf; rewards must be finite.* — batch row 1")])
+def test_every_reward_failure_is_a_reward_error_naming_reward_and_row(tmp_path, fn, style, match):
+    f = tmp_path / "bad.py"
+    f.write_text(RAISING)
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:{fn}", style: {style}}}]').rewards)
+    with pytest.raises(RewardError, match=match):
+        rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+
+
+def test_an_abstaining_reward_marks_its_none_rows_not_applicable(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text(RAISING)
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:nones", style: trl, abstains: true}}]').rewards)
+    comps, app, _ = rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+    assert app.tolist() == [[False]] * 3 and comps.tolist() == [[0.0]] * 3
+
+
+def test_a_reward_cannot_change_the_dataset_it_is_given(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text(RAISING)
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:mutate", style: trl}}]').rewards)
+    chat = Sample([{"role": "user", "content": "hi"}], "ok", "x", {})
+    samples = [chat, SAMPLES[0]]
+    prompts = [s.prompt for s in samples]
+    rs.score(prompts, ["a", "b"], [[1], [2]], samples)
+    assert chat.prompt == [{"role": "user", "content": "hi"}] and len(prompts) == 2
