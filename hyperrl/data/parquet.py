@@ -88,8 +88,8 @@ class PromptDataset:
             path = Path(path)
             rows = _read_rows(path)
             if rows and prompt_key not in rows[0]:
-                raise DataError(f"{path}: column {prompt_key!r} missing (columns: {sorted(rows[0])}); set data.prompt_key "
-                                f"to the prompt's column")
+                raise DataError(f"{path}: column {prompt_key!r} missing (columns: {sorted(rows[0])}); set "
+                                "data.prompt_key to the prompt's column")
             got, bad = _samples(rows, str(path), prompt_key, ground_truth_key, extra_key, answer_key, require_answer,
                                 bad_rows)
             samples += got
