@@ -1,8 +1,11 @@
 """TRL's ``GRPOTrainer`` computing its policy loss through ``hyperrl.transforms``.
 
-A ten-line subclass: TRL keeps generation, rewards and advantages; the per-token objective and the
-aggregation are hyperrl's (``ppo_clip`` with TRL's ε_low/ε_high, token-mean). Swap ``objective`` /
-``agg`` for any registered variant (``cispo``, ``sapo``, ``gspo``, ``seq-mean-token-mean`` …).
+A short subclass: TRL keeps generation, rewards and advantages; the per-token objective and the
+aggregation are hyperrl's (``ppo_clip`` with TRL's ε_low/ε_high, token-mean). Set ``objective`` /
+``agg`` to any registered variant (``cispo``, ``sapo``, ``gspo``, ``gmpo``, ``seq-mean-token-mean`` …):
+that objective takes its **own** hyperparameters — its factory's defaults (GSPO's 3e-4 / 4e-4
+sequence clips, SAPO's temperatures), overridden by ``objective_args`` — never TRL's token clips,
+which only ``ppo_clip`` shares.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ import hyperrl.transforms as T
 
 class HyperRLGRPOTrainer(GRPOTrainer):
     objective = "ppo_clip"
+    objective_args: dict = {}  # the objective's own hyperparameters (T.OBJECTIVES.factory(name).params)
     agg = "token-mean"
+
+    def _objective(self):
+        """The objective with its hyperparameters bound (checked against its factory): ``ppo_clip``
+        takes TRL's ε_low / ε_high unless ``objective_args`` says otherwise."""
+        args = dict(self.objective_args)
+        if self.objective == "ppo_clip":
+            args = {"clip_low": self.epsilon_low, "clip_high": self.epsilon_high, **args}
+        return T.OBJECTIVES.build(self.objective, **args)
 
     def _compute_loss(self, model, inputs):
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
@@ -30,6 +42,5 @@ class HyperRLGRPOTrainer(GRPOTrainer):
         adv = adv[:, None].expand_as(logps) if adv.dim() == 1 else adv
         batch = TensorDict({"action_mask": mask, "advantages": adv.float(),
                             "old_logprobs": logps.detach() if old is None else old}, batch_size=[mask.shape[0]])
-        out = T.policy_loss(batch, logps, objective=self.objective, agg=self.agg,
-                            clip_low=self.epsilon_low, clip_high=self.epsilon_high)
+        out = T.policy_loss(batch, logps, objective=self._objective(), agg=self.agg)
         return out.loss

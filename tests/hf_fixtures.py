@@ -44,8 +44,15 @@ def bpe_tokenizer(vocab_size: int = 400):
     return tok
 
 
-def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """Save a random-initialised Qwen3 sized to :func:`bpe_tokenizer` and that tokenizer to ``path``."""
+def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
+                     two_stops: bool = False, zero_norm: bool = False) -> Path:
+    """Save a random-initialised Qwen3 sized to :func:`bpe_tokenizer` and that tokenizer to ``path``.
+    ``two_stops``: its ``generation_config`` lists both ``<|im_end|>`` and ``<|endoftext|>`` (as a
+    real Qwen3's does; the tokenizer's EOS is only the first). ``zero_norm``: the final norm's
+    weight is 0, so every logit is 0 and greedy decoding emits token 0 (``<|endoftext|>``) — a model
+    that stops at once exactly when 0 is among its stop ids."""
+    import torch
+
     from hyperrl.models.tiny import tiny_qwen3
 
     path = Path(path)
@@ -53,6 +60,11 @@ def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layer
     model = tiny_qwen3(len(tok), hidden=hidden, layers=layers, heads=2, kv_heads=1, head_dim=32,
                        intermediate=2 * hidden, seed=seed, pad_id=tok.pad_token_id, bos_id=None,
                        eos_id=tok.eos_token_id)
+    if two_stops:
+        model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
+    if zero_norm:
+        with torch.no_grad():
+            model.model.norm.weight.zero_()
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

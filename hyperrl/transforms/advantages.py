@@ -430,12 +430,42 @@ def _grpo_process(batch, *, eps=1e-6, step_key="step_mask"):
                                                   batch["action_mask"], eps=eps)}
 
 
+# what an estimator's inputs are, for the error a caller sees when one is missing or mis-shaped
+_INPUTS = {"reward": (1, "[B] float, one scalar reward per row"),
+           "group_id": (1, "[B] int64, the prompt group of each row (a prompt's samples share it)"),
+           "baseline_reward": (1, "[B] float, the greedy rollout's reward of each row's group"),
+           "reward_components": (2, "[B, K] float, one column per reward"),
+           "token_rewards": (2, "[B, T] float, per-token step rewards"),
+           "values": (2, "[B, T] float, the critic's values")}
+
+
+def _check_inputs(batch: TensorDict, needs, where: str) -> None:
+    """Every key ``needs`` names (and ``action_mask``) present with its rank: an error names the key
+    and the expected shape (a ``[B, 1]`` reward is not broadcast silently)."""
+    B = batch.batch_size[0] if batch.batch_size else None
+    for key in ("action_mask", *needs):
+        dim, what = _INPUTS.get(key, (2, "[B, T]") if key == "action_mask" else (None, ""))
+        if key not in batch.keys():
+            if key in ("values", "token_rewards", "baseline_reward", "reward_components"):
+                continue  # the estimator's own message says where these come from
+            raise KeyError(f"{where}: batch key {key!r} is missing — {what or 'needed by this estimator'}")
+        shape = tuple(batch[key].shape)
+        if dim is not None and (len(shape) != dim or shape[0] != B):
+            raise ValueError(f"{where}: batch key {key!r} has shape {list(shape)}; expected {what} with B = {B}"
+                             + (" (squeeze the trailing 1: reward[:, 0])" if len(shape) == 2 and shape[1:] == (1,)
+                                and dim == 1 else ""))
+
+
 def compute_advantages(batch: TensorDict, estimator="grpo", **kwargs) -> TensorDict:
     """Return a *new* batch with ``advantages`` (and ``returns`` where defined) ``[B, T]``.
 
     ``estimator`` is a registered name (``ADVANTAGES.names()``) or a callable
     ``(batch, **kwargs) -> dict``. The input batch is not modified.
     """
+    if isinstance(estimator, str):
+        f = ADVANTAGES.factory(estimator)
+        kwargs = f.check(kwargs, f"advantage {estimator!r}")
+        _check_inputs(batch, f.needs, f"compute_advantages(estimator={estimator!r})")
     fields = ADVANTAGES.get(estimator)(batch, **kwargs)
     out = batch.copy()
     for k, v in fields.items():

@@ -86,6 +86,8 @@ def policy_loss(
     adv = _require(batch, "advantages", "run compute_advantages(batch, estimator=...) first")
     if correction is not None:
         mask = mask & correction.mask
+    if isinstance(objective, str):  # a name: its own hyperparameters only (sapo takes no clip_low)
+        objective_kwargs = OBJECTIVES.factory(objective).check(objective_kwargs, f"objective {objective!r}")
     obj = OBJECTIVES.get(objective)(logprobs, old, adv, mask, **objective_kwargs)
     per_token = obj.loss if correction is None else obj.loss * correction.weights.detach()
     norm = normalizer or Normalizer()

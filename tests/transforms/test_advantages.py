@@ -326,3 +326,22 @@ def test_grpo_process_constant_group_is_zero_and_bad_steps_are_named():
         grpo_process_advantages(torch.zeros(4, 8), m | prompt, b["group_id"], m)
     with pytest.raises(KeyError, match="token_rewards: grpo_process needs"):
         compute_advantages(b, "grpo_process")
+
+
+def test_compute_advantages_names_a_missing_or_misshaped_input():
+    import pytest
+    import torch
+    from tensordict import TensorDict
+
+    import hyperrl.transforms as T
+
+    B = 5
+    base = {"group_id": torch.zeros(B, dtype=torch.long), "action_mask": torch.ones(B, 3, dtype=torch.bool)}
+    col = TensorDict({**base, "reward": torch.rand(B, 1)}, batch_size=[B])
+    with pytest.raises(ValueError, match=r"batch key 'reward' has shape \[5, 1\]; expected \[B\] .* reward\[:, 0\]"):
+        T.compute_advantages(col, "grpo")
+    flat = TensorDict({"reward": torch.rand(B), "action_mask": base["action_mask"]}, batch_size=[B])
+    with pytest.raises(KeyError, match=r"batch key 'group_id' is missing — \[B\] int64, the prompt group"):
+        T.compute_advantages(flat, "rloo")
+    with pytest.raises(ValueError, match="advantage 'grpo'.clip: .* takes no argument 'clip'"):
+        T.compute_advantages(col.set("reward", torch.rand(B)), "grpo", clip=0.2)
