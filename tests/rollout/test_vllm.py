@@ -107,6 +107,17 @@ def test_vllm_loads_the_export_with_its_tokenizer(reports):
     assert r["decoded_prompt"] == r["expected_prompt"]  # and the run's tokenizer
 
 
+def test_vllm_stops_the_export_at_every_stop_id_of_the_source(reports):
+    """The export keeps both of a Qwen-style model's stop ids: vLLM ends greedy generation at
+    ``<|endoftext|>`` (the one the tokenizer's EOS is not), and runs on when told to ignore them; the
+    adapters-only export of the same LoRA run loads in vLLM's LoRA path."""
+    r = _part(reports, "check_vllm_stops")
+    assert r["generation_config"] == [2, 0]
+    assert r["merged"] == {"tokens": [0], "finish_reason": "stop"}
+    assert r["merged_ignore_eos"] == {"tokens": [0] * 8, "finish_reason": "length"}
+    assert r["adapters"] == {"tokens": [0], "finish_reason": "stop"}
+
+
 def test_vllm_serves_published_lora_adapters(reports):
     r = _part(reports, "check_vllm_lora")
     assert r["versions"] == list(range(1, 9)) and r["lora_B_max"] > 0.01  # the adapters really changed

@@ -12,7 +12,8 @@ import time
 import traceback
 from pathlib import Path
 
-CHECKS = ("check_vllm", "check_vllm_trainer", "check_vllm_lora", "check_vllm_export", "check_vllm_async")
+CHECKS = ("check_vllm", "check_vllm_trainer", "check_vllm_lora", "check_vllm_export", "check_vllm_stops",
+          "check_vllm_async")
 
 
 def main(names=CHECKS):
