@@ -74,6 +74,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         if cfg.run.wandb_project:
             hooks.append(wandb_hook(cfg))
     trainer.hooks.extend(hooks)
+    if rank == 0 and progress:
+        print(f"hyperrl train: outputs in {out}/", flush=True)
     resumed = resume and trainer.resume()
     if resumed:
         print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
