@@ -107,8 +107,9 @@ def progress_bar(total: int, start: int):
 
 def clip_warning(max_new_tokens: int, *, threshold: float = 0.5, window: int = 50, say=None):
     """A hook that says once (``say``: print to stderr by default) when responses keep hitting the
-    token budget: the mean ``response_clipped_frac`` over ``window`` training steps, or a held-out
-    evaluation's ``eval_response_clipped_frac`` after step 0, at or above ``threshold`` — a run
+    token budget: the mean ``response_clipped_frac`` over ``window`` training steps (after the first
+    window: a random policy rarely stops), or a held-out evaluation's ``eval_response_clipped_frac``
+    after step 0, at or above ``threshold`` — a run
     whose answers are cut off by ``rollout.max_new_tokens`` learns from truncated text."""
     import sys
 
@@ -122,7 +123,8 @@ def clip_warning(max_new_tokens: int, *, threshold: float = 0.5, window: int = 5
         if event == "step" and "response_clipped_frac" in metrics:
             recent.append(metrics["response_clipped_frac"])
             if len(recent) == window:
-                frac, where = sum(recent) / window, f"over steps {metrics['step'] - window + 1}–{metrics['step']}"
+                if metrics["step"] > window:  # the first window is the untrained policy's, as at step 0
+                    frac, where = sum(recent) / window, f"over steps {metrics['step'] - window + 1}–{metrics['step']}"
                 recent.clear()
         elif event == "eval" and metrics.get("step", 0) > 0 and "eval_response_clipped_frac" in metrics:
             frac, where = metrics["eval_response_clipped_frac"], f"at the held-out evaluation of step {metrics['step']}"

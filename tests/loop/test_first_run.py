@@ -37,13 +37,16 @@ def test_the_clip_warning_is_said_once_and_never_for_the_untrained_evaluation():
     hook = clip_warning(3, window=4, say=said.append)
     hook("eval", None, {"step": 0, "eval_response_clipped_frac": 1.0})  # random weights: expected, not warned
     for step in range(1, 5):
+        hook("step", None, {"step": step, "response_clipped_frac": 1.0})
+    assert said == []  # the first window is the untrained policy's
+    for step in range(5, 9):
         hook("step", None, {"step": step, "response_clipped_frac": 0.2})
     assert said == []  # mean 0.2 over the window
-    for step in range(5, 13):
+    for step in range(9, 17):
         hook("step", None, {"step": step, "response_clipped_frac": 0.9})
-    hook("eval", None, {"step": 12, "eval_response_clipped_frac": 0.95})
+    hook("eval", None, {"step": 16, "eval_response_clipped_frac": 0.95})
     assert len(said) == 1 and "90% of responses hit rollout.max_new_tokens=3" in said[0]
-    assert "over steps 5–8" in said[0] and "raise rollout.max_new_tokens" in said[0]
+    assert "over steps 9–12" in said[0] and "raise rollout.max_new_tokens" in said[0]
 
 
 def test_one_reward_is_logged_by_name_and_the_raw_score_beside_a_shaped_one(tmp_path):
