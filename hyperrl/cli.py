@@ -132,6 +132,14 @@ def _train(args, overrides: list[str]) -> int:
     summary = train(cfg, resume=not args.no_resume)
     import torch.distributed as dist
 
+    if summary.get("interrupted"):
+        import signal
+
+        code = 128 + int(getattr(signal, summary["interrupted"]))
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"interrupted ({summary['interrupted']}) at step {summary['steps']}: checkpoint "
+                  f"{summary['checkpoint']} — rerun the same command to resume", file=sys.stderr)
+        return code
     if dist.is_initialized() and dist.get_rank() != 0:
         return 0
     print(f"done: {summary['steps']} steps in {summary['seconds']:.0f} s, held-out "

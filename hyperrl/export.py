@@ -60,7 +60,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, adapters: bool = F
 
     from hyperrl.config import TrainConfig
     from hyperrl.device import torch_dtype
-    from hyperrl.loop.checkpoint import MARKER, consolidate
+    from hyperrl.loop.checkpoint import MARKER, consolidate, verify_checkpoint
     from hyperrl.models.policy import build_policy, build_tokenizer
 
     ck, out = Path(checkpoint), Path(out_dir)
@@ -69,6 +69,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, adapters: bool = F
                           "<out_dir>/checkpoints/step_<k>)")
     if not (ck / MARKER).exists():
         raise ExportError(f"{ck}: not a complete hyperrl checkpoint (no {MARKER} marker)")
+    verify_checkpoint(ck)  # every file against its recorded checksum: a damaged file is named
     state = json.loads((ck / "state.json").read_text())
     if "config" not in state:
         raise ExportError(f"{ck}: state.json holds no run config")

@@ -51,19 +51,124 @@ def _truncate_log(jsonl: Path, step: int) -> None:
     tmp.replace(jsonl)
 
 
+class _Interrupt:
+    """SIGTERM / SIGINT: the first asks the loop to finish its step, checkpoint and exit; a second
+    exits at once (the default action). Installed in the main thread only, restored on exit."""
+
+    def __init__(self):
+        self.signum, self._old = None, {}
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        import os
+        import signal
+        import sys
+
+        if self.signum is not None:  # the second signal: now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then a checkpoint and exit "
+              "(again to exit at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+    def requested(self, parallel) -> bool:
+        """Any rank asked to stop (ranks stop at the same step: the flag is reduced)."""
+        return parallel.sum_metrics({"stop": float(self.signum is not None)}).get("stop", 0.0) > 0 \
+            if parallel.world > 1 else self.signum is not None
+
+
+def _set_aside(out: Path, names, why: str) -> None:
+    """Rename ``out/<name>`` (what exists of ``names``) to ``<name>.before-<time>`` and say so —
+    an earlier run's records are never deleted."""
+    import sys
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for name in names:
+        src = out / name
+        if src.exists():
+            dst = src.with_name(f"{src.stem}.before-{stamp}{src.suffix}" if src.is_file() else
+                                f"{name}.before-{stamp}")
+            src.rename(dst)
+            moved.append(f"{name} → {dst.name}")
+    if moved:
+        print(f"{why}: set aside in {out}/: {', '.join(moved)}", file=sys.stderr, flush=True)
+
+
+def _write_config(out: Path, cfg: TrainConfig) -> Path:
+    """``config.json`` at the first start; each later (re)start writes ``config.<n>.json`` — never
+    overwritten."""
+    path, n = out / "config.json", 1
+    while path.exists():
+        path, n = out / f"config.{n}.json", n + 1
+    path.write_text(json.dumps(cfg.to_dict(), indent=1))
+    return path
+
+
+_RECORDS = ("checkpoints", "metrics.jsonl", "completions.jsonl", "async_events.jsonl", "reward_curve.png", "hf")
+
+
 def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra_hooks=()) -> dict:
-    """Run ``cfg`` to ``run.steps`` (resuming from ``run.out_dir``'s latest checkpoint when
-    ``resume``): evaluations every ``run.eval_every`` steps, checkpoints every ``run.ckpt_every``
-    and at the end, the reward plot and (``run.export``) the Hugging Face export. Returns a summary
-    (out_dir, steps, seconds, the final evaluation, the policy version, the export directory)."""
+    """Run ``cfg`` to ``run.steps`` (resuming from ``run.out_dir``'s newest checkpoint that
+    verifies when ``resume``): evaluations every ``run.eval_every`` steps, checkpoints every
+    ``run.ckpt_every`` and at the end (each step written once), the reward plot and
+    (``run.export``) the Hugging Face export. SIGTERM / SIGINT finish the step, checkpoint and
+    return (``summary["interrupted"]``: the signal's name). Nothing of an earlier run is deleted:
+    ``resume=False`` over a used directory sets its checkpoints and records aside; a resume of
+    another model's run is refused before anything is written. Returns a summary (out_dir, steps,
+    seconds, the final evaluation, the policy version, the export directory)."""
+
+
     rank = init_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     jsonl = out / "metrics.jsonl"
     trainer = build(cfg)  # first: bad data, tokenizers or rewards fail before anything is written
+    try:
+        return _run(cfg, trainer, rank, out, jsonl, resume=resume, progress=progress, extra_hooks=extra_hooks)
+    except BaseException:
+        trainer.close()  # an asynchronous run's rollout workers, whatever went wrong
+        raise
+
+
+def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> dict:
+    import sys
+
+    from hyperrl.loop.checkpoint import CheckpointError
+
     out.mkdir(parents=True, exist_ok=True)
+    ck = trainer.checkpointer
+    if rank == 0 and not resume and (ck.candidates() or jsonl.exists()):
+        _set_aside(out, _RECORDS, "--no-resume over an earlier run")
+    trainer.parallel.barrier()
+    ck.probe()  # a read-only or full disk: found now, not at the first save
+    resumed = resume and trainer.resume()
+    if resumed and trainer.step_idx > cfg.run.steps:
+        raise CheckpointError(f"run.steps={cfg.run.steps} is below the checkpoint's step {trainer.step_idx} "
+                              f"({trainer.resume_report['path']}) — raise run.steps, or --no-resume to start fresh")
     hooks = list(extra_hooks)
     if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if resumed:
+            _truncate_log(jsonl, trainer.step_idx)
+            _truncate_log(out / "completions.jsonl", trainer.step_idx)
+        elif jsonl.exists():  # records without a checkpoint to resume from: kept, not deleted
+            _set_aside(out, ("metrics.jsonl", "completions.jsonl"), "no checkpoint to resume from")
+        _write_config(out, cfg)
         hooks.append(write_jsonl(jsonl))
         hooks.append(clip_warning(cfg.rollout.max_new_tokens))
         if cfg.run.log_completions:
@@ -74,38 +179,51 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
         if cfg.run.wandb_project:
             hooks.append(wandb_hook(cfg))
     trainer.hooks.extend(hooks)
+    if resumed:
+        report = trainer.resume_report
+        print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
+        if report["changes"]:
+            said = "; ".join(f"{k}: {a!r} → {b!r}" for k, (a, b) in report["changes"].items())
+            print(f"resumed with changed settings: {said}", file=sys.stderr, flush=True)
+        trainer._emit("resume", {"step": trainer.step_idx, "path": report["path"],
+                                 "changed": {k: [a, b] for k, (a, b) in report["changes"].items()},
+                                 "skipped": [f"{n}: {why}" for n, why in report["skipped"]]})
     if rank == 0 and progress:
         print(f"hyperrl train: outputs in {out}/", flush=True)
-    resumed = resume and trainer.resume()
-    if resumed:
-        print(f"resumed from step {trainer.step_idx} (serving version {trainer.version})")
-        if rank == 0:
-            _truncate_log(jsonl, trainer.step_idx)
-            _truncate_log(out / "completions.jsonl", trainer.step_idx)
-    elif rank == 0:
-        for f in (jsonl, out / "completions.jsonl"):
-            f.unlink(missing_ok=True)
     bar = None
     progress = progress and rank == 0
     if progress:
         bar, hook = progress_bar(cfg.run.steps, trainer.step_idx)
         trainer.hooks.append(hook)
     t0 = time.perf_counter()
-    last_eval = None
+    last_eval, saved = None, None
     if cfg.run.eval_every and (trainer.step_idx == 0 or (resumed and (trainer.step_idx % cfg.run.eval_every == 0 or
                                                                       trainer.step_idx >= cfg.run.steps))):
         last_eval = trainer.evaluate()  # at the start, or again at a resumed step whose evaluation was due
-    while trainer.step_idx < cfg.run.steps:
-        trainer.step()
-        if cfg.run.eval_every and trainer.step_idx % cfg.run.eval_every == 0:
+    with _Interrupt() as stop:
+        while trainer.step_idx < cfg.run.steps and not stop.requested(trainer.parallel):
+            trainer.step()
+            if cfg.run.eval_every and trainer.step_idx % cfg.run.eval_every == 0:
+                last_eval = trainer.evaluate()
+            if cfg.run.ckpt_every and trainer.step_idx % cfg.run.ckpt_every == 0:
+                saved = trainer.save()
+        interrupted = stop.signum is not None and trainer.step_idx < cfg.run.steps
+        if bar is not None:
+            bar.close()
+        if interrupted:
+            import signal
+
+            ckpt = saved if saved is not None and saved.name == f"step_{trainer.step_idx}" else trainer.save()
+            trainer._emit("interrupt", {"step": trainer.step_idx, "signal": signal.Signals(stop.signum).name,
+                                        "checkpoint": str(ckpt)})
+            trainer.close()
+            return {"out_dir": str(out), "steps": trainer.step_idx, "seconds": time.perf_counter() - t0,
+                    "interrupted": signal.Signals(stop.signum).name, "checkpoint": str(ckpt),
+                    "final_eval_reward": None, "final_eval": None, "policy_version": trainer.version,
+                    "export": None}
+        if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
             last_eval = trainer.evaluate()
-        if cfg.run.ckpt_every and trainer.step_idx % cfg.run.ckpt_every == 0:
-            trainer.save()
-    if bar is not None:
-        bar.close()
-    if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
-        last_eval = trainer.evaluate()
-    ckpt = trainer.save()
+        ckpt = saved if saved is not None and saved.name == f"step_{trainer.step_idx}" else trainer.save()
     trainer.close()  # an asynchronous run's rollout workers
     if rank == 0:
         plot_rewards(jsonl, out / "reward_curve.png")

@@ -31,3 +31,17 @@ def random_batch(B=8, T=12, group_size=4, seed=0, holes=False, prompt_len=3):
         group_id=torch.arange(B) // group_size,
         reward=torch.randint(0, 2, (B,), generator=g).float(),
     )
+
+
+def resign(checkpoint, *names):
+    """Record the current checksums of ``names`` in a checkpoint's marker (a test that edits a
+    checkpoint file on purpose — to reach the check behind the checksum)."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    marker = Path(checkpoint) / "COMPLETE"
+    rec = json.loads(marker.read_text())
+    for n in names:
+        rec["sha256"][n] = hashlib.sha256((Path(checkpoint) / n).read_bytes()).hexdigest()
+    marker.write_text(json.dumps(rec))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import resign
 from tests.hf_fixtures import qwen3_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,9 +117,11 @@ def test_a_newcomers_first_run_trains_exports_and_stops_where_the_source_stops(t
     st = json.loads(state.read_text())
     st["config"]["model"]["checkpoint"] = os.path.relpath(me / "my-qwen", run)
     state.write_text(json.dumps(st))
+    resign(state.parent, "state.json")  # an edit on purpose (an older run's record), signed
     assert _cli("export", ck, "exp2", cwd=elsewhere).returncode == 0
     st["config"]["model"]["checkpoint"] = str(tmp_path / "gone")
     state.write_text(json.dumps(st))
+    resign(state.parent, "state.json")
     bad = _cli("export", ck, "exp3", cwd=elsewhere)
     assert bad.returncode == 2 and "model.checkpoint" in bad.stderr and "gone does not exist" in bad.stderr
     assert "Traceback" not in bad.stderr

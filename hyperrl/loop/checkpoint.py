@@ -5,27 +5,39 @@ Layout of ``<dir>/step_<k>/``: per rank ``r`` (suffix ``.rank<r>`` when the worl
 *local shards*, optimizer parts as ``<part>{sfx}.safetensors`` + ``<part>{sfx}.json``,
 ``rng{sfx}.safetensors``; then ``state.json`` (step, version, counters, data cursor, world size),
 ``layout.json`` (each sharded tensor's global shape, ``hyperrl.sharding`` spec and mesh —
-``fsdp``, or ``dp × tp`` under tensor parallelism — what :func:`consolidate` needs) and, written last, ``COMPLETE``.
+``fsdp``, or ``dp × tp`` under tensor parallelism — what :func:`consolidate` needs) and, written last, ``COMPLETE``:
+JSON holding every file's SHA-256 (each rank hashes its own files; rank 0 folds their manifests in).
 Every rank writes into ``step_<k>.tmp`` and fsyncs; after a barrier rank 0 writes the marker and
-renames: a run killed mid-write leaves only a ``.tmp`` directory, which resume ignores. No rank
-gathers another's shards (saving a large FSDP2 model costs each rank its own shard only).
+renames: a run killed mid-write leaves only a ``.tmp`` directory, which resume ignores. A step is
+written once — an intact ``step_<k>`` is never rewritten; a damaged one is set aside
+(``step_<k>.damaged``) before the new one is renamed in, so at every instant an intact checkpoint
+exists. :func:`verify_checkpoint` checks every file against the marker; :func:`checkpoint_dirs`
+lists well-formed ``step_<k>`` directories only (anything else in the directory is warned about
+and ignored). No rank gathers another's shards (saving a large FSDP2 model costs each rank its own
+shard only).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "consolidate", "rng_states", "set_rng_states",
-           "CheckpointError", "MARKER"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_dirs", "verify_checkpoint",
+           "consolidate", "rng_states", "set_rng_states", "CheckpointError", "MARKER", "CRASH_POINTS"]
 
 MARKER = "COMPLETE"
+_STEP = re.compile(r"step_(\d+)")
+# the filesystem operations of a save, in order (tests kill the process after each: ``_crash_after``)
+CRASH_POINTS = ("parts", "rng", "fsync", "manifest", "state", "marker", "aside", "rename")
 
 
 class CheckpointError(RuntimeError):
@@ -99,14 +111,32 @@ def _is_optim(part: dict) -> bool:
     return "param_groups" in part and "state" in part
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _crash(point: str, at: str | None) -> None:
+    if at == point:
+        os._exit(9)
+
+
 def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], state: dict, rng: dict,
                     layout: dict | None = None, rank: int = 0, world_size: int = 1,
                     barrier: Callable[[], None] = lambda: None, _crash_after: str | None = None) -> Path:
     """Write ``root/step_<step>`` atomically; every rank of ``world_size`` calls it with its own
     ``parts`` (name → local tensors, or an optimizer ``state_dict`` of local tensors) and ``rng``.
-    ``_crash_after`` (tests only) kills the process after writing that part."""
+    An intact ``step_<step>`` is returned as is (written once); a damaged one is set aside first.
+    ``_crash_after`` (tests only) kills the process after that part or :data:`CRASH_POINTS` step."""
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
+    intact = final.is_dir() and _verifies(final)
+    barrier()
+    if intact:
+        return final
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -115,48 +145,147 @@ def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], stat
     barrier()
     sfx = _suffix(rank, world_size)
     written = []
-    for name, part in parts.items():
-        if _is_optim(part):
-            tensors, meta = _optim_to_files(part)
-            (tmp / f"{name}{sfx}.json").write_text(json.dumps(meta))
-            written.append(tmp / f"{name}{sfx}.json")
-        else:
-            tensors = {k: v.detach().clone().contiguous() for k, v in part.items()}
-        save_file(tensors, tmp / f"{name}{sfx}.safetensors")
-        written.append(tmp / f"{name}{sfx}.safetensors")
-        if _crash_after == name:
-            os._exit(9)
-    save_file(rng, tmp / f"rng{sfx}.safetensors")
-    written.append(tmp / f"rng{sfx}.safetensors")
-    for f in written:
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        for name, part in parts.items():
+            if _is_optim(part):
+                tensors, meta = _optim_to_files(part)
+                (tmp / f"{name}{sfx}.json").write_text(json.dumps(meta))
+                written.append(tmp / f"{name}{sfx}.json")
+            else:
+                tensors = {k: v.detach().clone().contiguous() for k, v in part.items()}
+            save_file(tensors, tmp / f"{name}{sfx}.safetensors")
+            written.append(tmp / f"{name}{sfx}.safetensors")
+            _crash(name, _crash_after)
+        _crash("parts", _crash_after)
+        save_file(rng, tmp / f"rng{sfx}.safetensors")
+        written.append(tmp / f"rng{sfx}.safetensors")
+        _crash("rng", _crash_after)
+        for f in written:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _crash("fsync", _crash_after)
+        (tmp / f"manifest{sfx}.json").write_text(json.dumps({f.name: _sha256(f) for f in written}))
+        _crash("manifest", _crash_after)
+    except OSError as e:  # a full or read-only disk: the previous checkpoints stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final}: writing the checkpoint failed ({type(e).__name__}: {e}); the previous "
+                              f"checkpoints are intact") from e
     barrier()  # every rank's shards are durable before the marker
     if rank == 0:
-        (tmp / "state.json").write_text(json.dumps({**state, "world_size": world_size, "parts": list(parts)},
-                                                   indent=1))
-        (tmp / "layout.json").write_text(json.dumps(layout or {}))
-        for f in ("state.json", "layout.json"):
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
-        (tmp / MARKER).write_text("ok\n")
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        try:
+            _finish(root, tmp, final, state={**state, "world_size": world_size, "parts": list(parts)},
+                    layout=layout or {}, world_size=world_size, crash=_crash_after)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{final}: writing the checkpoint failed ({type(e).__name__}: {e}); the previous "
+                                  f"checkpoints are intact") from e
     barrier()  # nobody reads or rewrites before the rename
     return final
 
 
+def _finish(root: Path, tmp: Path, final: Path, *, state: dict, layout: dict, world_size: int,
+            crash: str | None) -> None:
+    """Rank 0: state and layout, the marker with every file's hash, then the rename — a damaged
+    ``final`` set aside first, so an intact checkpoint exists at every instant."""
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    (tmp / "layout.json").write_text(json.dumps(layout))
+    for f in ("state.json", "layout.json"):
+        with open(tmp / f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _crash("state", crash)
+    sums = {"state.json": _sha256(tmp / "state.json"), "layout.json": _sha256(tmp / "layout.json")}
+    for r in range(world_size):
+        sums.update(json.loads((tmp / f"manifest{_suffix(r, world_size)}.json").read_text()))
+    with open(tmp / MARKER, "w") as fh:
+        fh.write(json.dumps({"format": 2, "sha256": sums}, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    _crash("marker", crash)
+    if final.exists():  # damaged (an intact one returned early): kept for inspection, ignored by discovery
+        aside = final.with_name(final.name + ".damaged")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        _crash("aside", crash)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _crash("rename", crash)
+
+
+def _marker(path: Path) -> dict | None:
+    """The marker's record (``{"sha256": {file: hex}}``; ``{}`` for a marker from before checksums),
+    None when there is no marker."""
+    m = path / MARKER
+    if not m.is_file():
+        return None
+    text = m.read_text()
+    if text.strip() == "ok":
+        return {}
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{m}: the marker is not readable (damaged)") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), dict):
+        raise CheckpointError(f"{m}: the marker holds no checksums (damaged)")
+    return rec
+
+
+def verify_checkpoint(path: str | Path, *, rank: int | None = None, world_size: int | None = None) -> None:
+    """Every file the marker lists exists and has its recorded SHA-256 (``rank``: only that rank's
+    files and the shared ones). Raises :class:`CheckpointError` naming the file and what is wrong.
+    A marker written before checksums existed: only the files' presence is checked."""
+    path = Path(path)
+    rec = _marker(path)
+    if rec is None:
+        raise CheckpointError(f"{path}: no {MARKER} marker — the write did not finish")
+    sums = rec.get("sha256", {})
+    if rank is not None and world_size and world_size > 1:
+        mine = f".rank{rank}."
+        sums = {f: h for f, h in sums.items() if ".rank" not in f or mine in f}
+    for f, want in sorted(sums.items()):
+        fp = path / f
+        if not fp.is_file():
+            raise CheckpointError(f"{fp}: missing (listed in {MARKER})")
+        if _sha256(fp) != want:
+            raise CheckpointError(f"{fp}: checksum mismatch — the file is damaged (truncated or altered)")
+    if not sums and not (path / "state.json").is_file():
+        raise CheckpointError(f"{path / 'state.json'}: missing")
+
+
+def _verifies(path: Path) -> bool:
+    try:
+        verify_checkpoint(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def checkpoint_dirs(root: str | Path, *, warn: bool = True) -> list[Path]:
+    """The well-formed, marked ``step_<k>`` directories under ``root``, oldest first. Anything else
+    there (``step_6.bak``, ``step_6_backup``, a ``.tmp`` a killed write left, a set-aside
+    ``.damaged``) is ignored — with a warning naming it when ``warn``."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and _STEP.fullmatch(p.name):
+            if (p / MARKER).exists():
+                done.append(p)
+            elif warn:
+                warnings.warn(f"{p}: no {MARKER} marker — ignored", stacklevel=2)
+        elif warn and not p.name.startswith("."):
+            why = ("an unfinished write (killed mid-save)" if p.name.endswith(".tmp") else
+                   "a damaged checkpoint set aside" if p.name.endswith(".damaged") else "not a step_<k> directory")
+            warnings.warn(f"{p}: {why} — ignored", stacklevel=2)
+    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete ``step_<k>`` directory under ``root`` (its ``COMPLETE`` marker written), or None; half-
-    written ``.tmp`` directories are never taken."""
-    root = Path(root)
-    if not root.exists():
-        return None
-    done = [p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MARKER).exists()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    written ``.tmp`` directories and other names are never taken (:func:`checkpoint_dirs`)."""
+    done = checkpoint_dirs(root, warn=False)
+    return done[-1] if done else None
 
 
 def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0) -> dict:
@@ -166,6 +295,7 @@ def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0) -> 
     if not (path / MARKER).exists():
         raise CheckpointError(f"{path}: no {MARKER} marker — the write did not finish; resume from an earlier "
                               f"checkpoint (latest complete: {latest_checkpoint(path.parent)})")
+    verify_checkpoint(path, rank=rank, world_size=world_size)
     state = json.loads((path / "state.json").read_text())
     if state.get("world_size", 1) != world_size:
         raise CheckpointError(f"{path}: written with world size {state.get('world_size')}, resuming with "

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from hyperrl.distributed.data_parallel import LocalParallel
 from hyperrl.loop.checkpoint import (
-    MARKER,
     CheckpointError,
+    checkpoint_dirs,
     latest_checkpoint,
     load_checkpoint,
     rng_states,
@@ -60,11 +60,10 @@ class Checkpointer:
 
     def prune(self) -> list[Path]:
         """Delete the complete checkpoints older than the newest ``keep_last_k`` complete ones
-        (incomplete ``.tmp`` directories are left alone: ``latest`` skips them); returns what went."""
+        (anything not a well-formed ``step_<k>`` is left alone: discovery skips it); returns what went."""
         import shutil
 
-        done = sorted((c for c in self.root.glob("step_*") if c.is_dir() and (c / MARKER).exists()),
-                      key=lambda c: int(c.name.split("_")[1]))
+        done = checkpoint_dirs(self.root)  # well-formed step_<k> only: a stray name is warned about, never parsed
         gone = done[: max(len(done) - self.keep_last_k, 0)]
         for c in gone:
             shutil.rmtree(c)
@@ -72,6 +71,32 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.root)
+
+    def candidates(self) -> list[Path]:
+        """The well-formed, marked checkpoints, oldest first (strays warned about and ignored)."""
+        return checkpoint_dirs(self.root)
+
+    def has(self, step: int) -> bool:
+        """Is ``step_<step>`` already written (marked)? A step is written once."""
+        return (self.root / f"step_{step}" / "COMPLETE").is_file()
+
+    def probe(self) -> None:
+        """Write, fsync and remove a file where checkpoints go — a read-only or missing directory is
+        found before training starts, not at the first save."""
+        import os
+
+        f = self.root / ".write_probe"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(f, "wb") as fh:
+                fh.write(b"probe" * 1024)
+                fh.flush()
+                os.fsync(fh.fileno())
+            f.unlink()
+        except OSError as e:
+            raise CheckpointError(f"{self.root}: checkpoints cannot be written there ({type(e).__name__}: "
+                                  f"{e.strerror or e}); fix its permissions or free space, or set run.out_dir"
+                                  ) from None
 
     def load(self, path: str | Path, parts: dict[str, tuple]) -> dict:
         """This rank's shards into the modules' local parameters and the optimizers; RNG restored;

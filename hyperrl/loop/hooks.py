@@ -193,14 +193,15 @@ def write_completions(path: Path):
 
 
 def write_jsonl(path: Path):
-    """A hook appending every step/eval record to ``path`` as JSON lines."""
+    """A hook appending every step / eval record — and the run's ``resume`` and ``interrupt`` events
+    — to ``path`` as JSON lines (a NaN or infinite number is written as null: the file stays JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def hook(event, trainer, metrics):
-        if event in ("step", "eval"):
+        if event in ("step", "eval", "resume", "interrupt"):
             with path.open("a") as f:
-                f.write(json.dumps({"event": event, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
-                                                       for k, v in metrics.items()}}) + "\n")
+                f.write(json.dumps({"event": event, **{k: (None if isinstance(v, float) and not math.isfinite(v)
+                                                           else v) for k, v in metrics.items()}}) + "\n")
 
     return hook
 

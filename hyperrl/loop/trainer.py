@@ -220,11 +220,46 @@ class Trainer:
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Load the given (or latest complete) checkpoint — this rank's shards into its local
-        parameters and optimizer state — and refit the engine before generating."""
-        path = Path(path) if path else self.checkpointer.latest()
+        """Load the given checkpoint, or the newest one that verifies (every file against its
+        checksum; each one skipped is said, naming the file) — this rank's shards into its local
+        parameters and optimizer state — and refit the engine before generating. A checkpoint of
+        another model (:func:`hyperrl.config.compare.loadability_changes`) is refused before
+        anything is loaded; changed hyperparameters are kept in ``self.resume_report``."""
+        import json
+        import sys
+
+        from hyperrl.config.compare import config_changes, loadability_changes
+        from hyperrl.loop.checkpoint import CheckpointError, verify_checkpoint
+
+        self.resume_report = {"skipped": [], "changes": {}}
         if path is None:
-            return False
+            candidates = self.checkpointer.candidates()
+            if not candidates:
+                return False
+            for c in reversed(candidates):
+                try:
+                    verify_checkpoint(c, rank=self.parallel.rank, world_size=self.parallel.world)
+                    path = c
+                    break
+                except CheckpointError as e:
+                    self.resume_report["skipped"].append((c.name, str(e)))
+                    print(f"skipping checkpoint {c.name}: {e}", file=sys.stderr, flush=True)
+            if path is None:
+                raise CheckpointError(f"{self.checkpointer.root}: no checkpoint verifies ({len(candidates)} damaged: "
+                                      + "; ".join(why for _, why in self.resume_report["skipped"]) + ") — start "
+                                      "fresh with --no-resume (they are set aside) or choose another run.out_dir")
+        path = Path(path)
+        old = json.loads((path / "state.json").read_text()).get("config")
+        if old is not None:
+            now = self.cfg.to_dict()
+            other = loadability_changes(old, now)
+            if other:
+                said = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in other.items())
+                raise CheckpointError(f"{path.parent.parent} holds another model's run ({said}) — resuming would mix "
+                                      "the runs; set run.out_dir to a new directory, or --no-resume to start fresh "
+                                      "here (its checkpoints are set aside)")
+            self.resume_report["changes"] = config_changes(old, now)
+        self.resume_report["path"] = str(path)
         st = self.checkpointer.load(path, self._parts())
         self.collector.load_state(st)
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]

@@ -13,6 +13,7 @@ from hyperrl.loop.pipeline import build_pipeline
 from hyperrl.loop.trainer import GateError
 from hyperrl.rollout import WeightPublishError
 from hyperrl.run import train
+from tests.conftest import resign
 
 
 def _cfg(tmp_path, *extra):
@@ -162,6 +163,9 @@ def test_resume_refuses_other_world_size(tmp_path):
     data = json.loads(state.read_text())
     data["world_size"] = 2
     state.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="state.json: checksum mismatch"):  # an edited file is damage
+        load_checkpoint(tmp_path / "checkpoints" / "step_3")
+    resign(state.parent, "state.json")  # signed as if written so: the world-size check behind it
     with pytest.raises(CheckpointError, match="world size 2, resuming with 1"):
         load_checkpoint(tmp_path / "checkpoints" / "step_3")
 
