@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["LOADABILITY", "flatten", "config_changes", "loadability_changes"]
+__all__ = ["LOADABILITY", "BOOKKEEPING", "flatten", "config_changes", "loadability_changes"]
 
 # a different value here means another model: its weights (or its shards) are not this run's
 LOADABILITY = ("model.checkpoint", "model.tokenizer", "model.lora", "run.tp")
 _TINY = ("model.hidden", "model.layers", "model.heads", "model.kv_heads", "model.head_dim", "model.intermediate")
-# keys that name where a run is, not what it trains
-_WHERE = ("run.out_dir",)
+# keys that say where a run writes and how long it goes, not what it trains: never listed as changes
+BOOKKEEPING = ("run.out_dir", "run.steps", "run.eval_every", "run.eval_prompts", "run.eval_n", "run.log_completions",
+               "run.keep_last_k", "run.export", "run.ckpt_every", "run.threads", "run.wandb_project")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -34,12 +35,12 @@ def _norm(key: str, v):
 
 
 def config_changes(old: dict, new: dict) -> dict[str, tuple]:
-    """Every dotted key whose value differs (``run.out_dir`` aside): ``key → (old, new)``."""
+    """Every dotted key whose value differs (:data:`BOOKKEEPING` aside): ``key → (old, new)``."""
     import json
 
     a, b = flatten(json.loads(json.dumps(old))), flatten(json.loads(json.dumps(new)))  # tuples as JSON lists
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if k not in _WHERE and _norm(k, a.get(k)) != _norm(k, b.get(k))}
+            if k not in BOOKKEEPING and _norm(k, a.get(k)) != _norm(k, b.get(k))}
 
 
 def loadability_changes(old: dict, new: dict) -> dict[str, tuple]:

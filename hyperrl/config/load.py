@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from hyperrl.config.checks import check_combinations, check_config
+from hyperrl.config.compare import BOOKKEEPING
 from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries, resolve
 from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
@@ -135,8 +136,7 @@ CHECKPOINT_SETTINGS = {"optim.lr": 1e-6}
 
 # run.* keys that do not change what a run trains: a config that differs only in these keeps its
 # output directory (a longer run.steps resumes the same run)
-_NOT_IDENTITY = ("steps", "eval_every", "eval_prompts", "eval_n", "log_completions", "keep_last_k", "export",
-                 "ckpt_every", "out_dir", "threads", "wandb_project", "device")
+_NOT_IDENTITY = tuple(k.split(".", 1)[1] for k in BOOKKEEPING) + ("device",)
 
 
 def _dotted_keys(d: dict, prefix: str = "") -> set[str]:

@@ -377,9 +377,10 @@ def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail
 # What a task over the user's own data sets when the config leaves these keys unset (the schema's
 # defaults are the embedded arith task's: 3-token answers, 4,000 steps): a response budget for
 # real answers (verl's max_response_length default, 512 tokens), a batch one machine generates
-# (TRL's num_generations, 8, over 8 prompts), and 64 validation prompts per evaluation.
+# (TRL's num_generations, 8, over 8 prompts), 64 validation prompts per evaluation, and a checkpoint
+# every 50 steps, the newest 3 kept (a real model's step takes minutes; its checkpoint gigabytes).
 FILE_TASK_SETTINGS = {"rollout.max_new_tokens": 512, "rollout.prompts_per_step": 8, "rollout.n": 8,
-                      "run.steps": 500, "run.eval_prompts": 64}
+                      "run.steps": 500, "run.eval_prompts": 64, "run.ckpt_every": 50, "run.keep_last_k": 3}
 
 
 @register_task("parquet", produces=("reward",), settings=FILE_TASK_SETTINGS)

@@ -24,7 +24,7 @@ import json
 import os
 import re
 import shutil
-import warnings
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -273,11 +273,11 @@ def checkpoint_dirs(root: str | Path, *, warn: bool = True) -> list[Path]:
             if (p / MARKER).exists():
                 done.append(p)
             elif warn:
-                warnings.warn(f"{p}: no {MARKER} marker — ignored", stacklevel=2)
+                print(f"warning: {p}: no {MARKER} marker — ignored", file=sys.stderr)
         elif warn and not p.name.startswith("."):
             why = ("an unfinished write (killed mid-save)" if p.name.endswith(".tmp") else
                    "a damaged checkpoint set aside" if p.name.endswith(".damaged") else "not a step_<k> directory")
-            warnings.warn(f"{p}: {why} — ignored", stacklevel=2)
+            print(f"warning: {p}: {why} — ignored", file=sys.stderr)
     return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
 
