@@ -85,7 +85,7 @@ class Checkpointer:
         found before training starts, not at the first save."""
         import os
 
-        f = self.root / ".write_probe"
+        f = self.root / f".write_probe.rank{self.parallel.rank}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(f, "wb") as fh:

@@ -237,13 +237,17 @@ class Trainer:
             if not candidates:
                 return False
             for c in reversed(candidates):
+                why = None
                 try:
                     verify_checkpoint(c, rank=self.parallel.rank, world_size=self.parallel.world)
+                except CheckpointError as e:
+                    why = str(e)
+                if self.parallel.all_have_rows(int(why is None)):  # every rank's shards verify: all take it
                     path = c
                     break
-                except CheckpointError as e:
-                    self.resume_report["skipped"].append((c.name, str(e)))
-                    print(f"skipping checkpoint {c.name}: {e}", file=sys.stderr, flush=True)
+                why = why or "another rank's shards do not verify"
+                self.resume_report["skipped"].append((c.name, why))
+                print(f"skipping checkpoint {c.name}: {why}", file=sys.stderr, flush=True)
             if path is None:
                 raise CheckpointError(f"{self.checkpointer.root}: no checkpoint verifies ({len(candidates)} damaged: "
                                       + "; ".join(why for _, why in self.resume_report["skipped"]) + ") — start "

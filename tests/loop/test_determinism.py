@@ -33,8 +33,10 @@ def _env():
 
 
 def _records(out: Path) -> list[dict]:
+    """The step and evaluation records (a resumed run also records its ``resume`` events)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"} for r in rows
+            if r["event"] in ("step", "eval")]
 
 
 def _weights(out: Path) -> dict:

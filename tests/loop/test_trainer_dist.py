@@ -163,6 +163,8 @@ def test_torchrun_cli_trains_checkpoints_sharded_and_resumes(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 3" in second.stdout
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in rows].count("resume") == 1  # the resume is recorded once, by rank 0
+    rows = [r for r in rows if r["event"] == "step"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # rank 0 alone logs; the resumed run appends
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4, 5]  # the engine was refitted to version 3
 
