@@ -15,11 +15,23 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, get_type_hints
+from typing import Annotated, Any, Generic, TypeVar, get_type_hints
+
+from pydantic import Field
 
 F = TypeVar("F", bound=Callable)
 
-__all__ = ["Registry", "Factory", "Param", "HyperparameterError"]
+__all__ = ["Registry", "Factory", "Param", "HyperparameterError", "NonNegative", "Positive", "PositiveInt",
+           "Fraction", "AboveOne"]
+
+# Declared ranges for a factory's hyperparameters (annotate a keyword-only parameter with one):
+# checked with the value's type at load, the error naming the key and the range. Every float is
+# finite whatever its annotation (a NaN or infinite hyperparameter is never accepted).
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+AboveOne = Annotated[float, Field(gt=1)]
 
 
 class HyperparameterError(ValueError):
@@ -54,7 +66,14 @@ def _annotation(p: inspect.Parameter, hints: dict) -> Any:
 
 
 def _validate(value: Any, annotation: Any, where: str) -> Any:
-    """Check (and losslessly coerce: int → float) ``value`` against ``annotation`` with pydantic."""
+    """Check (and losslessly coerce: int → float) ``value`` against ``annotation`` with pydantic;
+    a NaN or infinite float is refused whatever the annotation, and a boolean where a number goes."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        raise HyperparameterError(f"{where}: {value!r} is not a finite number")
+    if isinstance(value, bool) and annotation is not bool and _numeric(annotation):
+        raise HyperparameterError(f"{where}: expected a number, got the boolean {value}")
     if annotation is Any:
         return value
     from pydantic import TypeAdapter, ValidationError
@@ -68,7 +87,22 @@ def _validate(value: Any, annotation: Any, where: str) -> Any:
         return value
 
 
+def _numeric(t: Any) -> bool:
+    from typing import get_args, get_origin
+
+    if get_origin(t) is Annotated:
+        return _numeric(get_args(t)[0])
+    return t in (int, float) or any(a in (int, float) for a in get_args(t))
+
+
 def _type_name(t: Any) -> str:
+    from typing import get_args, get_origin
+
+    if get_origin(t) is Annotated:
+        return _type_name(get_args(t)[0])
+    args = [a for a in get_args(t) if a is not type(None)]
+    if args and len(args) < len(get_args(t)):  # X | None
+        return " | ".join(_type_name(a) for a in args) + " or None"
     return getattr(t, "__name__", None) or str(t).replace("typing.", "")
 
 

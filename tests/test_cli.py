@@ -81,3 +81,17 @@ def test_entry_point_demo_runs():
     from hyperrl.demo import DEMO_RECIPES
 
     assert set(DEMO_RECIPES) <= set(RECIPES.names())  # the demo binds the library's recipes, no copy of its own
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rollout", "tp=8,dp=100000"], r"--rollout tp=8,dp=100000: 800,000 ranks; the planner .* at most 16,384"),
+    (["--bandwidth", "intra=nan,inter=50GB/s"], r"intra='nan': a bandwidth must be a finite rate > 0"),
+    (["--bandwidth", "intra=0,inter=50GB/s"], r"intra='0': a bandwidth must be a finite rate > 0"),
+    (["--bandwidth", "intra=400GB/s", "--latency", "inf"], r"--latency 'inf': must be a finite time"),
+])
+def test_impossible_plans_are_refused_before_any_work(args, message, capsys):
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["plan", "--model", "qwen3-4b", *args]) == 2
+    assert re.search(message, capsys.readouterr().err) and time.perf_counter() - t0 < 30

@@ -16,6 +16,7 @@ from typing import Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from hyperrl.config import yaml12
 from hyperrl.config.checks import check_combinations, check_config
 from hyperrl.config.compare import BOOKKEEPING
 from hyperrl.config.recipes import RECIPES, recipe_config
@@ -69,7 +70,9 @@ def _overrides(items: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key!r}: {part!r} is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+            node[parts[-1]] = yaml12.load(raw) if raw != "" else ""
+        except yaml12.DuplicateKeyError as e:
+            raise ConfigError(f"override {key!r}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key!r}: {raw!r} is not a YAML value ({e.problem})") from None
     return data
@@ -102,7 +105,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            data = yaml12.load(p.read_text()) or {}
+        except yaml12.DuplicateKeyError as e:
+            raise ConfigError(f"{p}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     over = _overrides(list(overrides))

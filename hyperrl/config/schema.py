@@ -16,9 +16,10 @@ Pure transforms never see these objects; the trainer reads the scalars and passe
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 __all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig",
            "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "AsyncConfig", "TrainConfig", "ConfigError"]
@@ -29,7 +30,20 @@ class ConfigError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+    """Frozen, no unknown keys, no NaN or infinite number, and no boolean where a number goes
+    (``--rollout.n=true`` is an error, not 1)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v, info):
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            args = set(get_args(ann)) if get_origin(ann) in (Union, UnionType) else {ann}
+            if args & {int, float} and bool not in args:
+                raise ValueError(f"expected a number, got the boolean {v}")
+        return v
 
 
 class Variant(_Frozen):

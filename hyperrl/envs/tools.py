@@ -186,9 +186,19 @@ _BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 _UN = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-def calculate(expression: str, *, max_len: int = 200, max_exponent: int = 64) -> str:
+def _bits(x) -> int:
+    """An integer's size in bits (a float's magnitude in bits: floats overflow, they never grow)."""
+    return abs(x).bit_length() if isinstance(x, int) else 0
+
+
+def calculate(expression: str, *, max_len: int = 200, max_exponent: int = 64, max_bits: int = 1024) -> str:
     """Evaluate arithmetic safely (an ``ast`` whitelist: numbers, + − × ÷ // % **, parentheses;
-    no names, calls or attributes — never ``eval``). Returns the result as text."""
+    no names, calls or attributes — never ``eval``). Returns the result as text.
+
+    Bounded exactly, before any work: no operand or result exceeds ``max_bits`` bits (≈ 308 decimal
+    digits at 1,024) — a power's and a product's size are known from their operands' bit lengths
+    before they are computed, so ``(((9**64)**64)**64)**64`` is refused at once instead of holding
+    the GIL for seconds (a thread cannot be interrupted); float overflow is an error."""
     if len(expression) > max_len:
         raise ValueError(f"expression longer than {max_len} characters")
     tree = ast.parse(expression, mode="eval")
@@ -197,12 +207,25 @@ def calculate(expression: str, *, max_len: int = 200, max_exponent: int = 64) ->
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            if _bits(node.value) > max_bits:
+                raise ValueError(f"a number of more than {max_bits} bits")
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
             a, b = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(b) > max_exponent:
-                raise ValueError(f"exponent {b} exceeds {max_exponent}")
-            return _BIN[type(node.op)](a, b)
+            if isinstance(node.op, ast.Pow):
+                if abs(b) > max_exponent:
+                    raise ValueError(f"exponent {b} exceeds {max_exponent}")
+                if isinstance(b, int) and b > 0 and _bits(a) * b > max_bits + b:  # |a|^b < 2^(bits·b)
+                    raise ValueError(f"the result would exceed {max_bits} bits")
+            if isinstance(node.op, ast.Mult) and _bits(a) + _bits(b) > max_bits + 1:
+                raise ValueError(f"the result would exceed {max_bits} bits")
+            try:
+                out = _BIN[type(node.op)](a, b)
+            except OverflowError:
+                raise ValueError("the result overflows") from None
+            if _bits(out) > max_bits:
+                raise ValueError(f"the result exceeds {max_bits} bits")
+            return out
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UN:
             return _UN[type(node.op)](ev(node.operand))
         raise ValueError(f"unsupported syntax: {type(node).__name__}")

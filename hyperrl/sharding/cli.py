@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import torch
@@ -13,6 +14,7 @@ from hyperrl.sharding.timing import parse_links, predict
 from hyperrl.sharding.vllm import rollout_layout
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MAX_RANKS = 16384  # per side: the planner's work grows with ranks × tensors; beyond this it runs for minutes
 
 
 def add_parser(sub) -> None:
@@ -46,6 +48,12 @@ def run(args) -> int:
         raise SystemExit(f"error: {e}") from None
     _check_axes("trainer", tr, {"fsdp", "tp", "ep"})
     _check_axes("rollout", ro, {"tp", "dp", "ep"})
+    for kind, axes in (("trainer", tr), ("rollout", ro)):
+        ranks = math.prod(axes.values())
+        if ranks > MAX_RANKS:
+            raise SystemExit(f"error: --{kind} {args.trainer if kind == 'trainer' else args.rollout}: {ranks:,} "
+                             f"ranks; the planner enumerates every rank's slices and plans at most {MAX_RANKS:,} "
+                             "(the largest deployments today use a few thousand)")
     dtype = DTYPES[args.dtype]
     try:
         cfg = MODELS[args.model] if args.model in MODELS else from_hf_config(args.model)

@@ -23,6 +23,7 @@ prediction's minimum.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -107,6 +108,8 @@ def _rate(text: str, what: str) -> float:
         value = float(t[: len(t) - len(unit)] if unit else t)
     except ValueError:
         raise ValueError(f"{what}={text!r}: expected a rate such as 400GB/s, 50g or 2.5e10") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what}={text!r}: a bandwidth must be a finite rate > 0")
     return value * _UNITS[unit]
 
 
@@ -124,4 +127,8 @@ def parse_links(bandwidth: str, *, ranks_per_node: int = 8, latency: str = "0") 
         seconds = float(lat.removesuffix("us").removesuffix("ms").removesuffix("s")) * scale
     except ValueError:
         raise ValueError(f"--latency {latency!r}: expected e.g. 5us, 0.1ms or seconds") from None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"--latency {latency!r}: must be a finite time ≥ 0")
+    if ranks_per_node < 1:
+        raise ValueError(f"--gpus-per-node {ranks_per_node}: must be ≥ 1")
     return Links(intra, inter, seconds, ranks_per_node)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from hyperrl.registry import Registry
+from hyperrl.registry import Fraction, NonNegative, Positive, Registry
 from hyperrl.transforms.groups import dense_group_index, group_stats, segment_sum
 
 __all__ = [
@@ -344,7 +344,7 @@ def _token_rewards(batch: TensorDict) -> torch.Tensor:
 
 
 @register_advantage("grpo", needs=("reward", "group_id"), produces=("advantages",))
-def _grpo(batch, *, eps=1e-6, singleton="zero"):
+def _grpo(batch, *, eps: NonNegative = 1e-6, singleton="zero"):
     return _broadcast(grpo_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
@@ -354,7 +354,7 @@ def _dr_grpo(batch, *, singleton="zero"):
 
 
 @register_advantage("batch_std", needs=("reward", "group_id"), produces=("advantages",))
-def _batch_std(batch, *, eps=1e-6, singleton="zero"):
+def _batch_std(batch, *, eps: NonNegative = 1e-6, singleton="zero"):
     return _broadcast(batch_std_advantages(batch["reward"], batch["group_id"], eps=eps, singleton=singleton), batch)
 
 
@@ -370,18 +370,18 @@ def _opo(batch, *, singleton="zero"):
 
 
 @register_advantage("gpg", needs=("reward", "group_id"), produces=("advantages",))
-def _gpg(batch, *, f_norm=1.0, singleton="zero"):
+def _gpg(batch, *, f_norm: Positive = 1.0, singleton="zero"):
     return _broadcast(gpg_advantages(batch["reward"], batch["group_id"], f_norm=f_norm, singleton=singleton), batch)
 
 
 @register_advantage("grpo_passk", needs=("reward", "group_id"), produces=("advantages",))
-def _passk(batch, *, eps=1e-6, norm_by_std=True):
+def _passk(batch, *, eps: NonNegative = 1e-6, norm_by_std=True):
     adv = grpo_passk_advantages(batch["reward"], batch["group_id"], eps=eps, norm_by_std=norm_by_std)
     return _broadcast(adv, batch)
 
 
 @register_advantage("normalize_then_sum", needs=("reward_components", "group_id"), produces=("advantages",))
-def _nts(batch, *, components_key="reward_components", weights=None, eps=1e-6):
+def _nts(batch, *, components_key="reward_components", weights=None, eps: NonNegative = 1e-6):
     if components_key not in batch.keys():
         raise KeyError(f"{components_key}: normalize_then_sum needs per-component rewards [B, K] under this key")
     w = None if weights is None else torch.as_tensor(weights, dtype=torch.float32)
@@ -389,7 +389,7 @@ def _nts(batch, *, components_key="reward_components", weights=None, eps=1e-6):
 
 
 @register_advantage("gae", needs=("reward", "values"), produces=("advantages", "returns"))
-def _gae(batch, *, gamma=1.0, lam=1.0, masked="skip", whiten=True):
+def _gae(batch, *, gamma: Fraction = 1.0, lam: Fraction = 1.0, masked="skip", whiten=True):
     if "values" not in batch.keys():
         raise KeyError("values: gae needs critic values [B, T] in the batch (run the critic first)")
     adv, ret = gae(_token_rewards(batch), batch["values"], batch["action_mask"], gamma=gamma, lam=lam, masked=masked)
@@ -421,7 +421,7 @@ def _remax(batch, *, baseline_key="baseline_reward"):
 
 
 @register_advantage("grpo_process", needs=("token_rewards", "group_id"), produces=("advantages",))
-def _grpo_process(batch, *, eps=1e-6, step_key="step_mask"):
+def _grpo_process(batch, *, eps: NonNegative = 1e-6, step_key="step_mask"):
     if "token_rewards" not in batch.keys():
         raise KeyError("token_rewards: grpo_process needs per-token step rewards [B, T] (a task with token credit, "
                        "e.g. arith's digit_credit, fills them)")

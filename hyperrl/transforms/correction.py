@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from hyperrl.registry import Registry
+from hyperrl.registry import Positive, Registry
 from hyperrl.transforms.kl import kl_penalty
 
 __all__ = [
@@ -64,7 +64,7 @@ def masked_is(log_ratio, mask, *, lo: float = 0.5, hi: float = 2.0, level: str =
     return Correction(torch.where(keep, w, 0), keep)
 
 
-def rejection_mask(a, b, mask, *, estimator: str = "k3", threshold: float = 1e-2, level: str = "sequence"):
+def rejection_mask(a, b, mask, *, estimator: str = "k3", threshold: Positive = 1e-2, level: str = "sequence"):
     """Reject tokens (``level="token"``) or whole sequences (mean over the sequence's tokens)
     whose KL statistic ``kX(a − b)`` exceeds ``threshold``. Returns a bool keep-mask ``[B, T]``."""
     m = mask.bool()
@@ -104,19 +104,19 @@ def _decoupled(batch):
 
 
 @register_correction("tis", needs=("old_logprobs",))
-def _tis(batch, *, cap: float = 2.0, level: str = "token") -> Correction:
+def _tis(batch, *, cap: Positive = 2.0, level: str = "token") -> Correction:
     """Truncated IS ``min(π_old/π_rollout, cap)`` (Yao et al. 2025); every token kept."""
     return truncated_is(_decoupled(batch), batch["action_mask"], cap=cap, level=level)
 
 
 @register_correction("mis", needs=("old_logprobs",))
-def _mis(batch, *, lo: float = 0.5, hi: float = 2.0, level: str = "token") -> Correction:
+def _mis(batch, *, lo: Positive = 0.5, hi: Positive = 2.0, level: str = "token") -> Correction:
     """Masked IS / IcePop: tokens whose weight leaves ``[lo, hi]`` are dropped."""
     return masked_is(_decoupled(batch), batch["action_mask"], lo=lo, hi=hi, level=level)
 
 
 @register_correction("rejection", needs=("old_logprobs",))
-def _rejection(batch, *, estimator: str = "k3", threshold: float = 1e-2, level: str = "sequence") -> Correction:
+def _rejection(batch, *, estimator: str = "k3", threshold: Positive = 1e-2, level: str = "sequence") -> Correction:
     """Rejection sampling: drop tokens / sequences whose ``kX(old − rollout)`` exceeds ``threshold``; weight 1."""
     keep = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], batch["action_mask"],
                           estimator=estimator, threshold=threshold, level=level)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from hyperrl.registry import Registry
+from hyperrl.registry import AboveOne, Fraction, NonNegative, Positive, Registry
 
 __all__ = [
     "OBJECTIVES",
@@ -60,8 +60,9 @@ def _clip_loss(ratio, adv, clip_low, clip_high, dual_clip=None, delta=None):
 
 
 @register_objective("ppo_clip")
-def ppo_clip(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None,
-             delta=None, log_ratio_clamp=20.0) -> Objective:
+def ppo_clip(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.2, clip_high: NonNegative = 0.2,
+             dual_clip: AboveOne | None = None, delta: Positive | None = None, log_ratio_clamp: Positive = 20.0
+             ) -> Objective:
     """PPO clipped surrogate (Schulman et al. 2017) with DAPO clip-higher (Yu et al. 2025).
 
     ``L = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))``. ``dual_clip=c`` (Ye et al. 2020):
@@ -79,8 +80,8 @@ def _seq_mean(x, mask):
 
 
 @register_objective("gspo")
-def gspo(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4, clip_high=4e-4, log_ratio_max=10.0
-         ) -> Objective:
+def gspo(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 3e-4, clip_high: NonNegative = 4e-4,
+         log_ratio_max: Positive = 10.0) -> Objective:
     """GSPO (Zheng et al. 2025): sequence-level ratio ``s_i = exp(Σ_t m(lp−old)/|o_i|)``.
 
     Token form ``log r_t = lp_t − sg(lp_t) + sg(log s_i)`` (clamped at ``log_ratio_max``), then
@@ -96,8 +97,8 @@ def gspo(logprobs, old_logprobs, advantages, mask, *, clip_low=3e-4, clip_high=4
 
 
 @register_objective("cispo")
-def cispo(logprobs, old_logprobs, advantages, mask, *, clip_mode="upper", eps_max=5.0, clip_low=0.2,
-          clip_high=0.28, log_ratio_clamp=20.0) -> Objective:
+def cispo(logprobs, old_logprobs, advantages, mask, *, clip_mode="upper", eps_max: Positive = 5.0,
+          clip_low: NonNegative = 0.2, clip_high: NonNegative = 0.28, log_ratio_clamp: Positive = 20.0) -> Objective:
     """CISPO (MiniMax-M1, 2025): ``L = −sg(clip(r))·A·lp`` — every token keeps a gradient.
 
     ``clip_mode="upper"`` (MiniMax, TRL): ``min(r, eps_max)``; ``"two_sided"`` (verl):
@@ -114,8 +115,8 @@ def cispo(logprobs, old_logprobs, advantages, mask, *, clip_mode="upper", eps_ma
 
 
 @register_objective("sapo")
-def sapo(logprobs, old_logprobs, advantages, mask, *, tau_pos=1.0, tau_neg=1.05, log_ratio_clamp=20.0
-         ) -> Objective:
+def sapo(logprobs, old_logprobs, advantages, mask, *, tau_pos: Positive = 1.0, tau_neg: Positive = 1.05,
+         log_ratio_clamp: Positive = 20.0) -> Objective:
     """SAPO soft gate (Qwen 2025): ``L = −f(r)·A``, ``f(r) = σ(τ(r−1))·4/τ`` with τ = tau_pos
     if A > 0 else tau_neg. ``f'(1) = 1``, so on-policy it is REINFORCE. verl 0.9.1 aggregates it
     with seq-mean-token-mean whatever its ``loss_agg_mode`` (the ``sapo`` recipe does the same)."""
@@ -126,7 +127,8 @@ def sapo(logprobs, old_logprobs, advantages, mask, *, tau_pos=1.0, tau_neg=1.05,
 
 
 @register_objective("gmpo")
-def gmpo(logprobs, old_logprobs, advantages, mask, *, clip_low=0.4, clip_high=0.4) -> Objective:
+def gmpo(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.4, clip_high: NonNegative = 0.4
+         ) -> Objective:
     """GMPO geometric-mean policy optimisation (Zhao et al. 2025).
 
     Sign-aware clip of ``d = lp − old`` in log space to ``(−ε_low, ε_high)``:
@@ -159,8 +161,9 @@ def _covariance(logprobs, advantages, mask):
 
 
 @register_objective("clip_cov")
-def clip_cov(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_cov_ratio=2e-4,
-             cov_lb=1.0, cov_ub=5.0, generator: torch.Generator | None = None) -> Objective:
+def clip_cov(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.2, clip_high: NonNegative = 0.2,
+             clip_cov_ratio: Fraction = 2e-4, cov_lb: float = 1.0, cov_ub: float = 5.0,
+             generator: torch.Generator | None = None) -> Objective:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism"): PPO clip, plus the gradient of a
     random subset of ``⌈ratio·N⌉`` tokens whose covariance ``(A−Ā)(lp−l̄p)`` lies in
     ``[cov_lb, cov_ub]`` is cut (their loss is 0). The subset is drawn with ``generator``."""
@@ -178,7 +181,8 @@ def clip_cov(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_hig
 
 
 @register_objective("kl_cov")
-def kl_cov(logprobs, old_logprobs, advantages, mask, *, kl_cov_ratio=2e-3, kl_coef=1.0) -> Objective:
+def kl_cov(logprobs, old_logprobs, advantages, mask, *, kl_cov_ratio: Fraction = 2e-3, kl_coef: NonNegative = 1.0
+           ) -> Objective:
     """KL-Cov (Cui et al. 2025): ``L = −A·r``, plus ``kl_coef·|lp − old|`` on the top
     ``⌈ratio·N⌉`` tokens by covariance ``(A−Ā)(lp−l̄p)``."""
     ratio = torch.exp(log_ratio(logprobs, old_logprobs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperrl.registry import Registry
+from hyperrl.registry import PositiveInt, Registry
 
 __all__ = ["SHAPING", "register_shaping", "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated"]
 
@@ -43,7 +43,7 @@ register_shaping = SHAPING.register
 
 
 @register_shaping("overlong", needs=("reward",), produces=("reward",))
-def _overlong(batch, *, max_len: int, buffer: int | None = None):
+def _overlong(batch, *, max_len: PositiveInt, buffer: PositiveInt | None = None):
     """DAPO soft overlong punishment added to ``reward``. ``max_len``: the response budget (filled
     from ``rollout.max_new_tokens`` by the config when not given); ``buffer`` None = a fifth of it,
     at least 1 (DAPO: 4,096 of 20,480)."""
