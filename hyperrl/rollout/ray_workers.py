@@ -307,15 +307,47 @@ class RayEngine(TransactionalEngine):
                 pass
 
 
+def _token_auth() -> bool:
+    """Before Ray is imported in this process (Ray reads ``RAY_AUTH_MODE`` once, at import): ask
+    for token authentication with a fresh random token, inherited by every process the local
+    instance starts. False when that is no longer possible (Ray already imported) or the
+    environment decides (``RAY_AUTH_MODE`` set)."""
+    import os
+    import secrets
+    import sys
+
+    if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:
+        return os.environ.get("RAY_AUTH_MODE") == "token"
+    os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
+    return True
+
+
+def _local_ray(num_cpus: int, *, auth: bool) -> None:
+    """A local Ray instance only this run can use. Ray 2.58's servers (GCS, raylet, workers) listen
+    on every interface and run the cloudpickled work they are sent; the instance hyperrl starts
+    therefore requires Ray's token authentication (:func:`_token_auth`). Where Ray was imported
+    before hyperrl could ask for it, the instance starts without — and says so."""
+    import sys
+
+    import ray
+
+    if not auth:
+        print("warning: Ray was imported before hyperrl started it, so the local Ray instance runs without token "
+              "authentication (its ports accept any local-network peer); set RAY_AUTH_MODE=token and "
+              "RAY_AUTH_TOKEN before starting Python to require it", file=sys.stderr)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
 def ray_workers(engine, *, workers: int, num_cpus: float, threads: int, address: str | None, max_restarts: int,
                 timeout_s: float) -> Workers:
     """Start Ray if needed, the actors, and the group engine (see :func:`~.workers.ray_executor`)."""
+    auth = _token_auth() if address is None else False
     import ray
 
     started = False
     if not ray.is_initialized():
         if address is None:
-            ray.init(num_cpus=max(1, math.ceil(workers * num_cpus)), include_dashboard=False, log_to_driver=False)
+            _local_ray(max(1, math.ceil(workers * num_cpus)), auth=auth)
         else:
             ray.init(address=address, log_to_driver=False)
         started = True

@@ -1,0 +1,49 @@
+"""A local Ray instance started by hyperrl requires Ray's token authentication: its own actors run,
+a process without the token cannot connect (Ray 2.58's servers listen on every interface)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.ray, pytest.mark.slow]
+
+SCRIPT = """
+import os, subprocess, sys
+from hyperrl.rollout.ray_workers import _local_ray, _token_auth
+
+if sys.argv[1] == "before":  # Ray imported (and run) in this process before hyperrl could ask for auth
+    import ray
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.shutdown()
+auth = _token_auth()
+import ray
+_local_ray(1, auth=auth)
+
+@ray.remote
+def f():
+    return 41 + 1
+
+print("MODE", os.environ.get("RAY_AUTH_MODE"), "ACTOR", ray.get(f.remote(), timeout=120), flush=True)
+addr = ray.get_runtime_context().gcs_address
+env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{addr}'); print('IN')"],
+                       capture_output=True, text=True, timeout=120, env=env)
+print("INTRUDER", "IN" in probe.stdout, flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize("first", ["fresh", "before"])
+def test_a_local_ray_instance_refuses_a_process_without_its_token(tmp_path, first):
+    script = tmp_path / "local_ray.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, str(script), first], capture_output=True, text=True, timeout=400,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if first == "fresh":
+        assert "MODE token ACTOR 42" in out.stdout and "INTRUDER False" in out.stdout, out.stdout
+    else:  # Ray caches the mode per process: it falls back, and says so
+        assert "MODE None ACTOR 42" in out.stdout and "without token authentication" in out.stderr, out.stdout
