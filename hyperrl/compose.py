@@ -78,6 +78,26 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     return policy, engine, reference, critic
 
 
+def _check_context(cfg: TrainConfig, task, policy) -> None:
+    """The longest prompt (a files task encodes every prompt once) plus the response budget — or a
+    multi-turn episode's token budget — fits the model's context (``max_position_embeddings``;
+    vLLM refuses longer sequences and a RoPE model past it generates from positions it never saw)."""
+    ctx = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if not ctx:
+        return
+    r = cfg.rollout
+    if cfg.env is not None:
+        if r.max_episode_tokens > ctx:
+            raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds the model's context "
+                              f"(max_position_embeddings={ctx}); set rollout.max_episode_tokens ≤ {ctx}")
+        return
+    longest = getattr(task, "longest_prompt", 0)
+    if longest + r.max_new_tokens > ctx:
+        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} + the longest prompt ({longest} tokens) = "
+                          f"{longest + r.max_new_tokens} exceeds the model's context (max_position_embeddings={ctx}); "
+                          f"set rollout.max_new_tokens ≤ {ctx - longest}, or bound prompts with data.max_prompt_length")
+
+
 def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=None, **async_overrides) -> Trainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.load_config`)
     — see the module doc — and the trainer that runs it: :class:`~hyperrl.loop.trainer.AsyncTrainer`
@@ -102,6 +122,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     dims = ParallelDims.from_env(cfg.run.tp)
     parallel = make_parallel(dims)
     policy, engine, reference, critic = build_models(cfg, pipeline, tok, device, parallel, dims)
+    _check_context(cfg, task, policy)
     make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     a = getattr(cfg, "async")

@@ -45,7 +45,7 @@ def bpe_tokenizer(vocab_size: int = 400):
 
 
 def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layers: int = 2,
-                     two_stops: bool = False, zero_norm: bool = False) -> Path:
+                     two_stops: bool = False, zero_norm: bool = False, max_positions: int = 2048) -> Path:
     """Save a random-initialised Qwen3 sized to :func:`bpe_tokenizer` and that tokenizer to ``path``.
     ``two_stops``: its ``generation_config`` lists both ``<|im_end|>`` and ``<|endoftext|>`` (as a
     real Qwen3's does; the tokenizer's EOS is only the first). ``zero_norm``: the final norm's
@@ -59,7 +59,7 @@ def qwen3_checkpoint(path: str | Path, *, seed: int = 0, hidden: int = 64, layer
     tok = bpe_tokenizer()
     model = tiny_qwen3(len(tok), hidden=hidden, layers=layers, heads=2, kv_heads=1, head_dim=32,
                        intermediate=2 * hidden, seed=seed, pad_id=tok.pad_token_id, bos_id=None,
-                       eos_id=tok.eos_token_id)
+                       eos_id=tok.eos_token_id, max_positions=max_positions)
     if two_stops:
         model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")]
     if zero_norm:

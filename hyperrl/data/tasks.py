@@ -222,7 +222,7 @@ class FileTask:
             raise ValueError(f"data.apply_chat_template={apply_chat_template!r}: choose auto | always | never")
         self.tokenizer, self.rewards = tokenizer, _reward_fns(rewards, "task.rewards")
         self.max_len, self.overlong, self._ids, self.filtered = max_prompt_length, overlong_prompts, {}, 0
-        self.chat = apply_chat_template
+        self.chat, self.longest_prompt = apply_chat_template, 0
         self.dataset = self._bounded(_dataset(train, prompt_key), "train")
         self.val = self._bounded(_dataset(val, prompt_key), "val") if val else None
         self.loader = PromptLoader(self.dataset, 1, seed=seed)
@@ -252,12 +252,16 @@ class FileTask:
         return encode_prompt(self.tokenizer, prompt)
 
     def _bounded(self, ds: PromptDataset, which: str) -> PromptDataset:
-        if not self.max_len:
-            return ds
+        """Every prompt encoded once, here — one the tokenizer cannot encode is a :class:`DataError`
+        naming its file and row before anything is trained — and held to ``max_prompt_length``."""
         keep = []
         for s in ds.samples:
-            ids = self._encode(s.prompt)
-            if len(ids) > self.max_len:
+            try:
+                ids = self._encode(s.prompt)
+            except Exception as e:  # noqa: BLE001 - the tokenizer's or its chat template's error, for this row
+                raise DataError(f"{s.source}: the prompt cannot be encoded ({type(e).__name__}: {e}); fix the row, "
+                                "or the tokenizer (model.tokenizer) and its chat template") from None
+            if self.max_len and len(ids) > self.max_len:
                 if self.overlong == "error":
                     raise DataError(f"{s.source}: prompt of {len(ids)} tokens > data.max_prompt_length="
                                     f"{self.max_len} ({which}); raise it, or set data.overlong_prompts to filter or "
@@ -267,6 +271,7 @@ class FileTask:
                     continue
                 ids = ids[-self.max_len:]
             self._ids[s.source] = ids
+            self.longest_prompt = max(self.longest_prompt, len(ids))
             keep.append(s)
         return PromptDataset(keep, ds.skipped)
 

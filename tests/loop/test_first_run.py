@@ -102,3 +102,30 @@ def test_apply_chat_template_auto_always_never(recwarn):
     assert not [w for w in caught if "chat template" in str(w.message)]
     cfg = load_config(None, ["--data.train_files=[x.jsonl]", "--data.apply_chat_template=always"])
     assert cfg.task.args["apply_chat_template"] == "always"
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_named_at_build_not_mid_run(tmp_path):
+    from hyperrl.data import DataError
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)] + [{"prompt": "é+1=", "answer": "x"}]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"train.jsonl:5: the prompt cannot be encoded \(TokenizerError"):
+        FileTask(char_tokenizer(), str(data))
+
+
+def test_prompt_plus_budget_beyond_the_models_context_is_refused_at_build(tmp_path):
+    from hyperrl.config import ConfigError
+    from tests.hf_fixtures import qwen3_checkpoint
+
+    ck = qwen3_checkpoint(tmp_path / "ck", max_positions=64)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+                                        "answer": str(i + 1)}) + "\n" for i in range(4)))
+    over = [f"--model.checkpoint={ck}", f"--data.train_files=[{data}]", "--run.eval_every=0",
+            f"--run.out_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=512 \+ the longest prompt \(\d+ tokens\) = \d+ "
+                                          r"exceeds the model's context \(max_position_embeddings=64\); set "
+                                          r"rollout.max_new_tokens ≤ \d+"):
+        build_trainer(load_config(None, over))
+    assert build_trainer(load_config(None, [*over, "--rollout.max_new_tokens=16"])).step_idx == 0
