@@ -267,6 +267,9 @@ class RewardSpec(_Frozen):
     name: str | None = Field(None, description="metric name (default: the function's)")
     data_source: str | list[str] | None = Field(None, description="score only samples of these data_source "
                                                 "values (the rest: not applicable)")
+    timeout_s: float = Field(120.0, gt=0, description="a call that has not returned after this many seconds is "
+                             "stopped (SIGALRM on the main thread) and is a RewardError naming the reward — never a "
+                             "stalled step; a TRL-style reward is called once per batch")
     abstains: bool = Field(False, description="a TRL-style reward may return None for rows it does not score "
                            "(TRL's multi-task convention): those rows are not applicable, counted in "
                            "reward_<name>_applicable_frac; false = a None is an error naming the row")

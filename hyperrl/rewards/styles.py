@@ -83,6 +83,7 @@ class Reward:
     data_sources: tuple[str, ...] | None = None
     kwargs: dict = field(default_factory=dict)
     abstains: bool = False  # None for a row = not applicable (counted), not an error
+    timeout_s: float | None = None  # a call past this is stopped and reported (main thread: SIGALRM)
 
 
 def _short(v) -> str:
@@ -119,13 +120,53 @@ def _value(v, reward: Reward, row: int) -> tuple[float | None, dict]:
     return float(v), extra
 
 
+class _Deadline(Exception):
+    pass
+
+
+class _deadline:
+    """Stop what runs inside after ``seconds`` (``SIGALRM`` through a real-time interval timer, on
+    the main thread, where Python delivers signals; elsewhere no limit can be enforced in-process and
+    none is set). Python code and sleeps are interrupted; a C extension that never returns to the
+    interpreter is not — run such a reward in its own process."""
+
+    def __init__(self, seconds: float | None):
+        import threading
+
+        self.seconds = seconds if seconds and threading.current_thread() is threading.main_thread() else None
+
+    def __enter__(self):
+        import signal
+
+        if self.seconds:
+            def fire(signum, frame):
+                raise _Deadline()
+
+            self._old = signal.signal(signal.SIGALRM, fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._old)
+        return False
+
+
 def _invoke(reward: Reward, row: int | None, *args, **kwargs):
-    """``reward.fn(...)``; an exception from the user's code becomes a :class:`RewardError` naming
-    the reward (and the row, for a per-sample style)."""
+    """``reward.fn(...)`` within ``reward.timeout_s``; an exception from the user's code — or the
+    deadline — becomes a :class:`RewardError` naming the reward (and the row, for a per-sample style)."""
     try:
-        return reward.fn(*args, **kwargs)
+        with _deadline(reward.timeout_s):
+            return reward.fn(*args, **kwargs)
     except RewardError:
         raise
+    except _Deadline:
+        where = "" if row is not None else f" (one call on {len(kwargs.get('completions', []))} rows)"
+        raise RewardError(f"reward {reward.name!r} did not return within rewards[].timeout_s={reward.timeout_s} s"
+                          f"{where}; it was stopped — make it faster or raise its timeout_s", row=row) from None
     except Exception as e:  # noqa: BLE001 - any failure in user code is reported as the reward's
         where = "" if row is not None else f" (one call on {len(kwargs.get('completions', []))} rows)"
         raise RewardError(f"reward {reward.name!r} raised {type(e).__name__}: {e}{where}", row=row) from e
@@ -328,7 +369,7 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
         ds = spec.data_source
         sources = None if ds is None else ((ds,) if isinstance(ds, str) else tuple(ds))
         out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs,
-                          abstains=bool(getattr(spec, "abstains", False))))
+                          abstains=bool(getattr(spec, "abstains", False)), timeout_s=getattr(spec, "timeout_s", None)))
     return out
 
 

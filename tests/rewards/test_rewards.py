@@ -229,3 +229,24 @@ def test_a_reward_cannot_change_the_dataset_it_is_given(tmp_path):
     prompts = [s.prompt for s in samples]
     rs.score(prompts, ["a", "b"], [[1], [2]], samples)
     assert chat.prompt == [{"role": "user", "content": "hi"}] and len(prompts) == 2
+
+
+def test_a_reward_past_its_timeout_is_stopped_and_named(tmp_path):
+    import time
+
+    f = tmp_path / "slow.py"
+    f.write_text("import time\ndef slow(prompts, completions, **kw):\n    time.sleep(60)\n    return [1.0]\n"
+                 "def spin(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    while True:\n        pass\n")
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:slow", style: trl, timeout_s: 0.5}}]').rewards)
+    t0 = time.perf_counter()
+    with pytest.raises(RewardError, match=r"reward 'slow' did not return within rewards\[\].timeout_s=0.5 s "
+                                          r"\(one call on 3 rows\); it was stopped"):
+        rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+    assert time.perf_counter() - t0 < 5
+    rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:spin", style: verl, timeout_s: 0.3}}]').rewards)
+    with pytest.raises(RewardError, match=r"reward 'spin' did not return .* — batch row 0"):
+        rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
+    import signal
+
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no timer left behind
