@@ -289,8 +289,9 @@ class AsyncConfig(_Frozen):
                                       "(docs/async.md)")
     max_concurrent: int = Field(0, ge=0, description="prompt groups in flight at most (0 = (η + 1) · "
                                 "rollout.prompts_per_step)")
-    timeout_s: float = Field(120.0, gt=0, description="deadline of every wait on the rollout workers (a batch, a "
-                             "pause for publication); past it the step fails naming the worker")
+    timeout_s: float = Field(120.0, gt=0, description="the longest the learner waits on the rollout workers "
+                             "without progress (no group finished or started; a pause for publication, a call); "
+                             "past it the step fails naming the worker")
     schedule: Literal["free", "gated"] = Field("free", description="free: workers run ahead within η, publications "
                                                "interrupt and resume requests; gated: batch k is generated whole at "
                                                "version max(0, k − η) — the same run every time (docs/async.md)")

@@ -249,14 +249,20 @@ class AsyncCollector:
                 raise WorkerError(f"{t.name} is not running")
 
     def _wait(self, pred, what: str) -> None:
-        """Wait (under the lock) for ``pred`` with the deadline; a dead or stuck worker is an error."""
+        """Wait (under the lock) for ``pred``; ``timeout_s`` bounds a period without progress (no group
+        finished or started), not the whole wait — a large batch that keeps arriving never times out,
+        a dead or stuck worker is an error."""
         deadline = time.monotonic() + self.timeout_s
+        seen = (self.buffer.ready, self.buffer.in_flight)
         while not pred():
             self._check_workers()
+            now = (self.buffer.ready, self.buffer.in_flight)
+            if now != seen:  # progress: the deadline starts again
+                seen, deadline = now, time.monotonic() + self.timeout_s
             left = deadline - time.monotonic()
             if left <= 0:
                 who = ", ".join(sorted(self._busy)) or ", ".join(w.name for w in self.workers)
-                raise WorkerError(f"{who}: no progress in {self.timeout_s:.0f} s while {what} "
+                raise WorkerError(f"{who}: no progress in {self.timeout_s:g} s while {what} "
                                   f"(in flight {self.buffer.in_flight}, ready {self.buffer.ready}); still serving "
                                   f"version {self.engine.policy_version}")
             self._cond.wait(min(left, 1.0))

@@ -245,7 +245,7 @@ class RayEngine(TransactionalEngine):
             info = ray.get(actor.info.remote(), timeout=self.timeout_s)
         except Exception as e:  # noqa: BLE001 — a start that failed or hung is the worker's error
             ray.kill(actor, no_restart=True)
-            raise WorkerError(f"{name}: did not start serving version {version} within {self.timeout_s:.0f} s: "
+            raise WorkerError(f"{name}: did not start serving version {version} within {self.timeout_s:g} s: "
                               f"{_cause(e)!r}") from e
         if info["version"] != version:
             raise WorkerError(f"{name}: started serving version {info['version']}, expected {version}")
@@ -283,7 +283,7 @@ class RayEngine(TransactionalEngine):
                 w, e = next(iter(refused.items()))
                 raise WeightPublishError(f"{w.name} refused version {version}: {e}; the group still serves "
                                          f"version {self._version}")
-            raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:.0f} s while "
+            raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:g} s while "
                               f"staging version {version}; the group still serves version {self._version}")
         _, dead2, refused2, stuck2 = self._gather({w: w.actor.commit.remote() for w in live if w not in dead})
         self._weights = pieces
