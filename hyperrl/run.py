@@ -196,10 +196,21 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
         bar, hook = progress_bar(cfg.run.steps, trainer.step_idx)
         trainer.hooks.append(hook)
     t0 = time.perf_counter()
-    last_eval, saved = None, None
+    last_eval = None
     if cfg.run.eval_every and (trainer.step_idx == 0 or (resumed and (trainer.step_idx % cfg.run.eval_every == 0 or
                                                                       trainer.step_idx >= cfg.run.steps))):
         last_eval = trainer.evaluate()  # at the start, or again at a resumed step whose evaluation was due
+    try:
+        return _loop(cfg, trainer, rank, out, jsonl, bar=bar, last_eval=last_eval, t0=t0)
+    finally:
+        if bar is not None:  # an error's line starts on a line of its own
+            bar.close()
+
+
+def _loop(cfg, trainer, rank, out, jsonl, *, bar, last_eval, t0) -> dict:
+    """The steps (evaluations, checkpoints, a signal's stop), the last evaluation and checkpoint, the
+    plot and the export."""
+    saved = None
     with _Interrupt() as stop:
         while trainer.step_idx < cfg.run.steps and not stop.requested(trainer.parallel):
             trainer.step()

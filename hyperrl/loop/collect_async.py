@@ -362,8 +362,8 @@ class AsyncCollector:
             for w in self.workers:
                 w.interrupt()
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=self.timeout_s)
+        for t in self._threads:  # interrupted, a thread ends at its next decode step: wait for it (a thread
+            t.join(timeout=max(self.timeout_s, 60.0))  # left inside torch at exit aborts the process: SIGABRT)
 
     def close(self) -> None:
         """Stop the driver threads and release the workers (Ray actors, a Ray started for the run)."""

@@ -224,3 +224,13 @@ def _intact(p) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+@pytest.mark.slow
+def test_an_asynchronous_runs_worker_error_exits_1_with_one_line_never_sigabrt(tmp_path):
+    res = _train(tmp_path / "a", "--task=modsum", "--rollout.max_new_tokens=1", "--run.steps=3",
+                 "--async.max_staleness=1", "--async.timeout_s=0.001")
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])  # not 134 (SIGABRT)
+    err = res.stderr.replace("\r", "\n")
+    assert "\nrollout worker error: rollout-worker-0: no progress in 0.001 s" in err
+    assert "terminate called" not in err and "Traceback" not in err
