@@ -10,7 +10,8 @@ malformed JSON, unknown tool, schema violation, a raised exception, a timeout, t
 turn — becomes a ``ToolResult`` with ``ok=False`` whose text the model sees as an observation
 (plus an optional invalid-action reward); it never crashes the rollout. Calls in one turn run
 concurrently up to ``max_concurrency`` (threads: a tool stuck past its timeout is abandoned, not
-killed — keep tools cooperative).
+killed — keep tools cooperative, or declare them ``isolate=True``: each call then runs in a forked
+process that is killed at the timeout). The built-in calculator bounds its work exactly instead.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class Tool:
     schema: dict  # JSON schema of the arguments object
     timeout: float = 5.0
     description: str = ""
+    isolate: bool = False  # run each call in a forked process, killed at the timeout (see ToolRunner)
 
     @staticmethod
-    def from_function(fn: Callable[..., str], *, timeout: float = 5.0) -> Tool:
+    def from_function(fn: Callable[..., str], *, timeout: float = 5.0, isolate: bool = False) -> Tool:
         """A tool from a typed Python function with a Google-style docstring (``Args:``): name,
         description and argument schema by ``transformers.utils.get_json_schema``; unknown
         arguments are refused."""
@@ -54,7 +56,8 @@ class Tool:
 
         spec = get_json_schema(fn)["function"]
         schema = {**spec["parameters"], "additionalProperties": False}
-        return Tool(spec["name"], fn, schema, timeout=timeout, description=spec.get("description", ""))
+        return Tool(spec["name"], fn, schema, timeout=timeout, description=spec.get("description", ""),
+                    isolate=isolate)
 
     def spec(self) -> dict:
         """The OpenAI-style function schema chat templates take as ``tools=``."""
@@ -119,6 +122,39 @@ def _known_format(name: str) -> str:
 ToolFormatName = Annotated[str, AfterValidator(_known_format)]
 
 
+def _isolated(tool: Tool, args: dict) -> str:
+    """One call in a forked child process, killed (SIGKILL) when it has not answered within
+    ``tool.timeout`` — what a thread cannot do to code that never yields (a C loop holding the GIL,
+    a runaway computation). The child inherits memory (an in-memory index, the tool's state) and
+    runs only the calling thread: keep isolated tools free of torch and other thread pools."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def target():
+        try:
+            send.send(("ok", str(tool.fn(**args))))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent as the tool's failure
+            send.send(("error", f"{type(e).__name__}: {e}"))
+
+    proc = ctx.Process(target=target, daemon=True)
+    proc.start()
+    try:
+        if not recv.poll(tool.timeout):
+            raise FutureTimeout()
+        kind, value = recv.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+        send.close()
+    if kind == "error":
+        raise RuntimeError(value)
+    return value
+
+
 class ToolRunner:
     """Runs the tool calls a response makes: parses them in its format (``fmt``: a ``TOOL_FORMATS`` name), at most
     ``max_calls_per_turn`` per turn and ``max_concurrency`` at once, each call's error or timeout an
@@ -167,10 +203,12 @@ class ToolRunner:
                 jobs.append((i, *prepared))
         if jobs:
             pool = ThreadPoolExecutor(max_workers=self.max_concurrency)
-            futures = [(i, tool, pool.submit(tool.fn, **args)) for i, tool, args in jobs]
+            futures = [(i, tool, pool.submit(_isolated, tool, args) if tool.isolate else pool.submit(tool.fn, **args))
+                       for i, tool, args in jobs]
             for i, tool, fut in futures:
-                try:
-                    results[i] = ToolResult(tool.name, True, str(fut.result(timeout=tool.timeout)))
+                try:  # an isolated call enforces its own deadline (and kills); the margin covers the fork
+                    results[i] = ToolResult(tool.name, True, str(fut.result(timeout=tool.timeout +
+                                                                           (5.0 if tool.isolate else 0.0))))
                 except FutureTimeout:
                     results[i] = ToolResult(tool.name, False, f"error: {tool.name} timed out after {tool.timeout}s")
                 except Exception as e:  # noqa: BLE001 - a tool error is an observation, not a crash

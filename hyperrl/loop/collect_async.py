@@ -294,7 +294,7 @@ class AsyncCollector:
             A.check_conservation(self.buffer)
             counters = {"async_admitted": self.buffer.admitted, "async_consumed": self.buffer.consumed,
                         "async_evicted": self.buffer.evicted, "async_in_flight": self.buffer.in_flight,
-                        "async_ready": self.buffer.ready, "async_restarts": self.restarts}
+                        "async_ready": self.buffer.ready, "async_restarts": self._restarts()}
         batch = cat_batches(rows, self.engine.pad_id)
         validate(batch, learner_version=self.version, max_staleness=self.eta)  # every token within η
         samples = {u.key: self._sample(u.key) for u in taken}
@@ -354,6 +354,12 @@ class AsyncCollector:
             with self._cond:
                 self.version = self.engine.policy_version
                 self._unpause()
+
+    def _restarts(self) -> int:
+        """Worker restarts so far: each worker's own count where it keeps one (a Ray worker counts every
+        restart — those of a publication's commit too), else the ones this collector made."""
+        counts = [w.restarts for w in self.workers if isinstance(getattr(w, "restarts", None), int)]
+        return max(sum(counts), self.restarts) if counts else self.restarts
 
     def stop_workers(self) -> None:
         """Stop the driver threads (the workers and the engine stay as they are)."""

@@ -34,3 +34,41 @@ def test_the_calculator_cannot_run_away():
             assert abs(int(out)).bit_length() <= 1024
 
     bounded()
+
+
+def test_an_isolated_tool_past_its_timeout_is_killed_not_abandoned():
+    import multiprocessing
+    import time
+
+    from hyperrl.envs.tools import Tool, ToolRunner
+
+    def spin(n: int) -> str:
+        """Spin.
+
+        Args:
+            n: a number
+        """
+        while True:
+            n += 1
+
+    def echo(n: int) -> str:
+        """Echo.
+
+        Args:
+            n: a number
+        """
+        if n < 0:
+            raise ValueError("negative")
+        return str(n * 2)
+
+    tools = {"spin": Tool.from_function(spin, timeout=0.5, isolate=True),
+             "echo": Tool.from_function(echo, timeout=5.0, isolate=True)}
+    runner = ToolRunner(tools)
+    t0 = time.perf_counter()
+    got = runner.run('<tool>{"name": "spin", "arguments": {"n": 1}}</tool>'
+                     '<tool>{"name": "echo", "arguments": {"n": 21}}</tool>'
+                     '<tool>{"name": "echo", "arguments": {"n": -1}}</tool>')
+    assert time.perf_counter() - t0 < 5
+    assert [(r.ok, r.text) for r in got] == [(False, "error: spin timed out after 0.5s"), (True, "42"),
+                                             (False, "error: echo failed: RuntimeError: ValueError: negative")]
+    assert multiprocessing.active_children() == []  # the spinning child was killed, nothing left running

@@ -152,7 +152,7 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
     try:
         deadline, extra = time.monotonic() + 240, 0
         while extra < 2:
-            tr.step()
+            m = tr.step()
             extra += not k.is_alive() and sum(w.restarts for w in tr.collector.workers) == len(kills)
             restarts = [w.restarts for w in tr.collector.workers]
             assert time.monotonic() < deadline, f"{len(kills)} kills, restarts {restarts}"
@@ -161,6 +161,7 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
         done.set()
         tr.close()
     assert len(kills) == 20 and sum(w.restarts for w in tr.collector.workers) == 20
+    assert m["async_restarts"] == 20  # every restart counted, those during a publication's commit too
     uids = [u for _, us in tr.trained for u in us]
     assert len(uids) == len(set(uids)) == tr.step_idx * 4 * 4  # nothing lost from a trained step, nothing twice
     key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
