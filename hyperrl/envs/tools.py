@@ -122,6 +122,9 @@ def _known_format(name: str) -> str:
 ToolFormatName = Annotated[str, AfterValidator(_known_format)]
 
 
+_WARNED: set[str] = set()
+
+
 def _isolated(tool: Tool, args: dict) -> str:
     """One call in a forked child process, killed (SIGKILL) when it has not answered within
     ``tool.timeout`` — what a thread cannot do to code that never yields (a C loop holding the GIL,
@@ -211,6 +214,12 @@ class ToolRunner:
                                                                            (5.0 if tool.isolate else 0.0))))
                 except FutureTimeout:
                     results[i] = ToolResult(tool.name, False, f"error: {tool.name} timed out after {tool.timeout}s")
+                    if not tool.isolate and tool.name not in _WARNED:  # its thread runs on: say so, once
+                        _WARNED.add(tool.name)
+                        import sys
+
+                        print(f"warning: tool {tool.name!r} timed out; its thread cannot be stopped and keeps running "
+                              "— declare it with isolate=True (a process, killed at the timeout)", file=sys.stderr)
                 except Exception as e:  # noqa: BLE001 - a tool error is an observation, not a crash
                     results[i] = ToolResult(tool.name, False, f"error: {tool.name} failed: {type(e).__name__}: {e}")
             pool.shutdown(wait=False, cancel_futures=True)
