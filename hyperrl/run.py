@@ -89,8 +89,7 @@ class _Interrupt:
 
     def requested(self, parallel) -> bool:
         """Any rank asked to stop (ranks stop at the same step: the flag is reduced)."""
-        return parallel.sum_metrics({"stop": float(self.signum is not None)}).get("stop", 0.0) > 0 \
-            if parallel.world > 1 else self.signum is not None
+        return not parallel.all_have_rows(int(self.signum is None))
 
 
 def _set_aside(out: Path, names, why: str) -> None:
@@ -133,8 +132,6 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     ``resume=False`` over a used directory sets its checkpoints and records aside; a resume of
     another model's run is refused before anything is written. Returns a summary (out_dir, steps,
     seconds, the final evaluation, the policy version, the export directory)."""
-
-
     rank = init_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     jsonl = out / "metrics.jsonl"
@@ -221,10 +218,12 @@ def _loop(cfg, trainer, rank, out, jsonl, *, bar, last_eval, t0) -> dict:
         interrupted = stop.signum is not None and trainer.step_idx < cfg.run.steps
         if bar is not None:
             bar.close()
+        if not interrupted and cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
+            last_eval = trainer.evaluate()
+        ckpt = saved if saved is not None and saved.name == f"step_{trainer.step_idx}" else trainer.save()
         if interrupted:
             import signal
 
-            ckpt = saved if saved is not None and saved.name == f"step_{trainer.step_idx}" else trainer.save()
             trainer._emit("interrupt", {"step": trainer.step_idx, "signal": signal.Signals(stop.signum).name,
                                         "checkpoint": str(ckpt)})
             trainer.close()
@@ -232,9 +231,6 @@ def _loop(cfg, trainer, rank, out, jsonl, *, bar, last_eval, t0) -> dict:
                     "interrupted": signal.Signals(stop.signum).name, "checkpoint": str(ckpt),
                     "final_eval_reward": None, "final_eval": None, "policy_version": trainer.version,
                     "export": None}
-        if cfg.run.eval_every and (last_eval is None or last_eval["step"] != trainer.step_idx):
-            last_eval = trainer.evaluate()
-        ckpt = saved if saved is not None and saved.name == f"step_{trainer.step_idx}" else trainer.save()
     trainer.close()  # an asynchronous run's rollout workers
     if rank == 0:
         plot_rewards(jsonl, out / "reward_curve.png")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from hyperrl.config import yaml12
 from hyperrl.config.checks import check_combinations, check_config
-from hyperrl.config.compare import BOOKKEEPING
+from hyperrl.config.compare import BOOKKEEPING, flatten
 from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries, resolve
 from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
@@ -127,7 +127,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     for layer in (base, data, over):
         merged = _merge(TrainConfig, merged, layer)
     merged = _data_task(merged, explicit_task="task" in data or "task" in over)
-    user = _dotted_keys(data) | _dotted_keys(over)
+    user = set(flatten(data)) | set(flatten(over))
     merged = _settings(merged, user)
     for key in ("checkpoint", "tokenizer"):  # recorded absolute: `hyperrl export` and resume from any directory
         if merged["model"].get(key):
@@ -145,16 +145,6 @@ CHECKPOINT_SETTINGS = {"optim.lr": 1e-6}
 # run.* keys that do not change what a run trains: a config that differs only in these keeps its
 # output directory (a longer run.steps resumes the same run)
 _NOT_IDENTITY = tuple(k.split(".", 1)[1] for k in BOOKKEEPING) + ("device",)
-
-
-def _dotted_keys(d: dict, prefix: str = "") -> set[str]:
-    """Every dotted key a layer sets (``{"run": {"steps": 3}}`` → ``{"run", "run.steps"}``)."""
-    out = set()
-    for k, v in d.items():
-        out.add(prefix + str(k))
-        if isinstance(v, dict):
-            out |= _dotted_keys(v, f"{prefix}{k}.")
-    return out
 
 
 def _set(d: dict, key: str, value) -> None:

@@ -288,14 +288,16 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0) -> dict:
+def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0, verified: bool = False) -> dict:
     """This rank's parts of a complete checkpoint (``{part: tensors | optimizer state, "rng": …,
-    "state": …}``); refuses one without its marker, from another world size, or missing a file."""
+    "state": …}``); refuses one without its marker, that does not verify (unless the caller has
+    just ``verified`` it), from another world size, or missing a file."""
     path = Path(path)
     if not (path / MARKER).exists():
         raise CheckpointError(f"{path}: no {MARKER} marker — the write did not finish; resume from an earlier "
                               f"checkpoint (latest complete: {latest_checkpoint(path.parent)})")
-    verify_checkpoint(path, rank=rank, world_size=world_size)
+    if not verified:
+        verify_checkpoint(path, rank=rank, world_size=world_size)
     state = json.loads((path / "state.json").read_text())
     if state.get("world_size", 1) != world_size:
         raise CheckpointError(f"{path}: written with world size {state.get('world_size')}, resuming with "

@@ -76,9 +76,26 @@ class Checkpointer:
         """The well-formed, marked checkpoints, oldest first (strays warned about and ignored)."""
         return checkpoint_dirs(self.root)
 
-    def has(self, step: int) -> bool:
-        """Is ``step_<step>`` already written (marked)? A step is written once."""
-        return (self.root / f"step_{step}" / "COMPLETE").is_file()
+    def newest_intact(self) -> tuple[Path | None, list[tuple[str, str]]]:
+        """The newest checkpoint whose files verify on every rank (all ranks take the same one), and
+        the ``(name, why)`` of each newer one skipped — said on stderr, naming the file."""
+        import sys
+
+        from hyperrl.loop.checkpoint import verify_checkpoint
+
+        skipped = []
+        for c in reversed(self.candidates()):
+            why = None
+            try:
+                verify_checkpoint(c, rank=self.parallel.rank, world_size=self.parallel.world)
+            except CheckpointError as e:
+                why = str(e)
+            if self.parallel.all_have_rows(int(why is None)):
+                return c, skipped
+            why = why or "another rank's shards do not verify"
+            skipped.append((c.name, why))
+            print(f"skipping checkpoint {c.name}: {why}", file=sys.stderr, flush=True)
+        return None, skipped
 
     def probe(self) -> None:
         """Write, fsync and remove a file where checkpoints go — a read-only or missing directory is
@@ -98,11 +115,11 @@ class Checkpointer:
                                   f"{e.strerror or e}); fix its permissions or free space, or set run.out_dir"
                                   ) from None
 
-    def load(self, path: str | Path, parts: dict[str, tuple]) -> dict:
+    def load(self, path: str | Path, parts: dict[str, tuple], *, verified: bool = False) -> dict:
         """This rank's shards into the modules' local parameters and the optimizers; RNG restored;
-        returns the checkpoint's ``state``."""
+        returns the checkpoint's ``state`` (``verified``: :meth:`newest_intact` has hashed it already)."""
         path = Path(path)
-        ck = load_checkpoint(path, world_size=self.parallel.world, rank=self.parallel.rank)
+        ck = load_checkpoint(path, world_size=self.parallel.world, rank=self.parallel.rank, verified=verified)
         for name, (module, oname, opt) in parts.items():
             if name not in ck:
                 raise CheckpointError(f"{path}: no {name!r} part (this run has one; the checkpoint was written "

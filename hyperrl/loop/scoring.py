@@ -57,11 +57,10 @@ class Scorer:
         ids = [[t for t, a in zip(toks, act) if a] for toks, act in zip(batch["tokens"].tolist(),
                                                                        batch["action_mask"].tolist())]
         rows = [samples[g] for g in batch["group_id"].tolist()]
-        comps, app, weights = [], [], []
+        comps, app = [], []
         if self.multi_turn:
             comps.append(batch["reward"].float()[:, None])
             app.append(torch.ones(len(ids), 1, dtype=torch.bool))
-            weights.append(torch.ones(1))
         rs = self.reward_set
         if rs is not None:
             seen: dict[tuple, str] = {}  # a group's samples often repeat a response: decode each once
@@ -80,10 +79,9 @@ class Scorer:
                                   row=e.row) from e
             comps.append(c)
             app.append(a)
-            weights.append(rs.weights)
             self._extra.update(extra)
         comps, app = torch.cat(comps, -1), torch.cat(app, -1)
-        total = (comps * torch.cat(weights)).sum(-1)
+        total = (comps * self._weights()).sum(-1)
         out = batch.copy().set("reward_components", comps).set("reward_applicable", app).set("reward", total)
         if self.want_token_rewards:
             out.set("token_rewards", self._token_rewards(batch, ids, rows, comps, app))
@@ -102,11 +100,14 @@ class Scorer:
                                                          else set())), dtype=tok.dtype)
         return (last >= 0) & ~torch.isin(tok, stops)
 
+    def _weights(self) -> torch.Tensor:
+        """``[K]``: the weight of each column of ``reward_components`` (the episode reward's is 1)."""
+        rs = self.reward_set
+        return torch.cat(([torch.ones(1)] if self.multi_turn else []) + ([rs.weights] if rs is not None else []))
+
     def raw_reward(self, batch: TensorDict) -> torch.Tensor:
         """``[B]``: the weighted sum of ``reward_components`` — the reward before any shaping."""
-        rs = self.reward_set
-        w = torch.cat(([torch.ones(1)] if self.multi_turn else []) + ([rs.weights] if rs is not None else []))
-        return (batch["reward_components"] * w).sum(-1)
+        return (batch["reward_components"] * self._weights()).sum(-1)
 
     def _token_rewards(self, batch: TensorDict, ids: list[list[int]], rows: list, comps, app) -> torch.Tensor:
         """``token_rewards`` ``[B, T]`` on the action tokens (:meth:`RewardSet.token_rewards`);

@@ -226,32 +226,21 @@ class Trainer:
         another model (:func:`hyperrl.config.compare.loadability_changes`) is refused before
         anything is loaded; changed hyperparameters are kept in ``self.resume_report``."""
         import json
-        import sys
 
         from hyperrl.config.compare import config_changes, loadability_changes
-        from hyperrl.loop.checkpoint import CheckpointError, verify_checkpoint
+        from hyperrl.loop.checkpoint import CheckpointError
 
         self.resume_report = {"skipped": [], "changes": {}}
+        verified = path is None
         if path is None:
-            candidates = self.checkpointer.candidates()
-            if not candidates:
+            path, skipped = self.checkpointer.newest_intact()
+            self.resume_report["skipped"] = skipped
+            if path is None and not skipped:
                 return False
-            for c in reversed(candidates):
-                why = None
-                try:
-                    verify_checkpoint(c, rank=self.parallel.rank, world_size=self.parallel.world)
-                except CheckpointError as e:
-                    why = str(e)
-                if self.parallel.all_have_rows(int(why is None)):  # every rank's shards verify: all take it
-                    path = c
-                    break
-                why = why or "another rank's shards do not verify"
-                self.resume_report["skipped"].append((c.name, why))
-                print(f"skipping checkpoint {c.name}: {why}", file=sys.stderr, flush=True)
             if path is None:
-                raise CheckpointError(f"{self.checkpointer.root}: no checkpoint verifies ({len(candidates)} damaged: "
-                                      + "; ".join(why for _, why in self.resume_report["skipped"]) + ") — start "
-                                      "fresh with --no-resume (they are set aside) or choose another run.out_dir")
+                raise CheckpointError(f"{self.checkpointer.root}: no checkpoint verifies ({len(skipped)} damaged: "
+                                      + "; ".join(why for _, why in skipped) + ") — start fresh with --no-resume "
+                                      "(they are set aside) or choose another run.out_dir")
         path = Path(path)
         old = json.loads((path / "state.json").read_text()).get("config")
         if old is not None:
@@ -264,7 +253,7 @@ class Trainer:
                                       "here (its checkpoints are set aside)")
             self.resume_report["changes"] = config_changes(old, now)
         self.resume_report["path"] = str(path)
-        st = self.checkpointer.load(path, self._parts())
+        st = self.checkpointer.load(path, self._parts(), verified=verified)
         self.collector.load_state(st)
         self.step_idx, self.samples_seen, self.tokens_seen = st["step"], st["samples_seen"], st["tokens_seen"]
         self.learner.optim_steps = st.get("optim_steps", 0)
