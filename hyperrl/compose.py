@@ -9,10 +9,12 @@ controller, collector) — and handed to the trainer, which builds nothing itsel
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
+from hyperrl.agents.mcp import Toolbox
 from hyperrl.config import ConfigError, TrainConfig, validate_config
 from hyperrl.data.tasks import make_task
 from hyperrl.device import pick_device, torch_dtype
@@ -125,6 +127,17 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     _check_context(cfg, task, policy)
     make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
+    toolbox = Toolbox([t.model_dump() for t in cfg.tools]) if cfg.tools else None  # MCP servers start here
+    env_fn = ENVIRONMENTS.factory(cfg.env.name).fn if cfg.env is not None else None
+    try:
+        if getattr(env_fn, "takes_tools", False):
+            make_env = functools.partial(make_env, toolbox.tools if toolbox is not None else None)
+        if getattr(env_fn, "owns_loop", False):
+            make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox)
+    except BaseException:
+        if toolbox is not None:
+            toolbox.close()
+        raise
     a = getattr(cfg, "async")
     asynchronous = a.max_staleness is not None
     if trainer is None:
@@ -138,15 +151,29 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
         if workers is not None:
             engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
         return _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env,
-                         rewards, workers, hooks)
+                         rewards, workers, hooks, toolbox)
     except BaseException:
         if workers is not None:
             workers.close()
+        if hasattr(make_env, "close"):  # an agent's gateway
+            make_env.close()
+        if toolbox is not None:
+            toolbox.close()
         raise
 
 
+def _bind_agent(cfg: TrainConfig, agent, engine, tok, policy, has_rewards: bool, toolbox):
+    """The agent environment serving ``engine`` through its gateway (the context: the model's)."""
+    r = cfg.rollout
+    ctx = getattr(getattr(policy, "config", None), "max_position_embeddings", None) or r.max_episode_tokens
+    sampling = Generator(engine, None, tok, r, seed=cfg.run.seed, stop_ids=stop_ids_of(policy)).sampling(0)
+    return agent.bind(engine, tok, sampling, max_model_len=ctx, max_episode_tokens=r.max_episode_tokens,
+                      max_concurrent=r.max_concurrent_episodes, has_rewards=has_rewards, toolbox=toolbox,
+                      tool_sources=[t.model_dump() for t in cfg.tools])
+
+
 def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env, rewards,
-              workers, hooks) -> Trainer:
+              workers, hooks, toolbox=None) -> Trainer:
     """The trainer's collaborators — learner, publisher, checkpointer, KL controller, generator,
     scorer, evaluator, collector — and the trainer over them."""
     o, a, r = cfg.optim, cfg.algo, cfg.rollout
@@ -164,7 +191,9 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
                                 adapters_only=lora and engine.capabilities.lora_adapters)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)
     stop_ids = stop_ids_of(policy)
-    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids, make_env=make_env)
+    agent = make_env if getattr(make_env, "owns_loop", False) else None
+    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids,
+                          make_env=None if agent is not None else make_env, agent=agent, toolbox=toolbox)
     scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None, stop_ids=stop_ids,
                     token_rewards="token_rewards" in pipeline.needs)
     evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)

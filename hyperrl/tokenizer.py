@@ -148,7 +148,9 @@ def observation_ids(tok, messages: list, action_ids: list[int], new_messages: li
     if not full.startswith(base):
         raise TokenizerError("the chat template is not prefix-stable (rendering more messages changes earlier "
                              "text); token-first multi-turn needs one that is")
-    probe = _render(tok, [*messages[:-1], {**messages[-1], "content": _SENTINEL}], tools, gen=False)
+    # the closing of a plain assistant turn (a message with structured tool calls renders them after its content;
+    # the policy's sampled ids already hold its calls in its own format)
+    probe = _render(tok, [*messages[:-1], {"role": "assistant", "content": _SENTINEL}], tools, gen=False)
     closing = probe[probe.rindex(_SENTINEL) + len(_SENTINEL):]  # e.g. "<|im_end|>\n"
     # the stop token the policy sampled (EOS, or e.g. <|im_end|>) is already in the context
     last = tok.convert_ids_to_tokens(int(action_ids[-1])) if action_ids else None

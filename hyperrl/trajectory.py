@@ -32,6 +32,8 @@ optional: ``kv_version``      ``[B, T]``   int64     oldest weight version among
                                                      elsewhere
 optional: ``sample_uid``      ``[B]``      int64     unique id of the sample over the run
 optional: ``finish_reason``   ``[B]``      int64     0 stop, 1 length, 2 aborted (``FINISH_REASONS``)
+optional: ``final_turn``      ``[B]``      int64     index of the first token of the row's last action turn:
+                                                     the configured rewards score that final response only
 ============================  ===========  ========  =============================================
 
 A row's ``policy_version`` is its *oldest* action token's version when ``token_version`` is
@@ -107,6 +109,7 @@ FIELDS: dict[str, _Field] = {
     "kv_version": _Field(torch.int64, True, False),
     "sample_uid": _Field(torch.int64, False, False),
     "finish_reason": _Field(torch.int64, False, False),
+    "final_turn": _Field(torch.int64, False, False),
 }
 TOKEN_FIELDS = tuple(k for k, f in FIELDS.items() if f.per_token)
 SEQ_FIELDS = tuple(k for k, f in FIELDS.items() if not f.per_token)
@@ -361,6 +364,8 @@ def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
         extra["finish_reason"] = torch.tensor([FINISH_REASONS.index(r["finish_reason"]) for r in rows])
     if all("sample_uid" in r for r in rows):
         extra["sample_uid"] = torch.tensor([r["sample_uid"] for r in rows])
+    if all("final_turn" in r for r in rows):
+        extra["final_turn"] = torch.tensor([r["final_turn"] for r in rows])
     return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
                            policy_version=torch.where(act.any(-1), oldest, version), token_version=tv,
                            group_id=torch.tensor([r["group_id"] for r in rows]),

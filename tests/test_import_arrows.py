@@ -9,9 +9,10 @@ is stated once, here (docs/trainer.md draws it):
     2 rewards
     3 inputs        envs, data
     4 runtime       rollout, models, distributed
-    5 config
-    6 loop
-    7 the root      compose (the composition root: build), run (the outer loop: train), cli, export, demo, the facade
+    5 agents        the OpenAI-compatible gateway, agent programs, MCP tools
+    6 config
+    7 loop
+    8 the root      compose (the composition root: build), run (the outer loop: train), cli, export, demo, the facade
 
 A module may import its own package and any package of a lower layer — never a higher one, nor a
 package beside it in its layer.
@@ -30,6 +31,7 @@ LAYERS = [
     ("rewards",),
     ("envs", "data"),
     ("rollout", "models", "distributed"),
+    ("agents",),
     ("config",),
     ("loop",),
     ("",),  # the root: compose (the composition root), run, cli, export, demo and the facade hyperrl/__init__.py

@@ -79,6 +79,34 @@ def _needs(cfg: TrainConfig) -> set[str]:
     return {n for f in fs for n in f.needs} | ({"ref_logprobs"} if a.kl.coef > 0 else set())
 
 
+def _check_agent(cfg: TrainConfig) -> None:
+    """``tools:`` registered; ``env: {name: agent}``: one of program / command, the program importable
+    (taking ``tools`` only when some are configured), a CLI agent judged; ``tool_chat``: tools and rewards."""
+    from hyperrl.envs import TOOLS
+
+    for i, t in enumerate(cfg.tools):
+        if t.name is not None and t.name not in TOOLS:
+            raise ConfigError(f"tools[{i}].name: unknown tool {t.name!r}; registered: {TOOLS.names()} (or an MCP "
+                              "server: {mcp: [command, args…]})")
+    if cfg.env is not None and cfg.env.name == "tool_chat" and (not cfg.tools or not cfg.rewards):
+        raise ConfigError("env.name: environment 'tool_chat' needs tools: (what the model may call, e.g. [{mcp: "
+                          "[python, -m, my_server]}]) and rewards: (what judges its final response)")
+    if cfg.env is None or cfg.env.name != "agent":
+        return
+    from hyperrl.agents.programs import AgentEnvironment
+    from hyperrl.agents.runner import _positional
+    from hyperrl.rewards import load_function
+
+    try:
+        AgentEnvironment.check(cfg.env.args, has_rewards=bool(cfg.rewards))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    program = cfg.env.args.get("program")
+    if program is not None and _positional(load_function(program, "env.program")) >= 3 and not cfg.tools:
+        raise ConfigError(f"env.program={program!r} takes tools (sample, client, tools) but no tools: are configured; "
+                          "list them (tools: [{mcp: [...]}]) or drop the third parameter")
+
+
 def check_combinations(cfg: TrainConfig) -> None:
     """The loop's combinations of a *resolved* config (every variant known, its arguments complete):
     what the algorithm needs against what the run can produce, the engine's declared capabilities
@@ -93,6 +121,7 @@ def check_combinations(cfg: TrainConfig) -> None:
         raise ConfigError(f"algo.advantage={a.advantage.name!r} needs per-token step rewards, which a multi-turn run "
                           "(env) does not produce; use an outcome advantage (grpo, rloo, …)")
     _check_groups(cfg)
+    _check_agent(cfg)
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")

@@ -12,6 +12,7 @@ __all__ = ["registries", "resolve"]
 
 def registries() -> dict[str, Registry]:
     """Config key → the registry its variant names (imports every plug-in package)."""
+    import hyperrl.agents  # noqa: F401 - registers the "agent" environment
     from hyperrl import transforms as T
     from hyperrl.data.tasks import TASKS
     from hyperrl.envs import ENVIRONMENTS, TOOLS

@@ -128,6 +128,8 @@ class RolloutConfig(_Frozen):
                                 "chat observation that does not fit ends the episode)")
     max_episode_tokens: int = Field(256, ge=2, description="multi-turn: tokens per episode, prompt included (the "
                                     "episode stops when they are spent)")
+    max_concurrent_episodes: int = Field(64, ge=1, description="agents (env: {name: agent}): episodes running at "
+                                         "once")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 
@@ -307,6 +309,24 @@ class AsyncConfig(_Frozen):
                               "EXECUTORS: thread | ray)")
 
 
+class ToolSource(_Frozen):
+    """One entry of ``tools:`` — the tools of an MCP server (``mcp``: its argv, started over stdio) or a
+    registered tool by ``name`` (hyperrl.envs.TOOLS)."""
+
+    mcp: list[str] | None = Field(None, description="an MCP server's command (argv list, no shell), e.g. "
+                                  "[python, -m, my_server]: its tools, over stdio")
+    name: str | None = Field(None, description="a registered tool (hyperrl.envs.TOOLS), e.g. calculator")
+    timeout_s: float = Field(30.0, gt=0, description="seconds per call (a call past it is a tool error)")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.mcp is None) == (self.name is None):
+            raise ValueError("a tools entry is {mcp: [command, args…]} or {name: registered_tool}")
+        if self.mcp is not None and not self.mcp:
+            raise ValueError("tools[].mcp: the server's command (a non-empty argv list)")
+        return self
+
+
 class _TrainConfig(_Frozen):
     """The sections of :data:`TrainConfig` but ``async`` (a keyword: added by name below)."""
 
@@ -317,6 +337,9 @@ class _TrainConfig(_Frozen):
                                 "single-turn")
     rewards: list[RewardSpec] = Field(default_factory=list, description="rewards as users write them (TRL / verl "
                                       "/ hyperrl style, weighted, routed by data_source); [] = the task's rewards")
+    tools: list[ToolSource] = Field(default_factory=list, description="tools for environments that take them "
+                                    "(env: {name: tool_chat}) and agent programs (solve(sample, client, tools)): "
+                                    "MCP servers over stdio and registered tools")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

@@ -11,7 +11,7 @@ from hyperrl.envs.base import (
     run_episodes,
     stack_episodes,
 )
-from hyperrl.envs.examples import CalculatorCopyEnv, GSM8KCalculatorEnv, SearchEnv
+from hyperrl.envs.examples import CalculatorCopyEnv, GSM8KCalculatorEnv, SearchEnv, ToolChatEnv
 from hyperrl.envs.tools import (
     TOOLS,
     BM25Index,
@@ -21,11 +21,12 @@ from hyperrl.envs.tools import (
     calculate,
     make_search_tool,
     register_tool,
+    resolve_call,
 )
 
 __all__ = [
     "Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder", "Limits",
-    "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv",
+    "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
     "TOOLS", "Tool", "ToolResult", "ToolRunner",
-    "register_tool", "calculate", "BM25Index", "make_search_tool",
+    "register_tool", "calculate", "BM25Index", "make_search_tool", "resolve_call",
 ]

@@ -180,6 +180,9 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
                         done = True
             active[i] = not done and len(b) < limits.max_episode_tokens
     rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
+    if envs and getattr(envs[0], "scores_final_turn", False):  # the configured rewards judge the final response
+        for row, b in zip(rows, builders):
+            row["final_turn"] = next((s for kind, s, _ in reversed(b.segments) if kind == "action"), 0)
     batch = stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0))
     batch = batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64))
     if envs and getattr(envs[0], "reports_success", False):

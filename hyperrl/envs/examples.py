@@ -22,7 +22,7 @@ from hyperrl.envs.tools import (
 )
 from hyperrl.rewards.builtin import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
 
-__all__ = ["GSM8KCalculatorEnv", "CalculatorCopyEnv", "SearchEnv"]
+__all__ = ["GSM8KCalculatorEnv", "CalculatorCopyEnv", "SearchEnv", "ToolChatEnv"]
 
 
 def _question(sample, runner: ToolRunner):
@@ -133,6 +133,37 @@ class GSM8KCalculatorEnv:
             return StepResult("", r, True, {"success": r == 1.0})
         penalty = self.invalid_reward * sum(not r.ok for r in results)
         return StepResult(self.runner.format.observation(results), penalty, False, {"tool_calls": len(results)})
+
+
+@register_environment("tool_chat")
+class ToolChatEnv:
+    """A chat with the run's tools (``tools:`` — MCP servers' and registered tools): the model calls
+    them in its format (``hermes``: through the chat template, which lists their JSON schemas; each
+    result comes back as a ``tool`` message), at most ``max_calls_per_turn`` a turn; the first response
+    without a call is the final answer and ends the episode. Reward: the configured ``rewards:`` over
+    that final response (the environment adds 0); ``tool_calls`` counts the calls. ``tools`` is the
+    run's, given by the loop (not a hyperparameter)."""
+
+    takes_tools = True
+    scores_final_turn = True
+
+    def __init__(self, tools: dict | None = None, *, format: ToolFormatName = "hermes", max_calls_per_turn: int = 4):
+        if not tools:
+            raise ValueError("env tool_chat: no tools; list them under tools: (e.g. tools: [{mcp: [python, -m, "
+                             "my_server]}] or [{name: calculator}])")
+        self.runner = ToolRunner(dict(tools), max_calls_per_turn=max_calls_per_turn, fmt=format)
+        self.tools = self.runner.specs() if self.runner.format.chat else None
+        self.sample = None
+
+    def reset(self, sample):
+        self.sample = sample
+        return _question(sample, self.runner)
+
+    def step(self, action: str) -> StepResult:
+        results = self.runner.run(action)
+        if not results:
+            return StepResult("", 0.0, True, {})
+        return StepResult(self.runner.format.observation(results), 0.0, False, {"tool_calls": len(results)})
 
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)

@@ -35,7 +35,8 @@ from pydantic import AfterValidator
 from hyperrl.registry import Registry
 
 __all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
-           "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName"]
+           "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName",
+           "resolve_call"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class ToolFormat:
     name: str
     parse: Callable[[str], list[str]]
     chat: bool
+    strip: Callable[[str], str] = str.strip  # the text around the calls (an OpenAI reply's ``content``)
+    implicit_tool: bool = False  # a call without a name calls the only tool offered
 
     def observation(self, results: list[ToolResult]) -> str | list[dict]:
         if self.chat:
@@ -109,8 +112,31 @@ class ToolFormat:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 TOOL_FORMATS: Registry = Registry("tool-call format")
-TOOL_FORMATS.add("hyperrl", lambda: ToolFormat("hyperrl", parse_tool_calls, chat=False))
-TOOL_FORMATS.add("hermes", lambda: ToolFormat("hermes", _HERMES.findall, chat=True))
+TOOL_FORMATS.add("hyperrl", lambda: ToolFormat("hyperrl", parse_tool_calls, chat=False,
+                                                strip=lambda t: _CALL.sub("", t).strip()))
+TOOL_FORMATS.add("hermes", lambda: ToolFormat("hermes", _HERMES.findall, chat=True,
+                                               strip=lambda t: _HERMES.sub("", t).strip()))
+# the tiny character model's call: a response beginning with "?" calls the only tool offered, without
+# arguments (a task-bound tool, e.g. an agent's calculator over its own question)
+TOOL_FORMATS.add("qmark", lambda: ToolFormat("qmark", lambda t: ["{}"] if t.startswith("?") else [], chat=True,
+                                              strip=lambda t: t[1:].strip() if t.startswith("?") else t.strip(),
+                                              implicit_tool=True))
+
+
+def resolve_call(payload: str, fmt: ToolFormat, names: list[str]) -> tuple[str, object] | str:
+    """A raw call payload → ``(name, arguments)``, or the error text the model should see instead:
+    malformed JSON, no name (unless the format calls the only tool ``names`` offers), an unknown tool."""
+    try:
+        call = json.loads(payload)
+    except json.JSONDecodeError as e:
+        return f"error: malformed tool call JSON ({e.msg} at char {e.pos})"
+    if isinstance(call, dict) and "name" not in call and fmt.implicit_tool and len(names) == 1:
+        call = {**call, "name": names[0]}
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return 'error: a tool call needs {"name": str, "arguments": {...}}'
+    if call["name"] not in names:
+        return f"error: unknown tool {call['name']!r}; available: {sorted(names)}"
+    return call["name"], call.get("arguments", {})
 
 
 def _known_format(name: str) -> str:
@@ -170,17 +196,10 @@ class ToolRunner:
         self.format: ToolFormat = TOOL_FORMATS.build(fmt)()
 
     def _prepare(self, payload: str):
-        try:
-            call = json.loads(payload)
-        except json.JSONDecodeError as e:
-            return None, ToolResult("?", False, f"error: malformed tool call JSON ({e.msg} at char {e.pos})")
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None, ToolResult("?", False, 'error: a tool call needs {"name": str, "arguments": {...}}')
-        tool = self.tools.get(call["name"])
-        if tool is None:
-            return None, ToolResult(call["name"], False, f"error: unknown tool {call['name']!r}; "
-                                                          f"available: {sorted(self.tools)}")
-        args = call.get("arguments", {})
+        call = resolve_call(payload, self.format, list(self.tools))
+        if isinstance(call, str):
+            return None, ToolResult("?", False, call)
+        tool, args = self.tools[call[0]], call[1]
         try:
             jsonschema.validate(args, tool.schema)
         except jsonschema.ValidationError as e:

@@ -96,6 +96,7 @@ class SyncCollector:
         r, p, step = self.rollout, self.pipeline, trainer.step_idx
         want = len(self.parallel.shard(list(range(r.prompts_per_step))))
         kept, n_groups, dropped, rounds, samples = [], 0, 0, 0, {}
+        self.generator.pop_stats()  # an evaluation's agent counts are not this step's
         for attempt in range(r.max_generation_batches if p.filter else 1):
             drawn = self.parallel.shard(self.task.sample(r.prompts_per_step, step, attempt=attempt))
             offset = len(samples)
@@ -120,7 +121,7 @@ class SyncCollector:
             batch = batch[torch.isin(batch["group_id"], torch.unique(batch["group_id"])[:want])]
         self.samples = samples
         info = {"filter_rounds": rounds, "filter_dropped_groups": dropped, "filter_kept_groups": min(n_groups, want)}
-        return batch, (info if p.filter is not None else {})
+        return batch, {**(info if p.filter is not None else {}), **self.generator.pop_stats()}
 
     @contextmanager
     def paused(self, what: str, *, drain: bool = True) -> Iterator[None]:

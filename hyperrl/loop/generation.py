@@ -3,7 +3,8 @@
 :class:`Generator` is what every collector and the evaluator call to turn prompts into a
 trajectory batch — single-turn through the engine (keyed by ``sample_uid`` on an engine whose
 ``capabilities.keyed`` is set, so a synchronous run agrees with an asynchronous one at η = 0), or
-multi-turn through the environment (:func:`hyperrl.envs.run_episodes`).
+multi-turn through the environment (:func:`hyperrl.envs.run_episodes`), or by an agent that owns its
+loop behind the gateway (:class:`hyperrl.agents.AgentEnvironment`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,29 @@ def stop_ids_of(policy) -> tuple[int, ...]:
 class Generator:
     """Prompts → rows. ``rollout`` is the config's ``rollout`` section (read: max_new_tokens,
     temperature, top_p, top_k, max_turns, max_obs_tokens, max_episode_tokens); ``seed`` the run's;
-    ``make_env`` an environment factory (multi-turn) or None."""
+    ``make_env`` an environment factory (multi-turn) or None; ``agent`` a bound
+    :class:`~hyperrl.agents.AgentEnvironment` or None; ``toolbox`` the run's ``tools:`` (closed with it)."""
 
     def __init__(self, engine, task, tokenizer, rollout, *, seed: int, stop_ids: tuple[int, ...] = (),
-                 make_env=None):
+                 make_env=None, agent=None, toolbox=None):
         self.engine, self.task, self.tok, self.rollout = engine, task, tokenizer, rollout
-        self.seed, self.stop_ids, self.make_env = seed, tuple(stop_ids), make_env
+        self.seed, self.stop_ids, self.make_env, self.agent = seed, tuple(stop_ids), make_env, agent
+        self.toolbox = toolbox
+        self.stats: dict[str, float] = {}
+
+    def pop_stats(self) -> dict[str, float]:
+        """The agent rounds' counts since the last call (``agent_*``: episodes, failed, empty, calls …), summed."""
+        out, self.stats = self.stats, {}
+        return out
+
+    def close(self) -> None:
+        """Stop the agent's gateway and the run's MCP servers (if any)."""
+        try:
+            if self.agent is not None:
+                self.agent.close()
+        finally:
+            if self.toolbox is not None:
+                self.toolbox.close()
 
     def sampling(self, step: int, seed_offset: int = 0, temperature: float | None = None) -> SamplingParams:
         """The sampling parameters of a round of ``step`` (seed ``seed·7919 + step + seed_offset``)."""
@@ -49,6 +67,11 @@ class Generator:
         ``group_offset``). Training rounds (``uids`` given) on a keyed engine sample keyed by
         (``sampling.seed − step``: the step enters through the uid, sample_uid, token index);
         multi-turn runs go through the environment."""
+        if self.agent is not None:  # the agent owns its loop; the gateway records its tokens
+            batch = self.agent.run(samples, sampling, n, group_offset=group_offset, uids=uids)
+            for k, v in self.agent.stats.items():
+                self.stats[k] = self.stats.get(k, 0.0) + v
+            return batch
         if self.make_env is not None:  # multi-turn: the environment scores the episode
             from hyperrl.envs import Limits, run_episodes
 

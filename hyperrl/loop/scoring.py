@@ -53,9 +53,12 @@ class Scorer:
 
     def score(self, batch: TensorDict, samples) -> TensorDict:
         """A new batch with ``reward_components``, ``reward_applicable``, ``reward`` (and
-        ``token_rewards``); ``samples[g]`` is group g's sample."""
-        ids = [[t for t, a in zip(toks, act) if a] for toks, act in zip(batch["tokens"].tolist(),
-                                                                       batch["action_mask"].tolist())]
+        ``token_rewards``); ``samples[g]`` is group g's sample. The rewards read every action token
+        of a row — or, when the batch has ``final_turn`` (an agent's rows, a ``tool_chat`` episode),
+        the final response's."""
+        starts = batch["final_turn"].tolist() if "final_turn" in batch.keys() else [0] * batch.batch_size[0]
+        ids = [[t for t, a in zip(toks[s:], act[s:]) if a] for toks, act, s in zip(batch["tokens"].tolist(),
+                                                                                batch["action_mask"].tolist(), starts)]
         rows = [samples[g] for g in batch["group_id"].tolist()]
         comps, app = [], []
         if self.multi_turn:

@@ -267,8 +267,11 @@ class Trainer:
         return True
 
     def close(self) -> None:
-        """Release the collector's workers (an asynchronous run's threads, Ray actors)."""
-        self.collector.close()
+        """Release the collector's workers (an asynchronous run's threads, Ray actors) and an agent's gateway."""
+        try:
+            self.collector.close()
+        finally:
+            self.generator.close()
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:

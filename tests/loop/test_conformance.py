@@ -43,6 +43,8 @@ _KINDS = {
 _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: given, or the load must fail naming it
     ("task", "parquet"): ["--task.path=tests/data/gsm8k_tiny.parquet"],
     ("env", "search_r1"): ["--env.corpus={corpus}"],
+    ("env", "agent"): ["--env.program={agent}:solve", "--env.tool_format=none", "--env.isolate=false"],
+    ("env", "tool_chat"): ["--tools=[{{name: calculator}}]", "--rewards=[{{fn: exact_answer}}]"],
     ("task", "files"): ["--task.train_files=[tests/data/gsm8k_tiny.parquet]"],
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
@@ -104,7 +106,12 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
         corpus = tmp_path / "corpus.jsonl"
         corpus.write_text("\n".join(json.dumps({"text": t}) for t in ("paris is in france", "rome is in italy")))
         rm = _reward_model_dir(tmp_path / "rm") if kind == "rewards[].fn" else None
-        extra = extra + [x.format(corpus=corpus, rm=rm) for x in need]
+        agent = tmp_path / "agent.py"  # one OpenAI call through the gateway; the reward its answer's first char
+        agent.write_text("def solve(sample, client):\n"
+                         "    r = client.chat.completions.create(model='hyperrl-policy', "
+                         "messages=[{'role': 'user', 'content': str(sample.prompt)}])\n"
+                         "    return float((r.choices[0].message.content or ' ')[:1] == str(sample.answer)[:1])\n")
+        extra = extra + [x.format(corpus=corpus, rm=rm, agent=agent) for x in need]
         if kind == "rewards[].fn":
             override = extra.pop()
     if (kind, name) == ("rollout.engine", "vllm") and _REG[kind].factory(name).requires:

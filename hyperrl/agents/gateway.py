@@ -1,0 +1,526 @@
+"""An OpenAI-compatible gateway in front of any hyperrl engine, recording every call's exact tokens.
+
+An agent that owns its loop reaches the policy over HTTP, as it would reach OpenAI: each episode
+gets its own base URL ``http://127.0.0.1:PORT/episodes/<id>/v1`` and key (``Authorization: Bearer
+…``). Served: ``POST /v1/chat/completions`` (``messages``, ``tools`` / ``tool_choice``, ``n``,
+``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``logprobs``),
+``POST /v1/completions`` (a text prompt, or token ids: token-in) and ``GET /v1/models``. Messages
+are rendered by the model's chat template (with the tools' JSON schemas); the model's calls in its
+native format (``tool_format``: a :data:`hyperrl.envs.TOOL_FORMATS` name) come back as OpenAI
+``tool_calls``; a malformed call comes back as the model's text (an observation the agent sees,
+counted), never an error. Every call's prompt ids, sampled ids, log-probs, per-token versions and
+finish reason go into the episode's :class:`~hyperrl.agents.record.EpisodeRecord` (token-in-token-out:
+the rule is there).
+
+**Sampling belongs to the run.** In a training episode (``training=True``) the run's temperature and
+top-p sample every call — the log-probs must be of the distribution the trainer recomputes — and a
+request asking for others is served at the run's values (counted as ``overridden``); ``max_tokens``
+is honoured up to ``rollout.max_new_tokens``. ``training=False`` (serving, evaluation) honours them.
+``top_logprobs`` and streaming are refused with a 400 (not served here).
+
+Calls are batched: a dispatcher thread takes the pending calls when every open episode has one
+pending, or ``batch_wait_s`` after the last arrived, and runs them as one engine call per set of
+sampling parameters — keyed by ``(seed, a key of (episode uid, call, choice), token index)`` on an
+engine whose ``capabilities.keyed`` is set, so what an episode samples does not depend on what else
+was batched with it.
+
+aiohttp serves it (why: one well-kept package that is both the HTTP server and nothing more — no
+ASGI server + framework pair to keep in step — running its own event loop in a background thread of
+the trainer's process, next to the engine it serves; the request bodies are checked here, each
+error naming its field as OpenAI's do). Binds ``127.0.0.1`` by default; every episode's key is
+random (``secrets``), compared in constant time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hmac
+import json
+import queue
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
+from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
+from hyperrl.rollout.requests import Request
+from hyperrl.sampling import SamplingParams
+from hyperrl.tokenizer import TokenizerError, decode_response
+
+__all__ = ["Gateway", "GatewayEpisode", "GatewayError", "call_key"]
+
+
+class GatewayError(Exception):
+    """An HTTP error with OpenAI's body: ``status``, ``message``, ``type``, ``param``, ``code``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GatewayEpisode:
+    """One episode's endpoint: ``base_url`` and ``api_key`` for the agent's client, and its record."""
+
+    id: str
+    api_key: str
+    base_url: str
+    uid: int
+    record: EpisodeRecord
+    seed: int | None = None
+    calls: int = 0  # calls answered
+    started: int = 0  # calls begun (keys each call's sampling)
+    malformed_tool_calls: int = 0
+    overridden: int = 0
+    errors: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Job:
+    episode: GatewayEpisode
+    prompt: Prompt
+    sampling: SamplingParams
+    n: int
+    call: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+def _bad(param: str, message: str) -> GatewayError:
+    return GatewayError(400, f"{param}: {message}", param=param)
+
+
+def _int(body: dict, key: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise _bad(key, f"{v!r} must be an integer in [{lo}, {hi if hi is not None else '∞'}]")
+    return v
+
+
+def _float(body: dict, key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise _bad(key, f"{v!r} must be a number in [{lo}, {hi}]")
+    return float(v)
+
+
+def _stops(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    v = [v] if isinstance(v, str) else v
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 4:
+        raise _bad("stop", "a non-empty string or a list of at most 4 of them")
+    return v
+
+
+def _tools(body: dict) -> tuple[list | None, list[str]]:
+    tools = body.get("tools")
+    if tools is None:
+        return None, []
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list of {'type': 'function', 'function': {...}}")
+    names = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': str, 'parameters': {...}}}")
+        names.append(fn["name"])
+    return (tools or None), names
+
+
+def _tool_choice(body: dict, names: list[str]) -> str:
+    v = body.get("tool_choice", "auto")
+    if v in ("auto", "none", "required"):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("function"), dict) and v["function"].get("name") in names:
+        return "auto"  # recorded as asked; sampling is never constrained (it would change what the log-probs describe)
+    raise _bad("tool_choice", f"{v!r}: one of 'auto', 'none', 'required' or a function offered in tools")
+
+
+def _cut(out: dict, n: int) -> dict:
+    """A choice's first ``n`` sampled tokens (a stop string met earlier)."""
+    return {**out, "ids": out["ids"][:n], "logprobs": out["logprobs"][:n], "versions": out["versions"][:n]}
+
+
+def _cut_at_stop(tok, ids: list[int], stops: list[str], sp: SamplingParams) -> tuple[list[int], str, bool]:
+    """The sampled ids up to the first token whose text completes a stop string, the text before it,
+    and whether a stop string was met (vLLM's semantics: the ids keep the stop, the text does not)."""
+    text = decode_response(tok, ids, sp.stops)
+    if not stops:
+        return ids, text, False
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return ids, text, False
+    at, s = min(hits)
+    for k in range(1, len(ids) + 1):  # the shortest prefix whose text holds the stop
+        if len(decode_response(tok, ids[:k], sp.stops)) >= at + len(s):
+            return ids[:k], text[:at], True
+    return ids, text[:at], True
+
+
+class Gateway:
+    """The gateway over ``engine`` (see the module doc). ``sampling``: the run's sampling parameters
+    (the seed keys a keyed engine; ``max_new_tokens`` caps every call); ``tool_format``: the model's
+    tool-call format (None: tool calls are not parsed); ``max_model_len``: the context a prompt
+    plus its response must fit; ``max_episode_tokens``: a chain's token budget (None: the context)."""
+
+    def __init__(self, engine, tokenizer, sampling: SamplingParams, *, tool_format: str | None = "hermes",
+                 model_name: str = "hyperrl-policy", max_model_len: int = 4096, max_episode_tokens: int | None = None,
+                 training: bool = True, host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.002,
+                 max_batch: int = 256):
+        self.engine, self.tok, self.sampling = engine, tokenizer, sampling
+        self.format = TOOL_FORMATS.build(tool_format)() if tool_format is not None else None
+        self.model_name, self.max_model_len, self.training = model_name, max_model_len, training
+        self.max_episode_tokens = max_episode_tokens or max_model_len
+        self.host, self.batch_wait_s, self.max_batch = host, batch_wait_s, max_batch
+        self.episodes: dict[str, GatewayEpisode] = {}
+        self.engine_calls = self.engine_rows = 0  # batching: rows per engine call = engine_rows / engine_calls
+        # a group's n episodes open with the same messages: their prompt is rendered once
+        cached = functools.lru_cache(maxsize=4096)(lambda key: tuple(render_messages(tokenizer, *json.loads(key))))
+        self._render = lambda msgs, tools: cached(json.dumps([msgs, tools]))  # key order kept: templates render it
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._closed = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._server = threading.Thread(target=self._serve, args=(port,), name="hyperrl-gateway", daemon=True)
+        self._server.start()
+        self._ready.wait(30)
+        if self._error is not None or not self._ready.is_set():
+            raise RuntimeError(f"gateway: could not listen on {host}:{port}: {self._error!r}")
+        self._dispatcher = threading.Thread(target=self._dispatch, name="hyperrl-gateway-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    # ------------------------------------------------------------------ episodes
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def open(self, uid: int, *, seed: int | None = None) -> GatewayEpisode:
+        """A new episode (``uid``: the sample_uid keying its sampling; ``seed``: this round's seed,
+        default the gateway's sampling seed)."""
+        eid = uuid.uuid4().hex
+        ep = GatewayEpisode(eid, secrets.token_urlsafe(24), f"{self.url}/episodes/{eid}/v1", int(uid),
+                            EpisodeRecord(self.tok, self._render), seed=self.sampling.seed if seed is None else seed)
+        with self._lock:
+            self.episodes[eid] = ep
+        return ep
+
+    def finish(self, episode: GatewayEpisode) -> GatewayEpisode:
+        """Close ``episode`` (later calls get 404) and return it with its record."""
+        with self._lock:
+            episode.finished = True
+            self.episodes.pop(episode.id, None)
+        return episode
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            try:
+                fut.result(10)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+        self._server.join(10)
+        self._dispatcher.join(10)
+
+    def __enter__(self) -> Gateway:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ HTTP
+    def _serve(self, port: int) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_get("/episodes/{eid}/v1/models", self._wrap(self._models))
+        app.router.add_post("/episodes/{eid}/v1/chat/completions", self._wrap(self._chat))
+        app.router.add_post("/episodes/{eid}/v1/completions", self._wrap(self._completions))
+
+        async def start():
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, port)
+            await site.start()
+            self.port = self._runner.addresses[0][1]
+
+        try:
+            self._loop.run_until_complete(start())
+        except BaseException as e:  # noqa: BLE001 - reported by the constructor
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    def _wrap(self, handler):
+        from aiohttp import web
+
+        async def run(request):
+            try:
+                ep = self._episode(request)
+                body = await request.json() if request.method == "POST" else {}
+                if request.method == "POST" and not isinstance(body, dict):
+                    raise _bad("body", "must be a JSON object")
+                return web.json_response(await handler(ep, body))
+            except GatewayError as e:
+                return web.json_response(e.body(), status=e.status)
+            except json.JSONDecodeError as e:
+                return web.json_response(_bad("body", f"not JSON ({e.msg})").body(), status=400)
+            except Exception as e:  # noqa: BLE001 - the agent gets a 500 naming it; the episode records it
+                if "ep" in locals():
+                    ep.errors.append(f"{type(e).__name__}: {e}")
+                return web.json_response(GatewayError(500, f"{type(e).__name__}: {e}", type="server_error").body(),
+                                         status=500)
+        return run
+
+    def _episode(self, request) -> GatewayEpisode:
+        eid = request.match_info["eid"]
+        with self._lock:
+            ep = self.episodes.get(eid)
+        if ep is None or ep.finished:
+            raise GatewayError(404, f"episode {eid!r} is unknown or finished; each episode has its own base URL",
+                               code="episode_not_found")
+        auth = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(auth.encode(), f"Bearer {ep.api_key}".encode()):
+            raise GatewayError(401, "invalid API key for this episode (use the key given with its base URL)",
+                               code="invalid_api_key", type="authentication_error")
+        return ep
+
+    async def _models(self, ep: GatewayEpisode, body: dict) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hyperrl"}]}
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model != self.model_name:
+            raise GatewayError(404, f"model {model!r} is not served here; this gateway serves {self.model_name!r}",
+                               param="model", code="model_not_found")
+
+    def _sampling(self, ep: GatewayEpisode, body: dict, prompt_len: int) -> SamplingParams:
+        if body.get("stream"):
+            raise _bad("stream", "streaming is not served by this gateway; set stream=false")
+        if _int(body, "top_logprobs", 0, 20):
+            raise _bad("top_logprobs", "not served (the engine returns the sampled tokens' log-probs only); omit it")
+        want = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
+        temperature, top_p = _float(body, "temperature", 0.0, 2.0), _float(body, "top_p", 0.0, 1.0)
+        room = min(self.max_model_len, self.max_episode_tokens) - prompt_len
+        if room < 1:
+            which = "the context" if self.max_model_len <= self.max_episode_tokens else "the episode's token budget"
+            raise _bad("messages", f"the prompt has {prompt_len} tokens, which leaves no room in {which} "
+                                   f"({min(self.max_model_len, self.max_episode_tokens)} tokens)")
+        sp = self.sampling
+        new = min(sp.max_new_tokens, want or sp.max_new_tokens, room)
+        t, p = sp.temperature, sp.top_p
+        if not self.training:
+            t, p = temperature if temperature else t, top_p if top_p else p
+        elif (temperature is not None and temperature != t) or (top_p is not None and top_p != p):
+            ep.overridden += 1
+        return dataclasses.replace(sp, max_new_tokens=new, temperature=t, top_p=p, seed=ep.seed)
+
+    async def _chat(self, ep: GatewayEpisode, body: dict) -> dict:
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "must be a non-empty list of messages")
+        tools, names = _tools(body)
+        choice = _tool_choice(body, names)
+        n, stops = _int(body, "n", 1, 16) or 1, _stops(body)
+        try:
+            prompt = ep.record.chat_prompt(messages, tools)
+        except ValueError as e:  # a malformed message, or one the template cannot render
+            raise _bad("messages", str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a template error (jinja) is the request's fault
+            raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
+        sp = self._sampling(ep, body, len(prompt.ids))
+        outs = await self._generate(ep, prompt, sp, n)
+        choices, recorded = [], []
+        for j, o in enumerate(outs):
+            ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
+            calls = self._calls(ep, text, names) if self.format is not None and names and choice != "none" else None
+            reply = {"role": "assistant", "content": self.format.strip(text) if calls else text}
+            if calls:
+                reply["tool_calls"] = [{"type": "function", "function": {"name": nm, "arguments": args}}
+                                       for nm, args in calls]
+            finish = "tool_calls" if calls else ("stop" if hit else o["finish_reason"])
+            recorded.append({**_cut(o, len(ids)), "reply": normalize_message(reply),
+                             "finish_reason": "stop" if hit else o["finish_reason"]})
+            msg = {"role": "assistant", "content": reply["content"] or None, "refusal": None}
+            if calls:
+                msg["tool_calls"] = [{"id": f"call_{ep.id[:8]}_{ep.calls}_{j}_{k}", "type": "function",
+                                      "function": {"name": nm, "arguments": json.dumps(args)}}
+                                     for k, (nm, args) in enumerate(calls)]
+            choices.append({"index": j, "message": msg, "finish_reason": finish,
+                            "logprobs": self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None})
+        ep.record.record(prompt, recorded, kind="chat")
+        ep.calls += 1
+        return self._response(ep, "chat.completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
+
+    async def _completions(self, ep: GatewayEpisode, body: dict) -> dict:
+        self._check_model(body)
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+            raw = raw[0]  # a one-prompt batch
+        if isinstance(raw, list):
+            if not raw or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.tok)
+                                  for i in raw):
+                raise _bad("prompt", f"token ids must be a non-empty list of integers in [0, {len(self.tok)})")
+        elif not isinstance(raw, str):
+            raise _bad("prompt", "a string or a list of token ids (one prompt per call)")
+        n, stops = _int(body, "n", 1, 16) or 1, _stops(body)
+        try:
+            prompt = ep.record.completion_prompt(raw)
+        except TokenizerError as e:
+            raise _bad("prompt", str(e)) from None
+        sp = self._sampling(ep, body, len(prompt.ids))
+        outs = await self._generate(ep, prompt, sp, n)
+        choices, recorded = [], []
+        for j, o in enumerate(outs):
+            ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
+            recorded.append({**_cut(o, len(ids)), "text": text, "finish_reason": "stop" if hit else o["finish_reason"]})
+            lp = self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None
+            if lp is not None:  # the legacy completions shape
+                lp = {"tokens": [c["token"] for c in lp["content"]], "top_logprobs": None, "text_offset": None,
+                      "token_logprobs": [c["logprob"] for c in lp["content"]]}
+            choices.append({"index": j, "text": text, "finish_reason": "stop" if hit else o["finish_reason"],
+                            "logprobs": lp})
+        ep.record.record(prompt, recorded, kind="completion")
+        ep.calls += 1
+        return self._response(ep, "text_completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
+
+    def _response(self, ep, obj, choices, prompt_tokens, completion_tokens) -> dict:
+        return {"id": f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{ep.id[:12]}-{ep.calls}",
+                "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _calls(self, ep: GatewayEpisode, text: str, names: list[str]) -> list[tuple[str, object]] | None:
+        """The model's tool calls in its format; a malformed one returns the whole text as content
+        (the agent sees what the model wrote) and is counted."""
+        payloads = self.format.parse(text)
+        if not payloads:
+            return None
+        calls = [resolve_call(p, self.format, names) for p in payloads]
+        if any(isinstance(c, str) for c in calls):
+            ep.malformed_tool_calls += 1
+            return None
+        return calls
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict:
+        out = []
+        for i, lp in zip(ids, lps):
+            t = self.tok.decode([i], skip_special_tokens=False)
+            out.append({"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []})
+        return {"content": out}
+
+    # ------------------------------------------------------------------ batching
+    async def _generate(self, ep: GatewayEpisode, prompt: Prompt, sp: SamplingParams, n: int) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        job = _Job(ep, prompt, sp, n, ep.started, loop.create_future(), loop)
+        ep.started += 1
+        self._jobs.put(job)
+        return await job.future
+
+    def _waiting_for_all(self, pending: int) -> bool:
+        with self._lock:
+            return pending >= len(self.episodes)
+
+    def _dispatch(self) -> None:
+        while not self._closed.is_set():
+            try:
+                jobs = [self._jobs.get(timeout=0.1)]
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(jobs) < self.max_batch and not self._waiting_for_all(len(jobs)):
+                try:
+                    jobs.append(self._jobs.get(timeout=max(0.0, deadline - time.monotonic())))
+                    deadline = time.monotonic() + self.batch_wait_s
+                except queue.Empty:
+                    break
+            groups: dict[SamplingParams, list[_Job]] = {}
+            for j in jobs:
+                groups.setdefault(j.sampling, []).append(j)
+            for sp, group in groups.items():
+                try:
+                    outs = self._run(group, sp)
+                except BaseException as e:  # noqa: BLE001 - every waiting call gets the error
+                    for j in group:
+                        j.loop.call_soon_threadsafe(_fail, j.future, e)
+                    continue
+                for j, o in zip(group, outs):
+                    j.loop.call_soon_threadsafe(_resolve, j.future, o)
+
+    def _run(self, jobs: list[_Job], sp: SamplingParams) -> list[list[dict]]:
+        """One engine call for ``jobs`` (each ``n`` choices); per job, per choice: ids, logprobs,
+        versions, finish_reason."""
+        self.engine_calls += 1
+        self.engine_rows += sum(j.n for j in jobs)
+        prompts = [(j, c) for j in jobs for c in range(j.n)]
+        if self.engine.capabilities.keyed:
+            reqs = [Request(call_key(j.episode.uid, j.call, c), tuple(j.prompt.ids), 0) for j, c in prompts]
+            batch = self.engine.generate_requests(reqs, sp)
+        else:
+            batch = self.engine.generate([list(j.prompt.ids) for j, _ in prompts], sp, 1)
+        stops = set(sp.stops)
+        out: list[list[dict]] = [[] for _ in jobs]
+        index = {id(j): k for k, j in enumerate(jobs)}
+        version = int(self.engine.policy_version)
+        for row, (j, _) in enumerate(prompts):
+            m = batch["action_mask"][row]
+            ids = batch["tokens"][row][m].tolist()
+            tv = batch["token_version"][row][m].tolist() if "token_version" in batch.keys() else [version] * len(ids)
+            finish = "stop" if ids and ids[-1] in stops else "length"
+            out[index[id(j)]].append({"ids": ids, "logprobs": batch["rollout_logprobs"][row][m].tolist(),
+                                      "versions": tv, "finish_reason": finish})
+        return out
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on Python ints (a per-call key needs no tensor)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def call_key(*parts: int) -> int:
+    """A non-negative 63-bit key of ``parts`` (episode uid, call, choice): what keys a call's sampling."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = _mix64((h ^ (int(p) & _M64)) & _M64)
+    return h >> 1
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

@@ -1,0 +1,273 @@
+"""Agent programs and CLI agents from config: the user owns the loop, the gateway records the tokens.
+
+``env: {name: agent, program: "my_agent.py:solve"}`` — ``solve(sample, client)`` (a plain or an
+``async def`` function) gets the task's sample and an ``openai.OpenAI`` (``AsyncOpenAI`` for an
+``async def``) client bound to its episode's base URL and key; it returns the episode's reward (a
+number), an :class:`AgentResult`, or None (the configured ``rewards:`` then score the episode's
+responses). ``env: {name: agent, command: ["python", "my_cli_agent.py", "--task", "{prompt}"]}`` —
+any process that reads ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, started per episode without a
+shell (each argument formatted with ``{prompt}``, ``{uid}``, ``{result_file}`` and
+``{extra[key]}``; ``HYPERRL_RESULT_FILE`` names the same file), killed with its whole process group
+at ``timeout_s``; ``reward: "file.py:fn"`` scores it — ``fn(sample, result: CommandResult)`` sees
+its stdout, stderr, exit code and result file — or, without one, the configured ``rewards:`` do.
+
+Episodes run concurrently, at most ``rollout.max_concurrent_episodes`` at once (async programs on
+one event loop; plain programs and commands on threads). An agent that raises, exits non-zero
+(without a ``reward`` function to judge it) or outlives ``timeout_s`` fails its episode: its rows
+are left out, the error (the stderr or traceback tail) is reported and counted
+(``agent_failed``), and the step goes on; an episode that never called the model has nothing to
+train on and is counted (``agent_empty``). Each episode's rows (one per prefix-consistent chain,
+:mod:`hyperrl.agents.record`) share its reward and its prompt's group id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from pydantic import AfterValidator
+
+from hyperrl.agents.gateway import Gateway, call_key
+from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
+from hyperrl.agents.worker import AgentWorker
+from hyperrl.envs.base import register_environment
+from hyperrl.envs.tools import _known_format
+from hyperrl.rewards.styles import load_function
+from hyperrl.trajectory import stack_episodes
+
+__all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome", "AgentError"]
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """A CLI agent's end, given to its reward function."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    result: str | None  # the result file's text (None: the agent wrote none)
+
+
+def _format(name: str | None) -> str | None:
+    return None if name in (None, "none") else _known_format(name)
+
+
+def _prompt_text(sample) -> str:
+    p = sample.prompt
+    if isinstance(p, str):
+        return p
+    users = [m.get("content", "") for m in p if isinstance(m, dict) and m.get("role") == "user"]
+    return str(users[-1] if users else p[-1].get("content", ""))
+
+
+@register_environment("agent")
+class AgentEnvironment:
+    """An agent that owns its loop, behind the gateway (see the module doc). Hyperparameters:
+    ``program`` (``"file.py:function"``) or ``command`` (an argv list); ``reward`` (a command's
+    ``"file.py:function"`` judge); ``timeout_s`` per episode; ``tool_format`` the model's tool-call
+    format (``hermes``, ``hyperrl``, ``qmark`` or ``none``); ``model_name`` what the client asks for."""
+
+    owns_loop = True
+    reports_success = False
+
+    def __init__(self, *, program: str | None = None, command: list[str] | None = None, reward: str | None = None,
+                 timeout_s: float = 300.0, tool_format: Annotated[str | None, AfterValidator(_format)] = "hermes",
+                 model_name: str = "hyperrl-policy", isolate: bool = True):
+        self.check({"program": program, "command": command, "timeout_s": timeout_s})
+        self.isolate = isolate and program is not None
+        # the program by its absolute path: an agent process loads it again from there
+        self.program = (str(Path(program.rpartition(":")[0]).resolve()) + ":" + program.rpartition(":")[2]
+                        if program is not None else None)
+        self.command = list(command) if command is not None else None
+        self.judge = load_function(reward, "env.reward") if reward is not None else None
+        self.timeout_s, self.tool_format, self.model_name = timeout_s, tool_format, model_name
+        self.runner = self.worker = None
+        self.gateway: Gateway | None = None
+        self.stats: dict[str, float] = {}
+
+    @staticmethod
+    def check(args: dict, *, has_rewards: bool | None = None) -> None:
+        """The config's ``env`` arguments make an agent (what the config alone decides; raises
+        ``ValueError`` naming the key): exactly one of ``program`` / ``command``, the program
+        importable and a function, a command an argv list, a CLI agent judged (``reward`` or
+        ``rewards:``, when ``has_rewards`` is known)."""
+        program, command = args.get("program"), args.get("command")
+        if (program is None) == (command is None):
+            raise ValueError("env.program: environment 'agent' needs env.program (\"file.py:function\") or "
+                             "env.command (an argv list) — exactly one")
+        if args.get("timeout_s", 1.0) <= 0:
+            raise ValueError(f"env.timeout_s={args['timeout_s']}: must be > 0")
+        if command is not None and (not isinstance(command, list) or not command
+                                    or not all(isinstance(a, str) for a in command)):
+            raise ValueError(f"env.command={command!r}: a non-empty list of strings (argv; no shell)")
+        if program is not None:
+            if not isinstance(program, str) or ":" not in program:
+                raise ValueError(f"env.program={program!r}: expected 'path/to/file.py:function'")
+            load_function(program, "env.program")
+        if args.get("reward") is not None:
+            load_function(args["reward"], "env.reward")
+        if command is not None and args.get("reward") is None and has_rewards is False:
+            raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
+                             "or configured rewards: over its final response")
+
+    # ------------------------------------------------------------------ wiring
+    def bind(self, engine, tokenizer, sampling, *, max_model_len: int, max_episode_tokens: int | None,
+             max_concurrent: int, has_rewards: bool, toolbox=None, tool_sources: list | None = None
+             ) -> AgentEnvironment:
+        """Serve ``engine`` through a gateway (started now, on a free port of 127.0.0.1). ``toolbox``:
+        the run's ``tools:`` for a program taking ``(sample, client, tools)`` (an agent process starts
+        its own from ``tool_sources``)."""
+        self.toolbox, self.tool_sources = toolbox, list(tool_sources or [])
+        if self.command is not None and self.judge is None and not has_rewards:
+            raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
+                             "or configured rewards: over its final response")
+        self.tok, self.max_concurrent, self.has_rewards = tokenizer, max_concurrent, has_rewards
+        self.gateway = Gateway(engine, tokenizer, sampling, tool_format=self.tool_format, model_name=self.model_name,
+                               max_model_len=max_model_len, max_episode_tokens=max_episode_tokens)
+        if self.isolate:
+            self.worker = AgentWorker(self.program, timeout_s=self.timeout_s, max_concurrent=max_concurrent,
+                                      tool_sources=self.tool_sources)
+        elif self.program is not None:
+            self.runner = ProgramRunner(self.program, timeout_s=self.timeout_s, max_concurrent=max_concurrent,
+                                        toolbox=toolbox)
+        return self
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self.gateway is not None:
+            self.gateway.close()
+            self.gateway = None
+
+    # ------------------------------------------------------------------ one round
+    def run(self, samples: list, sampling, n: int, *, group_offset: int = 0, uids: list[int] | None = None):
+        """``n`` episodes per sample → the trajectory batch of their rows (or None when no episode
+        produced a row; :attr:`stats` says why) and :attr:`stats` for the step."""
+        if self.gateway is None:
+            raise RuntimeError("AgentEnvironment.run before bind(engine, …)")
+        jobs = [(i, j, s) for i, s in enumerate(samples) for j in range(n)]
+        calls0, rows0 = self.gateway.engine_calls, self.gateway.engine_rows
+        keys = uids if uids is not None else [call_key(sampling.seed or 0, group_offset + i, j) for i, j, _ in jobs]
+        episodes = [self.gateway.open(u, seed=sampling.seed) for u in keys]
+        try:
+            def done(k):  # its agent returned: the gateway stops counting it among those that may still call
+                self.gateway.finish(episodes[k])
+
+            if self.command is not None:
+                def command(k):
+                    try:
+                        return self._run_command(jobs[k][2], episodes[k])
+                    finally:
+                        done(k)
+
+                with ThreadPoolExecutor(max(1, min(self.max_concurrent, len(jobs)))) as pool:
+                    outcomes = list(pool.map(command, range(len(jobs))))
+            else:
+                work = [(s, ep.base_url, ep.api_key) for (_, _, s), ep in zip(jobs, episodes)]
+                outcomes = (self.worker if self.isolate else self.runner).run(work, done)
+        finally:
+            for ep in episodes:
+                self.gateway.finish(ep)
+        batch = self._batch(jobs, episodes, outcomes, group_offset)
+        calls = self.gateway.engine_calls - calls0
+        self.stats["agent_engine_calls"] = float(calls)
+        self.stats["agent_engine_rows"] = float(self.gateway.engine_rows - rows0)
+        return batch
+
+    def _run_command(self, sample, ep) -> EpisodeOutcome:
+        with tempfile.TemporaryDirectory(prefix="hyperrl-agent-") as tmp:
+            result_file = str(Path(tmp) / "result")
+            try:
+                argv = [a.format(prompt=_prompt_text(sample), uid=ep.uid, result_file=result_file,
+                                 extra=dict(getattr(sample, "extra", None) or {})) for a in self.command]
+            except (KeyError, IndexError, ValueError) as e:
+                return EpisodeOutcome(error=f"env.command: cannot format {self.command} ({type(e).__name__}: {e}); "
+                                            "placeholders: {prompt}, {uid}, {result_file}, {extra[key]}")
+            env = {**os.environ, "OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key,
+                   "HYPERRL_RESULT_FILE": result_file}
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        env=env, cwd=tmp, start_new_session=True, text=True)
+            except OSError as e:
+                return EpisodeOutcome(error=f"env.command: cannot start {argv[0]!r}: {e}")
+            try:
+                out, err = proc.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                out, err = proc.communicate()
+                return EpisodeOutcome(error=f"timed out after {self.timeout_s}s; stderr: {_tail(err or '')}")
+            finally:
+                _kill_group(proc)  # what it left running in its group goes with it
+            result = Path(result_file).read_text() if Path(result_file).is_file() else None
+        res = CommandResult(out, err, proc.returncode, result)
+        if self.judge is None:
+            if proc.returncode != 0:
+                return EpisodeOutcome(error=f"exit code {proc.returncode}; stderr: {_tail(err)}")
+            return EpisodeOutcome()
+        try:
+            return outcome_of(self.judge(sample, res))
+        except Exception as e:  # noqa: BLE001 - a failing judge fails the episode, named
+            return EpisodeOutcome(error=f"env.reward raised {type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ rows
+    def _batch(self, jobs, episodes, outcomes, group_offset):
+        rows, calls, failed, empty, errors = [], [], 0, 0, []
+        success = []
+        for (i, _, _), ep, out in zip(jobs, episodes, outcomes):
+            if out.error is None and out.reward is None and not self.has_rewards:
+                out = dataclasses.replace(out, error="the agent returned no reward and no rewards: are configured; "
+                                                     "return a number or an AgentResult(reward=…)")
+            if out.error is not None:
+                failed += 1
+                errors.append(out.error)
+                continue
+            chains = ep.record.rows()
+            if not chains:
+                empty += 1
+                continue
+            for c in chains:
+                rows.append(dict(tokens=c.tokens, action=c.action, logprobs=c.logprobs, token_versions=c.versions,
+                                 reward=out.reward or 0.0, group_id=group_offset + i, final_turn=c.final_turn(),
+                                 version=min(v for v, a in zip(c.versions, c.action) if a)))
+                calls.append(c.tool_calls)
+                success.append(out.success)
+        self.stats = {"agent_episodes": float(len(episodes)), "agent_failed": float(failed),
+                      "agent_empty": float(empty), "agent_calls": float(sum(e.calls for e in episodes)),
+                      "agent_rewrites": float(sum(e.record.rewrites for e in episodes)),
+                      "agent_malformed_tool_calls": float(sum(e.malformed_tool_calls for e in episodes)),
+                      "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
+                      "agent_rows": float(len(rows))}
+        self.errors = errors
+        if errors:
+            print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",
+                  file=sys.stderr)
+        if not rows:
+            raise AgentError(f"no agent episode produced a row ({failed} failed, {empty} never called the model)"
+                             + (f"; the first failure: {errors[0]}" if errors else ""))
+        batch = stack_episodes(rows, self.tok.pad_token_id or 0)
+        batch = batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64))
+        if all(s is not None for s in success):
+            batch = batch.set("success", torch.tensor([float(s) for s in success]))
+        return batch
+
+
+class AgentError(RuntimeError):
+    """No episode of a round produced anything to train on."""
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+

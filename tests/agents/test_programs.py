@@ -1,0 +1,250 @@
+"""Agent programs and CLI agents from config: real programs with the official ``openai`` client, a real
+subprocess reading ``OPENAI_BASE_URL``, behind a real gateway over a real engine."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from hyperrl.agents import AgentEnvironment, AgentError
+from hyperrl.config import ConfigError, load_config
+from hyperrl.data.parquet import Sample
+from hyperrl.rollout import SamplingParams, TransformersEngine
+from tests.agents.scripted import ScriptedLM, hermes_script
+from tests.hf_fixtures import bpe_tokenizer
+
+TOK = bpe_tokenizer()
+END = TOK.convert_tokens_to_ids("<|im_end|>")
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7 * 8"}}</tool_call>'
+SAMPLES = [Sample("What is 7 * 8?", "56", "t:0", {"level": "easy"}), Sample("What is 6 * 9?", "54", "t:1", {})]
+
+AGENT = '''
+import json, os, sys, time
+from hyperrl.agents import AgentResult
+from hyperrl.envs.tools import calculate
+
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def _loop(sample, create):
+    messages = [{"role": "user", "content": sample.prompt}]
+    for _ in range(3):
+        msg = create(messages)
+        if not msg.tool_calls:
+            return AgentResult(reward=float(msg.content == sample.answer), success=msg.content == sample.answer)
+        messages.append(msg.model_dump(exclude_none=True))
+        for c in msg.tool_calls:
+            result = calculate(json.loads(c.function.arguments)["expression"])
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": result})
+    return 0.0
+
+
+def solve(sample, client):
+    return _loop(sample, lambda m: client.chat.completions.create(model="hyperrl-policy", messages=m,
+                                                                  tools=TOOLS).choices[0].message)
+
+
+async def solve_async(sample, client):
+    messages = [{"role": "user", "content": sample.prompt}]
+    r = await client.chat.completions.create(model="hyperrl-policy", messages=messages, tools=TOOLS)
+    return 0.5
+
+
+def crash(sample, client):
+    client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": "hi"}])
+    raise RuntimeError("the agent broke on " + sample.source)
+
+
+def hang(sample, client):
+    time.sleep(60)
+
+
+def silent(sample, client):
+    return 1.0
+
+
+def die(sample, client):
+    os._exit(3)
+
+
+def none(sample, client):
+    client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": "hi"}])
+'''
+
+CLI = '''
+import os, subprocess, sys, time
+from openai import OpenAI  # reads OPENAI_BASE_URL and OPENAI_API_KEY
+
+task = sys.argv[sys.argv.index("--task") + 1]
+if "--hang" in sys.argv:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(os.environ["HYPERRL_RESULT_FILE"] + ".pid", "w").write(str(child.pid))
+    open(sys.argv[sys.argv.index("--pidfile") + 1], "w").write(str(child.pid))
+    time.sleep(120)
+client = OpenAI(max_retries=0)
+r = client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": task}])
+print("the model said:", r.choices[0].message.content)
+open(os.environ["HYPERRL_RESULT_FILE"], "w").write("done " + task)
+if "--fail" in sys.argv:
+    print("something went wrong", file=sys.stderr)
+    sys.exit(2)
+'''
+
+JUDGE = '''
+def judge(sample, result):
+    assert result.exit_code == 0 and result.stdout.startswith("the model said:")
+    return 1.0 if result.result == "done " + sample.prompt else 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agents")
+    (d / "agent.py").write_text(AGENT)
+    (d / "cli.py").write_text(CLI)
+    (d / "judge.py").write_text(JUDGE)
+    return d
+
+
+def _agent(has_rewards=False, **kw) -> AgentEnvironment:
+    engine = TransformersEngine(ScriptedLM(len(TOK), hermes_script(TOK, CALL, TOK.encode("56"))))
+    sp = SamplingParams(max_new_tokens=40, eos_id=END, seed=1)
+    return AgentEnvironment(**kw).bind(engine, TOK, sp, max_model_len=4096, max_episode_tokens=1024,
+                                       max_concurrent=4, has_rewards=has_rewards)
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate):
+    """``solve(sample, client)``: a tool loop through the official client; each episode is one row
+    (prompt, the sampled call, the tool turn as context, the sampled answer), its reward and success
+    the program's, its group id its prompt's — in this process, or in an agent process."""
+    agent = _agent(program=f"{files}/agent.py:solve", isolate=isolate)
+    try:
+        batch = agent.run(SAMPLES, agent.gateway.sampling, 2, group_offset=10)
+    finally:
+        agent.close()
+    assert batch["group_id"].tolist() == [10, 10, 11, 11]
+    assert batch["reward"].tolist() == [1.0, 1.0, 0.0, 0.0]  # the scripted model answers 56 to both
+    assert batch["success"].tolist() == [1.0, 1.0, 0.0, 0.0] and batch["tool_calls"].tolist() == [1] * 4
+    assert agent.stats["agent_calls"] == 8 and agent.stats["agent_failed"] == 0
+    sampled = len(TOK.encode(CALL)) + 1 + len(TOK.encode("56")) + 1
+    assert batch["action_mask"].sum(-1).tolist() == [sampled] * 4
+
+
+def test_an_async_program_gets_an_async_client(files):
+    agent = _agent(program=f"{files}/agent.py:solve_async", isolate=False)
+    try:
+        batch = agent.run(SAMPLES, agent.gateway.sampling, 3)
+    finally:
+        agent.close()
+    assert batch["reward"].tolist() == [0.5] * 6 and "success" not in batch.keys()
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_failing_agents_fail_their_episodes_never_the_step(files, isolate, capfd):
+    """A program that raises fails its episodes with its traceback's tail (counted, said once); one
+    that never calls the model has nothing to train on (counted); one that returns None without
+    configured rewards is an error naming the fix; when nothing is left the round says why."""
+    for name, stat, words in [("crash", "agent_failed", "the agent broke on t:0"), ("silent", "agent_empty", None),
+                              ("none", "agent_failed", "no rewards: are configured")]:
+        agent = _agent(program=f"{files}/agent.py:{name}", isolate=isolate)
+        try:
+            with pytest.raises(AgentError, match="no agent episode produced a row"):
+                agent.run(SAMPLES, agent.gateway.sampling, 1)
+        finally:
+            agent.close()
+        assert agent.stats[stat] == 2, name
+        if words:
+            assert words in agent.errors[0] and words in capfd.readouterr().err
+
+
+def test_a_hung_program_times_out_and_a_dead_agent_process_is_restarted(files):
+    agent = _agent(program=f"{files}/agent.py:hang", isolate=False, timeout_s=0.5)
+    t = time.monotonic()
+    try:
+        with pytest.raises(AgentError):
+            agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    assert time.monotonic() - t < 10 and "timed out after 0.5s" in agent.errors[0]
+    agent = _agent(program=f"{files}/agent.py:die", isolate=True)
+    try:
+        for _ in range(2):  # the process dies every round; each round is reported, the next one restarts it
+            with pytest.raises(AgentError, match=r"died \(exit code 3\)"):
+                agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+        assert agent.worker.restarts == 1
+    finally:
+        agent.close()
+
+
+def test_a_cli_agent_reads_openai_base_url_and_is_judged(files):
+    """A subprocess (no shell) with ``{prompt}`` in its argv and ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``
+    in its environment; its stdout, exit code and result file go to ``env.reward``."""
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}"], reward=f"{files}/judge.py:judge")
+    try:
+        batch = agent.run(SAMPLES, agent.gateway.sampling, 2)
+    finally:
+        agent.close()
+    assert batch["reward"].tolist() == [1.0] * 4 and agent.stats["agent_calls"] == 4
+
+
+def test_a_cli_agent_that_fails_or_hangs_is_reported_and_its_process_group_killed(files, tmp_path):
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--fail"], has_rewards=True)
+    try:
+        with pytest.raises(AgentError, match=r"exit code 2; stderr: something went wrong"):
+            agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    pidfile = tmp_path / "child.pid"
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--hang", "--pidfile",
+                            str(pidfile)], has_rewards=True, timeout_s=2.0)
+    try:
+        with pytest.raises(AgentError, match=r"timed out after 2.0s"):
+            agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    pid = int(pidfile.read_text())
+    for _ in range(50):  # the grandchild went with the group (SIGKILL; reaped by init)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the agent's child {pid} outlived the timeout")
+
+
+def test_agent_config_errors_at_load(files, tmp_path):
+    def load(env, *extra):
+        return load_config(None, [f"--run.out_dir={tmp_path}", f"--env={env}", *extra])
+
+    with pytest.raises(ConfigError, match="env.program: environment 'agent' needs env.program .* exactly one"):
+        load("{name: agent}")
+    with pytest.raises(ConfigError, match="nope.py does not exist"):
+        load("{name: agent, program: nope.py:solve}")
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
+        load(f"{{name: agent, program: '{files}/agent.py:missing'}}")
+    with pytest.raises(ConfigError, match="needs env.reward"):
+        load("{name: agent, command: [python, x.py]}")
+    with pytest.raises(ConfigError, match="tool_format"):
+        load(f"{{name: agent, program: '{files}/agent.py:solve', tool_format: xml}}")
+    cfg = load(f"{{name: agent, program: '{files}/agent.py:solve'}}")
+    assert cfg.env.args["tool_format"] == "hermes" and cfg.rollout.max_concurrent_episodes == 64
+
+
+def test_the_prompt_placeholders_are_formatted_without_a_shell(files, tmp_path):
+    out = tmp_path / "argv.txt"
+    script = tmp_path / "argv.py"
+    script.write_text("import sys, json; open(sys.argv[1], 'a').write(json.dumps(sys.argv[2:]) + '\\n')")
+    agent = _agent(command=[sys.executable, str(script), str(out), "{prompt}", "{extra[level]}", "$HOME; rm -rf /"],
+                   reward=f"{files}/judge.py:judge")
+    try:
+        with pytest.raises(AgentError):  # it never calls the model: nothing to train on
+            agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    assert out.read_text().strip() == '["What is 7 * 8?", "easy", "$HOME; rm -rf /"]'
