@@ -10,7 +10,9 @@ import sys
 def _known_errors() -> dict[type, tuple[str, int]]:
     """Error type → (its one-word label, exit code): 2 for what the user can fix (config, data,
     tokenizer, reward, checkpoint, export, evaluation, planner input), 1 for a failure at run time
-    (a rollout worker, a publication)."""
+    (a rollout worker, a publication, every agent episode of a round failing, an MCP server)."""
+    from hyperrl.agents import AgentError
+    from hyperrl.agents.mcp import MCPError
     from hyperrl.config import ConfigError
     from hyperrl.data import DataError
     from hyperrl.export import ExportError
@@ -31,7 +33,7 @@ def _known_errors() -> dict[type, tuple[str, int]]:
             CheckpointError: ("checkpoint error", 2), ExportError: ("export error", 2),
             EvaluationError: ("evaluation error", 2), GateError: ("gate error", 2), LayoutError: ("plan error", 2),
             MeshError: ("plan error", 2), SpecError: ("plan error", 2), WorkerError: ("rollout worker error", 1),
-            WeightPublishError: ("publication error", 1)}
+            WeightPublishError: ("publication error", 1), AgentError: ("agent error", 1), MCPError: ("mcp error", 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,7 +75,7 @@ class GatewayEpisode:
     base_url: str
     uid: int
     record: EpisodeRecord
-    seed: int | None = None
+    sampling: SamplingParams | None = None  # this round's (temperature, top-p, seed; max_new_tokens caps calls)
     calls: int = 0  # calls answered
     started: int = 0  # calls begun (keys each call's sampling)
     malformed_tool_calls: int = 0
@@ -211,12 +211,12 @@ class Gateway:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def open(self, uid: int, *, seed: int | None = None) -> GatewayEpisode:
-        """A new episode (``uid``: the sample_uid keying its sampling; ``seed``: this round's seed,
-        default the gateway's sampling seed)."""
+    def open(self, uid: int, *, sampling: SamplingParams | None = None) -> GatewayEpisode:
+        """A new episode (``uid``: the sample_uid keying its sampling; ``sampling``: this round's
+        parameters — a training round's or an evaluation's — default the gateway's)."""
         eid = uuid.uuid4().hex
         ep = GatewayEpisode(eid, secrets.token_urlsafe(24), f"{self.url}/episodes/{eid}/v1", int(uid),
-                            EpisodeRecord(self.tok, self._render), seed=self.sampling.seed if seed is None else seed)
+                            EpisodeRecord(self.tok, self._render), sampling=sampling or self.sampling)
         with self._lock:
             self.episodes[eid] = ep
         return ep
@@ -331,14 +331,14 @@ class Gateway:
             which = "the context" if self.max_model_len <= self.max_episode_tokens else "the episode's token budget"
             raise _bad("messages", f"the prompt has {prompt_len} tokens, which leaves no room in {which} "
                                    f"({min(self.max_model_len, self.max_episode_tokens)} tokens)")
-        sp = self.sampling
+        sp = ep.sampling
         new = min(sp.max_new_tokens, want or sp.max_new_tokens, room)
         t, p = sp.temperature, sp.top_p
         if not self.training:
             t, p = temperature if temperature else t, top_p if top_p else p
         elif (temperature is not None and temperature != t) or (top_p is not None and top_p != p):
             ep.overridden += 1
-        return dataclasses.replace(sp, max_new_tokens=new, temperature=t, top_p=p, seed=ep.seed)
+        return dataclasses.replace(sp, max_new_tokens=new, temperature=t, top_p=p)
 
     async def _chat(self, ep: GatewayEpisode, body: dict) -> dict:
         self._check_model(body)
@@ -351,7 +351,7 @@ class Gateway:
         try:
             prompt = ep.record.chat_prompt(messages, tools)
         except ValueError as e:  # a malformed message, or one the template cannot render
-            raise _bad("messages", str(e)) from None
+            raise _bad("messages", str(e).removeprefix("messages: ")) from None
         except Exception as e:  # noqa: BLE001 - a template error (jinja) is the request's fault
             raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
         sp = self._sampling(ep, body, len(prompt.ids))
@@ -374,7 +374,8 @@ class Gateway:
                                      for k, (nm, args) in enumerate(calls)]
             choices.append({"index": j, "message": msg, "finish_reason": finish,
                             "logprobs": self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None})
-        ep.record.record(prompt, recorded, kind="chat")
+        if not ep.finished:  # a call still running when its episode was closed (a timed-out agent) adds nothing
+            ep.record.record(prompt, recorded, kind="chat")
         ep.calls += 1
         return self._response(ep, "chat.completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
 
@@ -406,7 +407,8 @@ class Gateway:
                       "token_logprobs": [c["logprob"] for c in lp["content"]]}
             choices.append({"index": j, "text": text, "finish_reason": "stop" if hit else o["finish_reason"],
                             "logprobs": lp})
-        ep.record.record(prompt, recorded, kind="completion")
+        if not ep.finished:
+            ep.record.record(prompt, recorded, kind="completion")
         ep.calls += 1
         return self._response(ep, "text_completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
 

@@ -151,14 +151,16 @@ class AgentEnvironment:
 
     # ------------------------------------------------------------------ one round
     def run(self, samples: list, sampling, n: int, *, group_offset: int = 0, uids: list[int] | None = None):
-        """``n`` episodes per sample → the trajectory batch of their rows (or None when no episode
-        produced a row; :attr:`stats` says why) and :attr:`stats` for the step."""
+        """``n`` episodes per sample (sampled with ``sampling``; ``uids`` key them — default keys from
+        the seed, ``group_offset`` and the sample) → the trajectory batch of their rows; :attr:`stats`
+        counts the round (and :attr:`errors` lists its failures). Raises :class:`AgentError` when no
+        episode left a row."""
         if self.gateway is None:
             raise RuntimeError("AgentEnvironment.run before bind(engine, …)")
         jobs = [(i, j, s) for i, s in enumerate(samples) for j in range(n)]
         calls0, rows0 = self.gateway.engine_calls, self.gateway.engine_rows
         keys = uids if uids is not None else [call_key(sampling.seed or 0, group_offset + i, j) for i, j, _ in jobs]
-        episodes = [self.gateway.open(u, seed=sampling.seed) for u in keys]
+        episodes = [self.gateway.open(u, sampling=sampling) for u in keys]
         try:
             def done(k):  # its agent returned: the gateway stops counting it among those that may still call
                 self.gateway.finish(episodes[k])

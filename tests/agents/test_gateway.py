@@ -214,3 +214,31 @@ def test_the_gateway_records_versions_and_the_run_sampling():
     assert r.usage.completion_tokens == 2 and ep.overridden == 1
     assert [v for v, a in zip(row.versions, row.action) if a] == [7, 7]
     assert torch.tensor([lp for lp, a in zip(row.logprobs, row.action) if a]).le(0).all()
+
+
+def test_stop_strings_cut_the_text_and_keep_the_ids_that_made_it():
+    """``stop``: the text ends before the stop string (OpenAI), the recorded ids end with the token
+    that completed it (vLLM's semantics) and nothing after; ``finish_reason`` is ``stop``."""
+    with _gateway() as gw:
+        ep = gw.open(8)
+        client = _client(ep)
+        messages = [{"role": "user", "content": "What is 7 * 8?"}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "56"}]
+        r2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, stop=["6"])
+        gw.finish(ep)
+    assert r2.choices[0].message.content == "5" and r2.choices[0].finish_reason == "stop"
+    (row,) = ep.record.rows()
+    assert row.tokens[-2:] == CHARS and row.action[-2:] == [True, True]  # "5", "6": no <|im_end|> sampled after
+
+
+def test_content_the_template_cannot_take_is_a_400_naming_messages():
+    with _gateway() as gw:
+        ep = gw.open(9)
+        out = httpx.post(f"{ep.base_url}/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                         json={"model": MODEL, "messages": [{"role": "user", "content": [
+                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, timeout=30)
+        gw.finish(ep)
+    assert out.status_code == 400 and out.json()["error"]["param"] == "messages"
+    assert out.json()["error"]["message"].startswith("messages: a content part must be {'type': 'text'")

@@ -1,0 +1,80 @@
+"""The gateway's own cost per call, side by side in one run: the engine called directly vs the same
+call through the gateway with the official ``openai`` client (and with a bare ``httpx`` POST, which
+leaves out the SDK's own request building and response parsing).
+
+One episode, one call at a time (the latency an agent sees), on the tiny model the calculator task
+uses (hidden 128 × 2 layers, the character tokenizer and its chat template); each call is a fresh
+conversation (a one-message chat rendered by the template: the gateway's render, tokenise, sample,
+record and respond path). Appends the table to RESULTS.md. Target (issue 29): ≤ 5 ms per call.
+
+    python benchmarks/gateway.py --calls 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import append_results, table  # noqa: E402
+
+
+def main():
+    import httpx
+    import openai
+    import torch
+
+    from hyperrl.agents import Gateway
+    from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout import SamplingParams, TransformersEngine
+    from hyperrl.rollout.requests import Request
+    from hyperrl.tokenizer import char_tokenizer, encode_prompt
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=6)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tok = char_tokenizer()
+    engine = TransformersEngine(tiny_qwen3(len(tok), hidden=128, intermediate=256))
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, eos_id=tok.eos_token_id, seed=1)
+    messages = [{"role": "user", "content": "347*28="}]
+    ids = tuple(encode_prompt(tok, messages))
+    body = {"model": "hyperrl-policy", "messages": messages}
+    per = {"engine directly": [], "gateway, openai client": [], "gateway, bare httpx POST": []}
+    with Gateway(engine, tok, sp, tool_format="qmark") as gw:
+        ep = gw.open(1)
+        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        raw = httpx.Client(headers={"Authorization": f"Bearer {ep.api_key}"})
+        calls = {
+            "engine directly": lambda i: engine.generate_requests([Request(i, ids)], sp),
+            "gateway, openai client": lambda i: client.chat.completions.create(**body),
+            "gateway, bare httpx POST": lambda i: raw.post(f"{ep.base_url}/chat/completions", json=body).json(),
+        }
+        for f in calls.values():  # warm up every path
+            for i in range(10):
+                f(i)
+        for _ in range(args.repeats):  # alternate the paths: the machine's noise falls on all of them
+            for name, f in calls.items():
+                t0 = time.perf_counter()
+                for i in range(args.calls):
+                    f(i)
+                per[name].append((time.perf_counter() - t0) / args.calls * 1e3)
+        gw.finish(ep)
+    base = statistics.median(per["engine directly"])
+    rows = [[name, round(statistics.median(v), 3), round(statistics.median(v) - base, 3),
+             round(statistics.median(v) / base, 2)] for name, v in per.items()]
+    body_md = table(["path", "ms per call (median of repeats)", "overhead ms", "ratio"], rows)
+    over = statistics.median(per["gateway, openai client"]) - base
+    body_md += (f"\n\nReading: one call of {args.max_new_tokens} new tokens at a time; the gateway with the official "
+                f"client adds {over:.2f} ms per call over the engine itself (target ≤ 5 ms).")
+    append_results("the gateway's overhead per call (benchmarks/gateway.py)", body_md)
+
+
+if __name__ == "__main__":
+    main()
