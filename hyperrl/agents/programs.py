@@ -240,6 +240,7 @@ class AgentEnvironment:
             for c in chains:
                 rows.append(dict(tokens=c.tokens, action=c.action, logprobs=c.logprobs, token_versions=c.versions,
                                  reward=out.reward or 0.0, group_id=group_offset + i, final_turn=c.final_turn(),
+                                 finish_reason=c.finish_reason,
                                  version=min(v for v, a in zip(c.versions, c.action) if a)))
                 calls.append(c.tool_calls)
                 success.append(out.success)

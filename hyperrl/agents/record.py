@@ -146,6 +146,7 @@ class EpisodeRecord:
         self.tok = tokenizer
         self.render = render or (lambda msgs, tools: render_messages(tokenizer, msgs, tools))
         self.chains: list[Chain] = []
+        self.log: list[dict] = []  # every call: prompt ids, and per choice the sampled ids, log-probs, versions, finish
         self.calls = 0
         self.rewrites = 0  # calls that could not extend a chain although one existed
 
@@ -195,6 +196,9 @@ class EpisodeRecord:
         and, for chat, ``reply`` — the normalised assistant message returned — or, for completions,
         ``text``): the first continues ``p.chain`` (or starts one), the others fork (module doc)."""
         self.calls += 1
+        self.log.append({"kind": kind, "prompt_ids": list(p.ids), "extends": p.chain is not None,
+                         "choices": [{k: list(ch[k]) if isinstance(ch[k], list) else ch[k]
+                                      for k in ("ids", "logprobs", "versions", "finish_reason")} for ch in choices]})
         if p.chain is not None:
             base = p.chain
             base.tokens, base.action = base.tokens + p.new, base.action + [False] * len(p.new)

@@ -69,6 +69,13 @@ def test_a_tool_loop_through_the_openai_client_records_the_sampled_ids():
     k = len(first) + len(called)
     assert row.tokens[k - 1] == END and TOK.decode(row.tokens[k:k + 2]) == "\n<|im_start|>"
     assert all(v == 0 for v, a in zip(row.versions, row.action) if a)
+    # every call as it happened: its prompt ids, and the sampled ids / log-probs / versions / finish reason
+    first_call, second_call = ep.record.log
+    assert first_call["prompt_ids"] == first and not first_call["extends"]
+    assert first_call["choices"][0]["ids"] == called and first_call["choices"][0]["finish_reason"] == "stop"
+    assert second_call["extends"] and second_call["prompt_ids"] == first + called + obs
+    assert second_call["choices"][0]["ids"] == CHARS + [END] and second_call["choices"][0]["versions"] == [0] * 3
+    assert len(second_call["choices"][0]["logprobs"]) == 3
     assert all(v == -1 for v, a in zip(row.versions, row.action) if not a)
 
 

@@ -133,6 +133,7 @@ def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate)
     assert agent.stats["agent_calls"] == 8 and agent.stats["agent_failed"] == 0
     sampled = len(TOK.encode(CALL)) + 1 + len(TOK.encode("56")) + 1
     assert batch["action_mask"].sum(-1).tolist() == [sampled] * 4
+    assert batch["finish_reason"].tolist() == [0] * 4  # the last turn ended with <|im_end|>: stop
 
 
 def test_an_async_program_gets_an_async_client(files):
