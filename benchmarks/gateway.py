@@ -2,10 +2,11 @@
 call through the gateway with the official ``openai`` client (and with a bare ``httpx`` POST, which
 leaves out the SDK's own request building and response parsing).
 
-One episode, one call at a time (the latency an agent sees), on the tiny model the calculator task
-uses (hidden 128 × 2 layers, the character tokenizer and its chat template); each call is a fresh
-conversation (a one-message chat rendered by the template: the gateway's render, tokenise, sample,
-record and respond path). Appends the table to RESULTS.md. Target (issue 29): ≤ 5 ms per call.
+One call at a time (the latency an agent sees), on the tiny model the calculator task uses (hidden
+128 × 2 layers, the character tokenizer and its chat template); each call opens an episode and sends
+a one-message chat (the gateway's route, authorise, render, tokenise, sample, record and respond
+path; the openai client is built per episode over one shared connection pool, as the agent runner
+does). Appends the table to RESULTS.md. Target (issue 29): ≤ 5 ms per call.
 
     python benchmarks/gateway.py --calls 300
 """
@@ -48,14 +49,23 @@ def main():
     body = {"model": "hyperrl-policy", "messages": messages}
     per = {"engine directly": [], "gateway, openai client": [], "gateway, bare httpx POST": []}
     with Gateway(engine, tok, sp, tool_format="qmark") as gw:
-        ep = gw.open(1)
-        client = openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
-        raw = httpx.Client(headers={"Authorization": f"Bearer {ep.api_key}"})
-        calls = {
-            "engine directly": lambda i: engine.generate_requests([Request(i, ids)], sp),
-            "gateway, openai client": lambda i: client.chat.completions.create(**body),
-            "gateway, bare httpx POST": lambda i: raw.post(f"{ep.base_url}/chat/completions", json=body).json(),
-        }
+        http = openai.DefaultHttpxClient()  # one connection pool, as an agent keeps its client
+        raw = httpx.Client()
+
+        def via_client(i):  # a fresh episode each call: the call's own cost, not a growing episode's
+            ep = gw.open(i)
+            openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
+                          http_client=http).chat.completions.create(**body)
+            gw.finish(ep)
+
+        def via_httpx(i):
+            ep = gw.open(i)
+            raw.post(f"{ep.base_url}/chat/completions", json=body,
+                     headers={"Authorization": f"Bearer {ep.api_key}"}).json()
+            gw.finish(ep)
+
+        calls = {"engine directly": lambda i: engine.generate_requests([Request(i, ids)], sp),
+                 "gateway, openai client": via_client, "gateway, bare httpx POST": via_httpx}
         for f in calls.values():  # warm up every path
             for i in range(10):
                 f(i)
@@ -65,7 +75,6 @@ def main():
                 for i in range(args.calls):
                     f(i)
                 per[name].append((time.perf_counter() - t0) / args.calls * 1e3)
-        gw.finish(ep)
     base = statistics.median(per["engine directly"])
     rows = [[name, round(statistics.median(v), 3), round(statistics.median(v) - base, 3),
              round(statistics.median(v) / base, 2)] for name, v in per.items()]
