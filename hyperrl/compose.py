@@ -155,7 +155,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     except BaseException:
         if workers is not None:
             workers.close()
-        if hasattr(make_env, "close"):  # an agent's gateway
+        if getattr(make_env, "owns_loop", False) and not isinstance(make_env, type):  # a bound agent's gateway
             make_env.close()
         if toolbox is not None:
             toolbox.close()
