@@ -354,30 +354,24 @@ class Gateway:
             raise _bad("messages", str(e).removeprefix("messages: ")) from None
         except Exception as e:  # noqa: BLE001 - a template error (jinja) is the request's fault
             raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
-        sp = self._sampling(ep, body, len(prompt.ids))
-        outs = await self._generate(ep, prompt, sp, n)
-        choices, recorded = [], []
-        for j, o in enumerate(outs):
-            ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
+        recorded = await self._sample(ep, body, prompt, n, stops)
+        choices = []
+        for j, o in enumerate(recorded):
+            ids, text = o["ids"], o["text"]
             calls = self._calls(ep, text, names) if self.format is not None and names and choice != "none" else None
             reply = {"role": "assistant", "content": self.format.strip(text) if calls else text}
             if calls:
                 reply["tool_calls"] = [{"type": "function", "function": {"name": nm, "arguments": args}}
                                        for nm, args in calls]
-            finish = "tool_calls" if calls else ("stop" if hit else o["finish_reason"])
-            recorded.append({**_cut(o, len(ids)), "reply": normalize_message(reply),
-                             "finish_reason": "stop" if hit else o["finish_reason"]})
+            o["reply"] = normalize_message(reply)
             msg = {"role": "assistant", "content": reply["content"] or None, "refusal": None}
             if calls:
                 msg["tool_calls"] = [{"id": f"call_{ep.id[:8]}_{ep.calls}_{j}_{k}", "type": "function",
                                       "function": {"name": nm, "arguments": json.dumps(args)}}
                                      for k, (nm, args) in enumerate(calls)]
-            choices.append({"index": j, "message": msg, "finish_reason": finish,
+            choices.append({"index": j, "message": msg, "finish_reason": "tool_calls" if calls else o["finish_reason"],
                             "logprobs": self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None})
-        if not ep.finished:  # a call still running when its episode was closed (a timed-out agent) adds nothing
-            ep.record.record(prompt, recorded, kind="chat")
-        ep.calls += 1
-        return self._response(ep, "chat.completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
+        return self._end_call(ep, prompt, recorded, "chat", choices)
 
     async def _completions(self, ep: GatewayEpisode, body: dict) -> dict:
         self._check_model(body)
@@ -395,25 +389,35 @@ class Gateway:
             prompt = ep.record.completion_prompt(raw)
         except TokenizerError as e:
             raise _bad("prompt", str(e)) from None
-        sp = self._sampling(ep, body, len(prompt.ids))
-        outs = await self._generate(ep, prompt, sp, n)
-        choices, recorded = [], []
-        for j, o in enumerate(outs):
-            ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
-            recorded.append({**_cut(o, len(ids)), "text": text, "finish_reason": "stop" if hit else o["finish_reason"]})
-            lp = self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None
+        recorded = await self._sample(ep, body, prompt, n, stops)
+        choices = []
+        for j, o in enumerate(recorded):
+            lp = self._logprobs(o["ids"], o["logprobs"]) if body.get("logprobs") else None
             if lp is not None:  # the legacy completions shape
                 lp = {"tokens": [c["token"] for c in lp["content"]], "top_logprobs": None, "text_offset": None,
                       "token_logprobs": [c["logprob"] for c in lp["content"]]}
-            choices.append({"index": j, "text": text, "finish_reason": "stop" if hit else o["finish_reason"],
-                            "logprobs": lp})
-        if not ep.finished:
-            ep.record.record(prompt, recorded, kind="completion")
-        ep.calls += 1
-        return self._response(ep, "text_completion", choices, len(prompt.ids), sum(len(r["ids"]) for r in recorded))
+            choices.append({"index": j, "text": o["text"], "finish_reason": o["finish_reason"], "logprobs": lp})
+        return self._end_call(ep, prompt, recorded, "completion", choices)
 
-    def _response(self, ep, obj, choices, prompt_tokens, completion_tokens) -> dict:
-        return {"id": f"{'chatcmpl' if obj == 'chat.completion' else 'cmpl'}-{ep.id[:12]}-{ep.calls}",
+    async def _sample(self, ep: GatewayEpisode, body: dict, prompt: Prompt, n: int, stops: list[str]) -> list[dict]:
+        """``n`` choices for ``prompt`` at the call's sampling parameters, each cut at the first stop
+        string: its ``ids``, ``logprobs``, ``versions``, ``text`` and ``finish_reason``."""
+        sp = self._sampling(ep, body, len(prompt.ids))
+        out = []
+        for o in await self._generate(ep, prompt, sp, n):
+            ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
+            out.append({**_cut(o, len(ids)), "text": text, "finish_reason": "stop" if hit else o["finish_reason"]})
+        return out
+
+    def _end_call(self, ep: GatewayEpisode, prompt: Prompt, recorded: list[dict], kind: str, choices: list) -> dict:
+        """Record the call (unless its episode was closed meanwhile — a timed-out agent's call adds nothing)
+        and answer it."""
+        if not ep.finished:
+            ep.record.record(prompt, recorded, kind=kind)
+        ep.calls += 1
+        prompt_tokens, completion_tokens = len(prompt.ids), sum(len(r["ids"]) for r in recorded)
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ep.id[:12]}-{ep.calls}",
                 "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}

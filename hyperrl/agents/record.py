@@ -105,7 +105,6 @@ class Chain:
     tools: list | None = None
     reply: dict | None = None  # the normalised assistant message returned for the last turn
     text: str = ""  # completions: prompt text + returned completion text
-    last_action: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
     turns: int = 0
     tool_calls: int = 0  # calls the model made in this chain's turns
@@ -117,6 +116,11 @@ class Chain:
         while start > 0 and self.action[start - 1]:
             start -= 1
         return max(start, 0)
+
+    @property
+    def last_action(self) -> list[int]:
+        """The ids of the last sampled turn (the chain ends with it between calls)."""
+        return self.tokens[self.final_turn():] if any(self.action) else []
 
     def copy_as_context(self) -> Chain:
         """The same tokens with every action turned into context (a fork's shared prefix)."""
@@ -215,7 +219,7 @@ class EpisodeRecord:
             c.action += [True] * len(ch["ids"])
             c.logprobs += list(ch["logprobs"])
             c.versions += list(ch["versions"])
-            c.last_action, c.finish_reason, c.turns = list(ch["ids"]), ch["finish_reason"], c.turns + 1
+            c.finish_reason, c.turns = ch["finish_reason"], c.turns + 1
             if kind == "chat":
                 c.tool_calls += len(ch["reply"].get("tool_calls") or [])
                 c.messages, c.tools, c.reply = list(p.messages), p.tools, ch["reply"]

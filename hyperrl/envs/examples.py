@@ -105,8 +105,32 @@ class CalculatorCopyEnv:
         return StepResult("", score, True, {"success": score == 1.0})
 
 
+class _ToolTurns:
+    """Turns of tool calls run by ``self.runner`` until a response makes none: ``_final(action)`` scores
+    that response (and ends the episode); ``_penalty(results)`` is a calling turn's reward."""
+
+    runner: ToolRunner
+
+    def reset(self, sample):
+        self.sample = sample
+        return _question(sample, self.runner)
+
+    def step(self, action: str) -> StepResult:
+        results = self.runner.run(action)
+        if not results:
+            return self._final(action)
+        return StepResult(self.runner.format.observation(results), self._penalty(results), False,
+                          {"tool_calls": len(results)})
+
+    def _final(self, action: str) -> StepResult:
+        return StepResult("", 0.0, True, {})
+
+    def _penalty(self, results) -> float:
+        return 0.0
+
+
 @register_environment("gsm8k_calculator")
-class GSM8KCalculatorEnv:
+class GSM8KCalculatorEnv(_ToolTurns):
     """The model may call the calculator — ``format="hyperrl"``: ``<tool>{"name": "calculator",
     "arguments": {"expression": ...}}</tool>``, each result back as ``<result>…</result>``;
     ``format="hermes"``: ``<tool_call>{...}</tool_call>`` with the tool listed by the chat
@@ -122,21 +146,16 @@ class GSM8KCalculatorEnv:
         self.invalid_reward = invalid_reward
         self.sample = None
 
-    def reset(self, sample):
-        self.sample = sample
-        return _question(sample, self.runner)
+    def _final(self, action: str) -> StepResult:
+        r = gsm8k_exact(action, self.sample)
+        return StepResult("", r, True, {"success": r == 1.0})
 
-    def step(self, action: str) -> StepResult:
-        results = self.runner.run(action)
-        if not results:
-            r = gsm8k_exact(action, self.sample)
-            return StepResult("", r, True, {"success": r == 1.0})
-        penalty = self.invalid_reward * sum(not r.ok for r in results)
-        return StepResult(self.runner.format.observation(results), penalty, False, {"tool_calls": len(results)})
+    def _penalty(self, results) -> float:
+        return self.invalid_reward * sum(not r.ok for r in results)
 
 
 @register_environment("tool_chat")
-class ToolChatEnv:
+class ToolChatEnv(_ToolTurns):
     """A chat with the run's tools (``tools:`` — MCP servers' and registered tools): the model calls
     them in its format (``hermes``: through the chat template, which lists their JSON schemas; each
     result comes back as a ``tool`` message), at most ``max_calls_per_turn`` a turn; the first response
@@ -155,21 +174,11 @@ class ToolChatEnv:
         self.tools = self.runner.specs() if self.runner.format.chat else None
         self.sample = None
 
-    def reset(self, sample):
-        self.sample = sample
-        return _question(sample, self.runner)
-
-    def step(self, action: str) -> StepResult:
-        results = self.runner.run(action)
-        if not results:
-            return StepResult("", 0.0, True, {})
-        return StepResult(self.runner.format.observation(results), 0.0, False, {"tool_calls": len(results)})
-
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
-class SearchEnv:
+class SearchEnv(_ToolTurns):
     """Search-R1 style: ``<tool>{"name": "search", "arguments": {"query": ...}}</tool>`` returns BM25
     passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward
     (``info["success"]``)."""
@@ -181,19 +190,15 @@ class SearchEnv:
         self.tools = self.runner.specs() if self.runner.format.chat else None
         self.sample = None
 
-    def reset(self, sample):
-        self.sample = sample
-        return _question(sample, self.runner)
-
     def step(self, action: str) -> StepResult:
         m = _ANSWER.search(action)
         if m:
             ok = m.group(1).strip().lower() == str(self.sample.answer).strip().lower()
             return StepResult("", float(ok), True, {"success": ok})
-        results = self.runner.run(action)
-        if not results:
-            return StepResult("", 0.0, True, {"success": False})
-        return StepResult(self.runner.format.observation(results), 0.0, False, {"tool_calls": len(results)})
+        return super().step(action)
+
+    def _final(self, action: str) -> StepResult:  # neither an answer nor a search: the episode fails
+        return StepResult("", 0.0, True, {"success": False})
 
 
 @functools.lru_cache(maxsize=8)

@@ -9,7 +9,7 @@ import torch
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
 from hyperrl.tokenizer import char_tokenizer
-from hyperrl.transforms import Normalizer
+from tests.loop.test_tool_task import logit_grads
 
 CFG = "configs/calculator_agent.yaml"
 CHAR = char_tokenizer()
@@ -44,19 +44,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
         # the template's closing of the call turn (all of "<eos>\n" when the response ran into max_new_tokens),
         # the tool turn, the next generation prompt
         assert text.removeprefix("<eos>").startswith("\ntool: [") and text.endswith("]\nassistant: ")
-        kept = {}
-
-        def keep(module, args, logits):
-            logits.retain_grad()
-            kept["logits"] = logits
-
-        hook = tr.policy.lm_head.register_forward_hook(keep)
-        try:
-            tr.loss(batch, Normalizer.from_mask(act, tr.cfg.rollout.max_new_tokens)).loss.backward()
-        finally:
-            hook.remove()
-        g = kept["logits"].grad
-        a = batch["tokens"].shape[1] - g.shape[1]
+        g, a = logit_grads(tr, batch)
         assert float(g[obs[:, a:]].abs().max()) == 0.0
         assert float(g[act[:, a:]].abs().max()) > 0.0
     finally:

@@ -104,6 +104,25 @@ def _calculator_trainer(tmp_path, *extra):
     return build_trainer(cfg)
 
 
+def logit_grads(tr, batch):
+    """The real loss's gradient with respect to the logits of the plain forward (``[B, T − a, V]``,
+    predicting tokens ``a … T − 1``) and ``a``."""
+    kept = {}
+
+    def keep(module, args, logits):
+        logits.retain_grad()
+        kept["logits"] = logits
+
+    act = batch["action_mask"]
+    hook = tr.policy.lm_head.register_forward_hook(keep)
+    try:
+        tr.loss(batch, Normalizer.from_mask(act, tr.cfg.rollout.max_new_tokens)).loss.backward()
+    finally:
+        hook.remove()
+    g = kept["logits"].grad
+    return g, batch["tokens"].shape[1] - g.shape[1]
+
+
 def test_observation_tokens_never_enter_the_loss(tmp_path):
     """A real rollout of the compact task (a random policy calls with p ≈ 1/95 per episode: 512
     episodes, seeded), the real loss: its gradient with respect to the logits that predict the
@@ -122,19 +141,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     # the observation text is the calculator's result, never sampled
     row = int(called.nonzero()[0])
     assert CHAR.decode(batch["tokens"][row][obs[row]].tolist()).startswith("[")
-    kept = {}
-
-    def keep(module, args, logits):  # the plain forward's logits [B, T - a, V] predict tokens a … T - 1
-        logits.retain_grad()
-        kept["logits"] = logits
-
-    hook = tr.policy.lm_head.register_forward_hook(keep)
-    try:
-        tr.loss(batch, Normalizer.from_mask(act, tr.cfg.rollout.max_new_tokens)).loss.backward()
-    finally:
-        hook.remove()
-    g = kept["logits"].grad
-    a = batch["tokens"].shape[1] - g.shape[1]
+    g, a = logit_grads(tr, batch)
     assert a == int(act.int().argmax(-1)[act.any(-1)].min())  # the batch's first action position
     assert float(g[obs[:, a:]].abs().max()) == 0.0
     assert float(g[act[:, a:]].abs().max()) > 0.0
