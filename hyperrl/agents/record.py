@@ -16,7 +16,9 @@ call into prompt ids:
   whose prompt is rendered and tokenised whole — context only (action mask 0): tokens sampled
   earlier are trained in the chain that sampled them, never twice and never re-tokenised.
 
-**The row rule: one row per prefix-consistent chain.** A call sampling ``n > 1`` choices forks: the
+**The row rule: one row per prefix-consistent chain.** Two calls extending a chain at once (an agent's
+parallel branches): the first to finish continues it, the other starts a row whose prompt is context.
+A call sampling ``n > 1`` choices forks: the
 first choice continues the chain, each other choice becomes a chain of its own whose copy of the
 shared prefix is context (its sampled tokens are trained once, in the first). Every row of an
 episode gets the episode's reward and its group id.
@@ -203,8 +205,11 @@ class EpisodeRecord:
         self.log.append({"kind": kind, "prompt_ids": list(p.ids), "extends": p.chain is not None,
                          "choices": [{k: list(ch[k]) if isinstance(ch[k], list) else ch[k]
                                       for k in ("ids", "logprobs", "versions", "finish_reason")} for ch in choices]})
-        if p.chain is not None:
-            base = p.chain
+        chain = p.chain
+        if chain is not None and len(chain.tokens) + len(p.new) != len(p.ids):
+            chain = None  # another call extended the chain after this one's prompt was made: a row of its own
+        if chain is not None:
+            base = chain
             base.tokens, base.action = base.tokens + p.new, base.action + [False] * len(p.new)
             base.logprobs, base.versions = base.logprobs + [0.0] * len(p.new), base.versions + [NO_VERSION] * len(p.new)
         else:

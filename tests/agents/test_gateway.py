@@ -249,3 +249,28 @@ def test_content_the_template_cannot_take_is_a_400_naming_messages():
         gw.finish(ep)
     assert out.status_code == 400 and out.json()["error"]["param"] == "messages"
     assert out.json()["error"]["message"].startswith("messages: a content part must be {'type': 'text'")
+
+
+def test_two_calls_extending_one_chain_at_once_do_not_mix():
+    """Concurrent calls from the same history (an agent's parallel branches): both prompts extend the
+    chain; the first recorded continues it, the second becomes a row of its own whose prompt is context
+    — never the first's tokens followed by the second's observation."""
+    from hyperrl.agents import EpisodeRecord
+
+    rec = EpisodeRecord(TOK)
+    first = [{"role": "user", "content": "Hi"}]
+    p0 = rec.chat_prompt(first, None)
+    reply = {"role": "assistant", "content": "ok"}
+    ok = TOK.encode("ok") + [END]
+    rec.record(p0, [{"ids": ok, "logprobs": [-0.1] * len(ok), "versions": [0] * len(ok), "finish_reason": "stop",
+                     "reply": reply}], kind="chat")
+    more = [*first, reply, {"role": "user", "content": "more"}]
+    a, b = rec.chat_prompt(more, None), rec.chat_prompt(more, None)
+    assert a.chain is b.chain is rec.chains[0]
+    x = TOK.encode("x") + [END]
+    for p in (a, b):
+        rec.record(p, [{"ids": x, "logprobs": [-0.2] * len(x), "versions": [1] * len(x), "finish_reason": "stop",
+                        "reply": {"role": "assistant", "content": "x"}}], kind="chat")
+    one, two = rec.rows()
+    assert one.tokens == a.ids + x and sum(one.action) == len(ok) + len(x)
+    assert two.tokens == b.ids + x and sum(two.action) == len(x) and not any(two.action[:len(b.ids)])
