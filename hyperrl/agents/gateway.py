@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
 from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
-from hyperrl.rollout.requests import Request
+from hyperrl.rollout.requests import Request, call_key
 from hyperrl.sampling import SamplingParams
 from hyperrl.tokenizer import TokenizerError, decode_response
 
@@ -502,24 +502,6 @@ class Gateway:
             out[index[id(j)]].append({"ids": ids, "logprobs": batch["rollout_logprobs"][row][m].tolist(),
                                       "versions": tv, "finish_reason": finish})
         return out
-
-
-_M64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser on Python ints (a per-call key needs no tensor)."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def call_key(*parts: int) -> int:
-    """A non-negative 63-bit key of ``parts`` (episode uid, call, choice): what keys a call's sampling."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = _mix64((h ^ (int(p) & _M64)) & _M64)
-    return h >> 1
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

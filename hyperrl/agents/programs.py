@@ -36,7 +36,8 @@ from typing import Annotated
 import torch
 from pydantic import AfterValidator
 
-from hyperrl.agents.gateway import Gateway, call_key
+from hyperrl.agents.gateway import Gateway
+from hyperrl.rollout.requests import call_key
 from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
 from hyperrl.agents.worker import AgentWorker
 from hyperrl.envs.base import register_environment

@@ -128,8 +128,8 @@ class RolloutConfig(_Frozen):
                                 "chat observation that does not fit ends the episode)")
     max_episode_tokens: int = Field(256, ge=2, description="multi-turn: tokens per episode, prompt included (the "
                                     "episode stops when they are spent)")
-    max_concurrent_episodes: int = Field(64, ge=1, description="agents (env: {name: agent}): episodes running at "
-                                         "once")
+    max_concurrent_episodes: int = Field(64, ge=1, description="multi-turn (env): episodes running "
+                                         "at once — agent programs, environments' steps (a tool's wait)")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 

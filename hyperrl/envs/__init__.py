@@ -4,9 +4,11 @@ from hyperrl.envs.base import (
     ENVIRONMENTS,
     AgentProgram,
     Environment,
+    Episode,
     EpisodeBuilder,
     Limits,
     StepResult,
+    episodes_batch,
     register_environment,
     run_episodes,
     stack_episodes,
@@ -26,7 +28,7 @@ from hyperrl.envs.tools import (
 
 __all__ = [
     "Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder", "Limits",
-    "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
+    "Episode", "episodes_batch", "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
     "TOOLS", "Tool", "ToolResult", "ToolRunner",
     "register_tool", "calculate", "BM25Index", "make_search_tool", "resolve_call",
 ]

@@ -14,6 +14,8 @@ next generation prompt), ``max_episode_tokens`` (the episode stops when its budg
 
 from __future__ import annotations
 
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -23,10 +25,10 @@ from tensordict import TensorDict
 from hyperrl.registry import Registry
 from hyperrl.sampling import SamplingParams
 from hyperrl.tokenizer import decode_response, encode_prompt, encode_text, observation_ids
-from hyperrl.trajectory import stack_episodes
+from hyperrl.trajectory import NO_VERSION, stack_episodes
 
 __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
-           "Limits", "run_episodes", "stack_episodes"]
+           "Limits", "Episode", "episodes_batch", "run_episodes", "stack_episodes"]
 
 
 @dataclass(frozen=True)
@@ -107,84 +109,142 @@ class EpisodeBuilder:
                     group_id=group_id, version=version)
 
 
+class Episode:
+    """One episode of an environment as a state machine its driver steps — synchronously
+    (:func:`run_episodes`: every active episode's turn in one batch) or one turn at a time as its
+    requests come back (the asynchronous collector). :meth:`turn` is the next call to make —
+    ``(context ids, max_new_tokens)``, the budget the episode has left — or None once the episode is
+    over; :meth:`advance` takes the turn's sampled action (ids, log-probs, the version of each
+    token), steps the environment on its decoded text and appends the observation (module doc).
+    ``stops``: the ids that end a turn (decoding cuts there); ``uid``: the episode's sample_uid."""
+
+    def __init__(self, env, sample, tokenizer, limits: Limits, stops: tuple[int, ...] = (), *, group_id: int = 0,
+                 uid: int | None = None, max_new_tokens: int = 1 << 30):
+        self.env, self.tok, self.limits, self.stops = env, tokenizer, limits, tuple(stops)
+        self.group_id, self.uid, self.max_new_tokens = group_id, uid, max_new_tokens
+        first = env.reset(sample)
+        self.tools = getattr(env, "tools", None)
+        self.builder = EpisodeBuilder(encode_prompt(tokenizer, first, tools=self.tools))
+        self.chat = list(first) if isinstance(first, list) else None  # the conversation so far
+        self.versions: list[int] = [NO_VERSION] * len(self.builder)
+        self.reward, self.calls, self.success, self.turns, self.done = 0.0, 0, False, 0, False
+
+    def turn(self) -> tuple[list[int], int] | None:
+        """The next call: the context to continue and its token budget; None when the episode is over."""
+        if self.done or self.turns >= self.limits.max_turns or len(self.builder) >= self.limits.max_episode_tokens:
+            return None
+        return self.builder.tokens, max(1, min(self.max_new_tokens, self.limits.max_episode_tokens - len(self.builder)))
+
+    def advance(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """The turn's action → the environment's step → its observation appended (or the episode ends)."""
+        b, lim = self.builder, self.limits
+        b.add_action(ids, logprobs)
+        self.versions += list(versions)
+        self.turns += 1
+        text = decode_response(self.tok, ids, self.stops)
+        res = self.env.step(text)
+        self.reward += float(res.reward)
+        info = res.info or {}
+        self.calls += int(info.get("tool_calls", 0))
+        self.success = bool(info.get("success", self.success))
+        room = min(lim.max_obs_tokens, lim.max_episode_tokens - len(b))
+        self.done = res.done
+        if res.observation and not self.done and room > 0:
+            if isinstance(res.observation, str):  # text: truncated to the budget
+                obs = encode_text(self.tok, res.observation)[:room]
+            elif self.chat is None:
+                raise TypeError(f"{type(self.env).__name__}.step returned chat messages but reset returned text; "
+                                "a chat environment's reset must return messages")
+            else:  # chat: the template's tokens whole (a cut would drop the generation prompt), or stop
+                self.chat.append({"role": "assistant", "content": text})
+                obs = observation_ids(self.tok, self.chat, ids, res.observation, tools=self.tools)
+                self.chat.extend(res.observation)
+                if len(obs) > room:
+                    self.done, obs = True, []
+            if obs:
+                b.add_observation(obs)
+                self.versions += [NO_VERSION] * len(obs)
+
+    def row(self) -> dict:
+        """The episode's trajectory row (tokens, masks, log-probs, per-token versions, reward, group)."""
+        acted = [v for v, a in zip(self.versions, self.builder.action) if a]
+        row = {**self.builder.row(reward=self.reward, group_id=self.group_id, version=min(acted, default=0)),
+               "token_versions": self.versions}
+        if self.uid is not None:
+            row["sample_uid"] = self.uid
+        if getattr(self.env, "scores_final_turn", False):  # the configured rewards judge the final response
+            row["final_turn"] = next((s for kind, s, _ in reversed(self.builder.segments) if kind == "action"), 0)
+        return row
+
+
+def episodes_batch(episodes: list[Episode], pad_id: int) -> TensorDict:
+    """Finished episodes → their trajectory batch: a row each, with ``tool_calls`` ``[B]``, and
+    ``success`` ``[B]`` when the environment reports it."""
+    batch = stack_episodes([e.row() for e in episodes], pad_id)
+    batch = batch.set("tool_calls", torch.tensor([e.calls for e in episodes], dtype=torch.int64))
+    if episodes and getattr(episodes[0].env, "reports_success", False):
+        batch = batch.set("success", torch.tensor([float(e.success) for e in episodes], dtype=torch.float32))
+    return batch
+
+
+def _step_all(jobs, pool) -> None:
+    """``ep.advance(*args)`` for every ``(ep, args)``: concurrently on ``pool`` (an environment's step may
+    wait on a tool or a sandbox; every episode has its own environment), errors raised in order."""
+    if pool is None or len(jobs) < 2:
+        for ep, args in jobs:
+            ep.advance(*args)
+        return
+    for f in [pool.submit(ep.advance, *args) for ep, args in jobs]:
+        f.result()
+
+
 def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingParams, *, n: int = 1,
-                 limits: Limits = Limits(), group_offset: int = 0) -> tuple[TensorDict, list[EpisodeBuilder]]:
+                 limits: Limits = Limits(), group_offset: int = 0, uids: list[int] | None = None,
+                 generate_turns=None, concurrency: int = 32) -> tuple[TensorDict, list[EpisodeBuilder]]:
     """Drive ``n`` multi-turn episodes per sample, batched across active episodes each turn.
 
     Each turn the engine continues every active episode from its full token context (prompt,
-    earlier actions, observations); the decoded action goes to ``env.step``; its observation is
-    encoded once, truncated to ``max_obs_tokens`` and appended with mask 0. The episode reward is
-    the sum of step rewards; ``tool_calls`` ``[B]`` counts each episode's calls and, when the
-    environment reports it, ``success`` ``[B]`` is its final step's. Returns the trajectory batch
-    and the builders (their ``segments`` record exactly which tokens came from where).
+    earlier actions, observations) within the episode's own budget (``max_episode_tokens`` minus
+    its length); the decoded action goes to ``env.step`` (the turn's steps run concurrently, up to
+    ``concurrency``); its observation is encoded once, truncated to ``max_obs_tokens`` and
+    appended with mask 0 (:class:`Episode`). The episode reward is the sum of step rewards;
+    ``tool_calls`` ``[B]`` counts each episode's calls and, when the environment reports it,
+    ``success`` ``[B]`` is its final step's. ``uids``: the episodes' sample_uids (rows carry them);
+    ``generate_turns(calls, turn)``: how a turn is generated — ``calls`` are ``(uid, context ids,
+    max_new_tokens, group id)`` → a ``generate_requests``-style batch, a row per call (a keyed engine's
+    requests: each turn's tokens independent of the batch); None: ``engine.generate`` on the whole
+    turn, budgeted by the tightest episode. Returns the trajectory batch and the builders (their
+    ``segments`` record exactly which tokens came from where).
     """
-
-    envs, builders, rewards, groups, chats, calls, wins = [], [], [], [], [], [], []
-    for i, s in enumerate(samples):
-        for _ in range(n):
-            env = make_env()
-            first = env.reset(s)
-            tools = getattr(env, "tools", None)
-            envs.append(env)
-            builders.append(EpisodeBuilder(encode_prompt(tokenizer, first, tools=tools)))
-            chats.append(list(first) if isinstance(first, list) else None)  # the conversation so far
-            rewards.append(0.0)
-            calls.append(0)
-            wins.append(False)
-            groups.append(group_offset + i)
-    longest = max((len(b) for b in builders), default=0)
+    if uids is not None and len(uids) != len(samples) * n:
+        raise ValueError(f"uids: {len(uids)} for {len(samples)} samples × n={n}")
+    episodes = [Episode(make_env(), s, tokenizer, limits, sampling.stops, group_id=group_offset + i,
+                        uid=None if uids is None else uids[i * n + j], max_new_tokens=sampling.max_new_tokens)
+                for i, s in enumerate(samples) for j in range(n)]
+    longest = max((len(e.builder) for e in episodes), default=0)
     if longest >= limits.max_episode_tokens:  # nothing could be generated: say so, never train on prompts alone
         raise ValueError(f"an episode's first prompt has {longest} tokens, which fills max_episode_tokens="
                          f"{limits.max_episode_tokens} (rollout.max_episode_tokens); raise it above the prompt "
                          f"plus {limits.max_turns} turns of responses and observations")
-    active = [True] * len(builders)
     version = engine.policy_version
-    for turn in range(limits.max_turns):
-        idx = [i for i, a in enumerate(active) if a]
-        if not idx:
-            break
-        budget = min(limits.max_episode_tokens - len(builders[i]) for i in idx)
-        sp = SamplingParams(max_new_tokens=max(1, min(sampling.max_new_tokens, budget)),
-                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                            eos_id=sampling.eos_id, stop_ids=sampling.stop_ids,
-                            seed=None if sampling.seed is None else sampling.seed + turn)
-        out = engine.generate([builders[i].tokens for i in idx], sp, 1)
-        for row, i in enumerate(idx):
-            m = out["action_mask"][row]
-            ids = out["tokens"][row][m].tolist()
-            lps = out["rollout_logprobs"][row][m].tolist()
-            b = builders[i]
-            b.add_action(ids, lps)
-            text = decode_response(tokenizer, ids, sp.stops)
-            res = envs[i].step(text)
-            rewards[i] += float(res.reward)
-            info = res.info or {}
-            calls[i] += int(info.get("tool_calls", 0))
-            wins[i] = bool(info.get("success", wins[i]))
-            room = min(limits.max_obs_tokens, limits.max_episode_tokens - len(b))
-            done = res.done
-            if res.observation and not done and room > 0:
-                if isinstance(res.observation, str):  # text: truncated to the budget
-                    b.add_observation(encode_text(tokenizer, res.observation)[:room])
-                elif chats[i] is None:
-                    raise TypeError(f"{type(envs[i]).__name__}.step returned chat messages but reset returned text; "
-                                    "a chat environment's reset must return messages")
-                else:  # chat: the template's tokens whole (a cut would drop the generation prompt), or stop
-                    chats[i].append({"role": "assistant", "content": text})
-                    obs = observation_ids(tokenizer, chats[i], ids, res.observation, tools=getattr(envs[i], "tools",
-                                                                                                    None))
-                    chats[i].extend(res.observation)
-                    if len(obs) <= room:
-                        b.add_observation(obs)
-                    else:
-                        done = True
-            active[i] = not done and len(b) < limits.max_episode_tokens
-    rows = [b.row(reward=r, group_id=g, version=version) for b, r, g in zip(builders, rewards, groups)]
-    if envs and getattr(envs[0], "scores_final_turn", False):  # the configured rewards judge the final response
-        for row, b in zip(rows, builders):
-            row["final_turn"] = next((s for kind, s, _ in reversed(b.segments) if kind == "action"), 0)
-    batch = stack_episodes(rows, getattr(engine, "pad_id", tokenizer.pad_token_id or 0))
-    batch = batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64))
-    if envs and getattr(envs[0], "reports_success", False):
-        batch = batch.set("success", torch.tensor(wins, dtype=torch.float32))
-    return batch, builders
+    with ThreadPoolExecutor(max(1, min(concurrency, len(episodes)))) as pool:
+        for turn in range(limits.max_turns):
+            calls = [(e, e.turn()) for e in episodes]
+            calls = [(e, c) for e, c in calls if c is not None]
+            if not calls:
+                break
+            if generate_turns is not None:
+                out = generate_turns([(e.uid, ctx, budget, e.group_id) for e, (ctx, budget) in calls], turn)
+            else:
+                sp = dataclasses.replace(sampling, max_new_tokens=min(b for _, (_, b) in calls),
+                                         seed=None if sampling.seed is None else sampling.seed + turn)
+                out = engine.generate([ctx for _, (ctx, _) in calls], sp, 1)
+            jobs = []
+            for row, (e, _) in enumerate(calls):
+                m = out["action_mask"][row]
+                tv = out["token_version"][row][m].tolist() if "token_version" in out.keys() else None
+                ids = out["tokens"][row][m].tolist()
+                jobs.append((e, (ids, out["rollout_logprobs"][row][m].tolist(), tv or [version] * len(ids))))
+            _step_all(jobs, pool)
+    return episodes_batch(episodes, getattr(engine, "pad_id", tokenizer.pad_token_id or 0)), \
+        [e.builder for e in episodes]

@@ -33,8 +33,15 @@ lost. ``η = 0`` is synchronous: the same batches, metrics and weights as
 
 :class:`~hyperrl.loop.trainer.AsyncTrainer` is the trainer with this collector: rewards and shaping
 (:func:`~hyperrl.loop.collect.score_and_shape`), prepare, the pipeline, the learner and the publisher
-are the synchronous run's own code; only collection differs. Not yet here: multi-turn environments, group filters with
-refill (docs/async.md says what exists).
+are the synchronous run's own code; only collection differs.
+
+**Multi-turn** (``env``): a unit is a prompt's ``n`` episodes (:class:`hyperrl.envs.Episode`), each turn
+a request keyed by ``call_key(sample_uid, turn)`` within the episode's budget; a finished turn goes to
+its environment on a thread pool (a tool's wait overlaps generation), the next turn queues ahead of new
+prompts, and the unit completes when its episodes are over. At η = 0 (and gated) the turns go in
+lockstep — the synchronous round's batches, bit for bit. The environments live here: a dead worker loses
+only its turns in flight (they wait again, unchanged); a resumed run starts its live episodes again.
+Not yet here: agent programs, group filters with refill (docs/async.md says what exists).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import dataclasses
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +58,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
+from hyperrl.envs import Episode, episodes_batch
 from hyperrl.loop import admission as A
 from hyperrl.loop.async_schedules import make_schedule
 from hyperrl.loop.collect import Timer, sample_uid, score_and_shape
@@ -96,6 +105,19 @@ class AsyncCollector:
         self._draws: dict[int, list] = {}  # step → the task's prompts of that step (unit key k: step k // P)
         self._requeue: list[int] = []  # keys of evicted units, admitted again first
         self._next_key, self.restarts = 0, 0
+        # multi-turn: the environments' episodes live here, in the learner's process (module doc)
+        self.episodic = generator.make_env is not None
+        self._episodes: dict[int, tuple[int, Episode]] = {}  # a turn request's uid → (unit uid, its episode)
+        self._unit_eps: dict[int, list[Episode]] = {}  # unit uid → its n episodes
+        self._turn_limits: dict[int, int] = {}  # a turn request's uid → its max_new_tokens (a resumed row lacks it)
+        self._progress = 0  # turns generated and environment steps taken (a wait's liveness)
+        self._stepping = 0  # environment steps under way
+        # η = 0 or gated: turns in lockstep — a call waits until no environment step is under way and takes
+        # every episode's next turn (of the earliest step, gated) in episode order: the synchronous round's
+        # batch exactly, whatever order the steps finished in (bit for bit; free at η > 0 overlaps instead)
+        self._lockstep = self.episodic and (eta == 0 or schedule == "gated")
+        self._steps = ThreadPoolExecutor(rollout.max_concurrent_episodes, thread_name_prefix="hyperrl-env") \
+            if self.episodic else None
         # the event log: every worker call (its requests, version, decode steps before an interruption)
         # and every batch taken — what a replay needs to run the same calls and takes (module doc)
         self._log = log if self.schedule.records else None
@@ -131,14 +153,61 @@ class AsyncCollector:
         for step in [s for s in self._draws if s < low]:
             del self._draws[step]
 
-    def _requests(self, unit: A.Unit) -> list[Request]:
-        """The unit's n requests; uids as the SyncTrainer numbers them (step, prompt, sample)."""
+    def _uids(self, unit: A.Unit) -> list[int]:
+        """The unit's n sample_uids, as the SyncTrainer numbers them (step, prompt, sample)."""
         r = self.rollout
         step, g = divmod(unit.key, r.prompts_per_step)
-        prompt = tuple(self.task.encode(self._sample(unit.key)))
-        return [Request(sample_uid(step, 0, g, j, prompts_per_step=r.prompts_per_step, n=r.n,
-                                   max_generation_batches=r.max_generation_batches), prompt, unit.key)
-                for j in range(r.n)]
+        return [sample_uid(step, 0, g, j, prompts_per_step=r.prompts_per_step, n=r.n,
+                           max_generation_batches=r.max_generation_batches) for j in range(r.n)]
+
+    def _requests(self, unit: A.Unit) -> list[Request]:
+        """The unit's first requests: its n samples; multi-turn, the first turn of its n episodes
+        (started now, each with a fresh environment)."""
+        if not self.episodic:
+            prompt = tuple(self.task.encode(self._sample(unit.key)))
+            return [Request(u, prompt, unit.key) for u in self._uids(unit)]
+        sp, limits = self.generator.sampling(0), self.generator.limits()
+        eps = [Episode(self.generator.make_env(), self._sample(unit.key), self.generator.tok, limits, sp.stops,
+                       group_id=unit.key, uid=u, max_new_tokens=sp.max_new_tokens) for u in self._uids(unit)]
+        self._unit_eps[unit.uid] = eps
+        return [self._turn(unit.uid, e) for e in eps]
+
+    def _turn(self, uid: int, ep: Episode) -> Request:
+        """(under the lock) ``ep``'s next turn as a request (keyed as the synchronous round keys it)."""
+        ctx, budget = ep.turn()
+        q = self.generator.turn_request(ep.uid, ep.turns, ctx, budget, ep.group_id)
+        self._episodes[q.uid], self._turn_limits[q.uid] = (uid, ep), budget
+        return q
+
+    def _advance(self, uid: int, ep: Episode, args) -> None:
+        """(an environment thread) The turn's action to the episode's environment, outside the lock (a
+        step may wait on a tool); then its next turn waits for a worker — or the episode is over, and
+        with its unit's last one the unit is complete."""
+        try:
+            ep.advance(*args)
+        except BaseException as e:  # noqa: BLE001 — the learner fails the step naming the environment
+            with self._cond:
+                self._stepping -= 1
+                self._errors[f"environment {type(ep.env).__name__}"] = RuntimeError(
+                    f"step of episode {ep.uid} raised {type(e).__name__}: {e}")
+                self._cond.notify_all()
+            return
+        with self._cond:
+            try:
+                self._stepping -= 1
+                self._progress += 1
+                if self._unit_eps.get(uid) is None or ep not in self._unit_eps[uid]:
+                    return  # the unit was dropped meanwhile (a resume): nothing to continue
+                if ep.turn() is not None:
+                    self._pending.insert(0, self._turn(uid, ep))  # an episode under way goes before new ones
+                elif all(e.turn() is None for e in self._unit_eps[uid]):
+                    self._rows[uid] = [episodes_batch(self._unit_eps.pop(uid), self.engine.pad_id)]
+                    self._complete(uid)
+                    self._top_up()
+            except BaseException as e:  # noqa: BLE001 — never lost in a pool's future: the learner reports it
+                self._errors["episode driver"] = e
+            finally:
+                self._cond.notify_all()
 
     def _top_up(self) -> None:
         """Admit what capacity allows (under the lock): evicted prompts first, then fresh ones."""
@@ -172,10 +241,13 @@ class AsyncCollector:
             sp = dataclasses.replace(self.generator.sampling(0), seed=self.seed * 7919)  # SyncTrainer's keyed seed
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._stop or (not self._paused and self.schedule.can_take(self)))
+                    self._cond.wait_for(lambda: self._stop or (not self._paused and self.schedule.can_take(self)
+                                                               and not (self._lockstep and self._stepping)))
                     if self._stop:
                         return
                     reqs, stop_after, record = self._take()
+                    if self._lockstep:  # the synchronous round's order: by prompt, then sample
+                        reqs.sort(key=lambda q: (q.group_id, self._episodes[q.uid][1].uid))
                     self._busy.add(w.name)
                 try:  # busy until the rows are delivered (or the worker restarted): a publication waits
                     try:
@@ -205,12 +277,25 @@ class AsyncCollector:
                 f.write(json.dumps(event) + "\n")
 
     def _deliver(self, out: TensorDict, name: str, record: dict) -> None:
-        """Finished rows go to their unit (complete when all n are in); aborted rows resume."""
-        resumed = resume_requests(out)
+        """Finished rows go to their unit (complete when all n are in) — multi-turn, to their episode's
+        environment; aborted rows resume."""
         done = out[out["finish_reason"] != _ABORTED]
         with self._cond:
+            resumed = resume_requests(out, self._turn_limits)
             record.pop("replayed", None)
             self._record(record)
+            self._progress += 1
+            if self.episodic:
+                for i in range(done.batch_size[0]):
+                    uid, ep = self._episodes.pop(int(done["sample_uid"][i]))
+                    self._turn_limits.pop(int(done["sample_uid"][i]))
+                    m = done["action_mask"][i]
+                    args = (done["tokens"][i][m].tolist(), done["rollout_logprobs"][i][m].tolist(),
+                            done["token_version"][i][m].tolist())
+                    self._by[uid].add(name)
+                    self._stepping += 1
+                    self._steps.submit(self._advance, uid, ep, args)
+                done = done[:0]
             unit_of = {u.key: u.uid for u in self._units.values()}
             for i in range(done.batch_size[0]):
                 uid = unit_of[int(done["group_id"][i])]
@@ -225,7 +310,7 @@ class AsyncCollector:
     def _complete(self, uid: int) -> None:
         rows = cat_batches(self._rows[uid], self.engine.pad_id)
         rows = rows[torch.argsort(rows["sample_uid"])]  # the unit's rows in uid order, whichever worker came first
-        want = sorted(r.uid for r in self._requests(self._units[uid]))
+        want = sorted(self._uids(self._units[uid]))
         try:  # the workers' contract: versions stamped, the unit's own uids, each once
             validate(rows)
             if sorted(rows["sample_uid"].tolist()) != want:
@@ -243,6 +328,8 @@ class AsyncCollector:
         for name, e in self._errors.items():
             if isinstance(e, WorkerError):
                 raise WorkerError(str(e)) from e
+            if name.startswith("environment"):
+                raise WorkerError(f"{name}: {e}") from e
             raise WorkerError(f"{name} died: {type(e).__name__}: {e}") from e
         for t in self._threads:
             if not t.is_alive():
@@ -253,10 +340,10 @@ class AsyncCollector:
         finished or started), not the whole wait — a large batch that keeps arriving never times out,
         a dead or stuck worker is an error."""
         deadline = time.monotonic() + self.timeout_s
-        seen = (self.buffer.ready, self.buffer.in_flight)
+        seen = (self.buffer.ready, self.buffer.in_flight, self._progress)
         while not pred():
             self._check_workers()
-            now = (self.buffer.ready, self.buffer.in_flight)
+            now = (self.buffer.ready, self.buffer.in_flight, self._progress)
             if now != seen:  # progress: the deadline starts again
                 seen, deadline = now, time.monotonic() + self.timeout_s
             left = deadline - time.monotonic()
@@ -372,8 +459,11 @@ class AsyncCollector:
             t.join(timeout=max(self.timeout_s, 60.0))  # left inside torch at exit aborts the process: SIGABRT)
 
     def close(self) -> None:
-        """Stop the driver threads and release the workers (Ray actors, a Ray started for the run)."""
+        """Stop the driver threads and release the workers (Ray actors, a Ray started for the run); the
+        environments' steps under way finish on their own (none is waited for)."""
         self.stop_workers()
+        if self._steps is not None:
+            self._steps.shutdown(wait=False, cancel_futures=True)
         self.executor.close()
 
     def __del__(self):
@@ -405,5 +495,6 @@ class AsyncCollector:
             self.buffer = A.Buffer(b.eta, b.batch, b.max_concurrent, (), st["consumed"] + st["evicted"],
                                    st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
             self._units, self._rows, self._by, self._pending = {}, {}, {}, []
+            self._episodes, self._unit_eps, self._turn_limits = {}, {}, {}  # their episodes start again
             self._requeue, self._next_key = list(st["live"]), st["next_key"]
             self._record({"resume": st.get("step", None)})

@@ -10,10 +10,11 @@ loop behind the gateway (:class:`hyperrl.agents.AgentEnvironment`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tensordict import TensorDict
 
-from hyperrl.rollout.requests import Request
+from hyperrl.rollout.requests import Request, call_key
 from hyperrl.sampling import SamplingParams
 
 __all__ = ["Generator", "stop_ids_of"]
@@ -54,6 +55,23 @@ class Generator:
             if self.toolbox is not None:
                 self.toolbox.close()
 
+    def limits(self):
+        """The episode limits of ``rollout`` (max_turns, max_obs_tokens, max_episode_tokens)."""
+        from hyperrl.envs import Limits
+
+        r = self.rollout
+        return Limits(max_turns=r.max_turns, max_obs_tokens=r.max_obs_tokens, max_episode_tokens=r.max_episode_tokens)
+
+    @staticmethod
+    def turn_request(uid: int, turn: int, context, max_new_tokens: int, group_id: int) -> Request:
+        """Turn ``turn`` of episode ``uid`` as a request: keyed by ``call_key(uid, turn)``, within the
+        episode's budget — the same request in a synchronous round and from an asynchronous driver."""
+        return Request(call_key(uid, turn), tuple(context), group_id, max_new_tokens=max_new_tokens)
+
+    def generate_turns(self, sampling: SamplingParams, calls, turn: int) -> TensorDict:
+        """One turn of every episode in ``calls`` (``(uid, context, max_new_tokens, group id)``) on the keyed engine."""
+        return self.engine.generate_requests([self.turn_request(u, turn, c, m, g) for u, c, m, g in calls], sampling)
+
     def sampling(self, step: int, seed_offset: int = 0, temperature: float | None = None) -> SamplingParams:
         """The sampling parameters of a round of ``step`` (seed ``seed·7919 + step + seed_offset``)."""
         r = self.rollout
@@ -73,13 +91,14 @@ class Generator:
                 self.stats[k] = self.stats.get(k, 0.0) + v
             return batch
         if self.make_env is not None:  # multi-turn: the environment scores the episode
-            from hyperrl.envs import Limits, run_episodes
+            from hyperrl.envs import run_episodes
 
-            r = self.rollout
-            limits = Limits(max_turns=r.max_turns, max_obs_tokens=r.max_obs_tokens,
-                            max_episode_tokens=r.max_episode_tokens)
-            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=limits,
-                                    group_offset=group_offset)
+            turns = None
+            if uids is not None and self.engine.capabilities.keyed:  # each turn keyed by (sample_uid, turn)
+                turns = functools.partial(self.generate_turns, dataclasses.replace(sampling, seed=sampling.seed - step))
+            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=self.limits(),
+                                    group_offset=group_offset, uids=uids, generate_turns=turns,
+                                    concurrency=self.rollout.max_concurrent_episodes)
             return batch
         prompts = [self.task.encode(s) for s in samples]
         if uids is not None and self.engine.capabilities.keyed:

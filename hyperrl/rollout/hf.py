@@ -140,7 +140,8 @@ class TransformersEngine(TransactionalEngine):
     def generate_requests(self, requests: list[Request], sampling: SamplingParams, *, abort=None,
                           hold=None) -> TensorDict:
         """Continue every :class:`~hyperrl.rollout.requests.Request` from ``prompt + partial``
-        (re-prefill) for up to ``max_new_tokens − len(partial)`` more tokens, sampling keyed by
+        (re-prefill) for up to ``max_new_tokens − len(partial)`` more tokens (the request's own
+        ``max_new_tokens`` when lower), sampling keyed by
         ``(sampling.seed, uid, response index)``. ``abort`` (anything with ``is_set()``, e.g. a
         ``threading.Event``) is checked before every decode step: once set, unfinished rows stop
         and return ``finish_reason = aborted`` with their tokens so far. ``hold`` (anything with
@@ -155,11 +156,12 @@ class TransformersEngine(TransactionalEngine):
         if sampling.seed is None:
             raise ValueError("sampling.seed: keyed sampling needs a seed (the randomness is keyed by seed, "
                              "sample_uid and token index)")
-        budgets = torch.tensor([sampling.max_new_tokens - len(r.partial) for r in requests])
+        budgets = torch.tensor([r.budget(sampling.max_new_tokens) for r in requests])
         if bool((budgets < 1).any()):
             r = requests[int((budgets < 1).nonzero()[0])]
             raise ValueError(f"Request {r.uid}: {len(r.partial)} tokens generated already, no budget left under "
-                             f"max_new_tokens={sampling.max_new_tokens}; it is finished (length), not resumable")
+                             f"max_new_tokens={r.budget(sampling.max_new_tokens) + len(r.partial)}; it is finished "
+                             "(length), not resumable")
         if self._failed:
             raise WeightPublishError(f"{self._failed}; refusing to generate from unpublished weights")
         uids = torch.tensor([r.uid for r in requests])

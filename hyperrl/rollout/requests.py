@@ -24,7 +24,8 @@ from tensordict import TensorDict
 
 from hyperrl.trajectory import FINISH_REASONS
 
-__all__ = ["Request", "keyed_uniform", "keyed_sample", "keyed_seed", "resume_requests", "requests_for"]
+__all__ = ["Request", "keyed_uniform", "keyed_sample", "keyed_seed", "resume_requests", "requests_for",
+           "call_key"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
 _M1, _M2 = -4658895280553007687, -7723592293110705685  # splitmix64 multipliers as signed int64
@@ -40,6 +41,7 @@ class Request:
     partial_logprobs: tuple[float, ...] = ()
     partial_versions: tuple[int, ...] = ()
     partial_kv_versions: tuple[int, ...] | None = None  # None: each partial token's own version (re-prefilled)
+    max_new_tokens: int | None = None  # this response's token limit (partial included); None: the sampling's
 
     def __post_init__(self):
         if not self.prompt:
@@ -48,6 +50,33 @@ class Request:
             raise ValueError(f"Request {self.uid}: partial, partial_logprobs and partial_versions differ in length")
         if self.partial_kv_versions is not None and len(self.partial_kv_versions) != len(self.partial):
             raise ValueError(f"Request {self.uid}: partial_kv_versions and partial differ in length")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"Request {self.uid}: max_new_tokens={self.max_new_tokens}; at least 1 (None: the "
+                             "sampling's)")
+
+    def budget(self, max_new_tokens: int) -> int:
+        """Tokens still to generate under the sampling's ``max_new_tokens`` and this request's own limit."""
+        cap = max_new_tokens if self.max_new_tokens is None else min(max_new_tokens, self.max_new_tokens)
+        return cap - len(self.partial)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on Python ints (a per-call key needs no tensor)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def call_key(*parts: int) -> int:
+    """A non-negative 63-bit key of ``parts`` — (episode uid, call, choice) of an agent's call, (sample_uid,
+    turn) of an environment's turn: what keys that call's sampling, the same in every run and batch."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = _mix64((h ^ (int(p) & _M64)) & _M64)
+    return h >> 1
 
 
 def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -95,9 +124,10 @@ def requests_for(prompts: list[list[int]], n: int, *, uid_offset: int, group_off
             for j in range(n)]
 
 
-def resume_requests(batch: TensorDict) -> list[Request]:
+def resume_requests(batch: TensorDict, limits: dict[int, int] | None = None) -> list[Request]:
     """The aborted rows of a ``generate_requests`` batch as requests that continue them: the prompt
-    (the tokens before the first action), the generated tokens with their log-probs and versions.
+    (the tokens before the first action), the generated tokens with their log-probs and versions;
+    ``limits``: the requests' own ``max_new_tokens`` by uid (a row does not carry it).
     Single-turn rows only (a row with observation tokens after its first action is refused)."""
     out = []
     for i in (batch["finish_reason"] == _ABORTED).nonzero()[:, 0].tolist():
@@ -111,5 +141,6 @@ def resume_requests(batch: TensorDict) -> list[Request]:
         out.append(Request(int(batch["sample_uid"][i]), tuple(tok[:first]), int(batch["group_id"][i]),
                            tuple(tok[first:]), tuple(batch["rollout_logprobs"][i, first:n].tolist()),
                            tuple(batch["token_version"][i, first:n].tolist()),
-                           tuple(batch["kv_version"][i, first:n].tolist()) if "kv_version" in batch.keys() else None))
+                           tuple(batch["kv_version"][i, first:n].tolist()) if "kv_version" in batch.keys() else None,
+                           (limits or {}).get(int(batch["sample_uid"][i]))))
     return out

@@ -154,10 +154,10 @@ class VLLMEngine(TransactionalEngine):
             raise ValueError("sampling.seed: resumable requests need a seed (each request's is keyed by it)")
         eng, ids = self.llm.llm_engine, {}
         for r in requests:
-            budget = sampling.max_new_tokens - len(r.partial)
+            budget = r.budget(sampling.max_new_tokens)  # the request's own limit when lower
             if budget < 1:
                 raise ValueError(f"Request {r.uid}: {len(r.partial)} tokens generated already, no budget left under "
-                                 f"max_new_tokens={sampling.max_new_tokens}; it is finished (length), not resumable")
+                                 f"max_new_tokens={budget + len(r.partial)}; it is finished (length), not resumable")
             sp = _vllm_sampling(sampling, n=1, max_tokens=budget, seed=keyed_seed(sampling.seed, r.uid, len(r.partial)))
             rid = f"hyperrl-{next(self._request_ids)}"
             ids[rid] = r

@@ -25,9 +25,10 @@ LATE_CHECKS = [
     (["--async.max_staleness=1", "--async.kv_cache=keep", "--async.executor={name: ray}"],
      r"async\.kv_cache=keep: the ray executor"),
     (["--async.max_staleness=1", "--async.schedule=gated", "--async.max_concurrent=3"], r"async\.max_concurrent=3"),
-    (["--async.max_staleness=1", "--algo.filter=dynamic_sampling"], r"async\.max_staleness: multi-turn"),
-    (["--async.max_staleness=1", "--algo.recipe=remax"], r"async\.max_staleness: multi-turn"),
-    (["--async.max_staleness=1", "--env=calculator_copy", "--task=products"], r"async\.max_staleness: multi-turn"),
+    (["--async.max_staleness=1", "--algo.filter=dynamic_sampling"], r"async\.max_staleness: group filters"),
+    (["--async.max_staleness=1", "--algo.recipe=remax"], r"async\.max_staleness: group filters"),
+    (["--async.max_staleness=1", "--env=calculator_copy", "--task=products", "--async.replay=x.jsonl"],
+     r"async\.replay with env"),
     (["--async.max_staleness=-1"], r"async\.max_staleness"),
 ]
 
