@@ -22,7 +22,10 @@ Calls are batched: a dispatcher thread takes the pending calls when every open e
 pending, or ``batch_wait_s`` after the last arrived, and runs them as one engine call per set of
 sampling parameters — keyed by ``(seed, a key of (episode uid, call, choice), token index)`` on an
 engine whose ``capabilities.keyed`` is set, so what an episode samples does not depend on what else
-was batched with it.
+was batched with it. An episode opened with ``submit`` (the asynchronous trainer's) does not call the
+engine: its calls go to ``submit(requests, done)`` — the rollout workers' queue — and ``done(rows)``
+answers them when the rows are generated (a publication may interrupt a call; it resumes under the
+new weights, its tokens stamped with their versions).
 
 aiohttp serves it (why: one well-kept package that is both the HTTP server and nothing more — no
 ASGI server + framework pair to keep in step — running its own event loop in a background thread of
@@ -43,6 +46,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
@@ -82,9 +86,10 @@ class GatewayEpisode:
     overridden: int = 0
     errors: list[str] = field(default_factory=list)
     finished: bool = False
+    submit: Callable | None = None  # the asynchronous trainer's queue (None: the gateway calls the engine)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     episode: GatewayEpisode
     prompt: Prompt
@@ -194,6 +199,7 @@ class Gateway:
         self._render = lambda msgs, tools: cached(json.dumps([msgs, tools]))  # key order kept: templates render it
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._waiting: set[_Job] = set()  # calls submitted to a queue, not answered yet (failed at close)
         self._closed = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -211,12 +217,15 @@ class Gateway:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def open(self, uid: int, *, sampling: SamplingParams | None = None) -> GatewayEpisode:
+    def open(self, uid: int, *, sampling: SamplingParams | None = None, submit: Callable | None = None
+             ) -> GatewayEpisode:
         """A new episode (``uid``: the sample_uid keying its sampling; ``sampling``: this round's
-        parameters — a training round's or an evaluation's — default the gateway's)."""
+        parameters — a training round's or an evaluation's — default the gateway's; ``submit``: where
+        its calls go instead of the engine — ``submit(requests, done)``, ``done(rows)`` once they are
+        generated, a row per request in order)."""
         eid = uuid.uuid4().hex
         ep = GatewayEpisode(eid, secrets.token_urlsafe(24), f"{self.url}/episodes/{eid}/v1", int(uid),
-                            EpisodeRecord(self.tok, self._render), sampling=sampling or self.sampling)
+                            EpisodeRecord(self.tok, self._render), sampling=sampling or self.sampling, submit=submit)
         with self._lock:
             self.episodes[eid] = ep
         return ep
@@ -233,6 +242,13 @@ class Gateway:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._dispatcher.join(10)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), set()
+        while not self._jobs.empty():  # calls the dispatcher never took
+            waiting.append(self._jobs.get_nowait())
+        for j in waiting:  # a queue that stopped (the trainer closing) answers nobody: the calls end now
+            j.loop.call_soon_threadsafe(_fail, j.future, GatewayError(503, "the run is closing", type="server_error"))
         if self._loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
             try:
@@ -240,7 +256,6 @@ class Gateway:
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
         self._server.join(10)
-        self._dispatcher.join(10)
 
     def __enter__(self) -> Gateway:
         return self
@@ -259,7 +274,7 @@ class Gateway:
         app.router.add_post("/episodes/{eid}/v1/completions", self._wrap(self._completions))
 
         async def start():
-            self._runner = web.AppRunner(app, access_log=None)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, port)
             await site.start()
@@ -466,9 +481,12 @@ class Gateway:
                     deadline = time.monotonic() + self.batch_wait_s
                 except queue.Empty:
                     break
+            for j in [j for j in jobs if j.episode.submit is not None]:  # the asynchronous trainer's queue
+                self._submit(j)
             groups: dict[SamplingParams, list[_Job]] = {}
             for j in jobs:
-                groups.setdefault(j.sampling, []).append(j)
+                if j.episode.submit is None:
+                    groups.setdefault(j.sampling, []).append(j)
             for sp, group in groups.items():
                 try:
                     outs = self._run(group, sp)
@@ -490,18 +508,45 @@ class Gateway:
             batch = self.engine.generate_requests(reqs, sp)
         else:
             batch = self.engine.generate([list(j.prompt.ids) for j, _ in prompts], sp, 1)
-        stops = set(sp.stops)
         out: list[list[dict]] = [[] for _ in jobs]
         index = {id(j): k for k, j in enumerate(jobs)}
-        version = int(self.engine.policy_version)
         for row, (j, _) in enumerate(prompts):
-            m = batch["action_mask"][row]
-            ids = batch["tokens"][row][m].tolist()
-            tv = batch["token_version"][row][m].tolist() if "token_version" in batch.keys() else [version] * len(ids)
-            finish = "stop" if ids and ids[-1] in stops else "length"
-            out[index[id(j)]].append({"ids": ids, "logprobs": batch["rollout_logprobs"][row][m].tolist(),
-                                      "versions": tv, "finish_reason": finish})
+            out[index[id(j)]].append(self._choice(batch, row, sp))
         return out
+
+    def _choice(self, batch, row: int, sp: SamplingParams) -> dict:
+        """Row ``row`` of a generated batch as a call's choice: ids, logprobs, versions, finish_reason."""
+        m = batch["action_mask"][row]
+        ids = batch["tokens"][row][m].tolist()
+        tv = batch["token_version"][row][m].tolist() if "token_version" in batch.keys() else \
+            [int(self.engine.policy_version)] * len(ids)
+        return {"ids": ids, "logprobs": batch["rollout_logprobs"][row][m].tolist(), "versions": tv,
+                "finish_reason": "stop" if ids and ids[-1] in set(sp.stops) else "length"}
+
+    def _submit(self, j: _Job) -> None:
+        """A call of an episode opened with ``submit``: its ``n`` requests (keyed like :meth:`_run`'s, within
+        the call's ``max_new_tokens``) to the episode's queue; answered when their rows come back."""
+        self.engine_calls += 1
+        self.engine_rows += j.n
+        reqs = [Request(call_key(j.episode.uid, j.call, c), tuple(j.prompt.ids), 0,
+                        max_new_tokens=j.sampling.max_new_tokens) for c in range(j.n)]
+        with self._lock:
+            self._waiting.add(j)
+
+        def done(batch) -> None:
+            with self._lock:
+                self._waiting.discard(j)
+            try:
+                out = [self._choice(batch, row, j.sampling) for row in range(j.n)]
+            except BaseException as e:  # noqa: BLE001 - the waiting call gets the error
+                j.loop.call_soon_threadsafe(_fail, j.future, e)
+                return
+            j.loop.call_soon_threadsafe(_resolve, j.future, out)
+
+        try:
+            j.episode.submit(reqs, done)
+        except BaseException as e:  # noqa: BLE001 - the waiting call gets the error
+            j.loop.call_soon_threadsafe(_fail, j.future, e)
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

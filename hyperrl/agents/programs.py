@@ -128,6 +128,7 @@ class AgentEnvironment:
         the run's ``tools:`` for a program taking ``(sample, client, tools)`` (an agent process starts
         its own from ``tool_sources``)."""
         self.toolbox, self.tool_sources = toolbox, list(tool_sources or [])
+        self._closing = False
         if self.command is not None and self.judge is None and not has_rewards:
             raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
                              "or configured rewards: over its final response")
@@ -143,6 +144,7 @@ class AgentEnvironment:
         return self
 
     def close(self) -> None:
+        self._closing = True  # rounds still running end now, unreported (an asynchronous run's units in flight)
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -158,10 +160,31 @@ class AgentEnvironment:
         episode left a row."""
         if self.gateway is None:
             raise RuntimeError("AgentEnvironment.run before bind(engine, …)")
-        jobs = [(i, j, s) for i, s in enumerate(samples) for j in range(n)]
+        jobs = [(group_offset + i, s) for i, s in enumerate(samples) for _ in range(n)]
         calls0, rows0 = self.gateway.engine_calls, self.gateway.engine_rows
-        keys = uids if uids is not None else [call_key(sampling.seed or 0, group_offset + i, j) for i, j, _ in jobs]
-        episodes = [self.gateway.open(u, sampling=sampling) for u in keys]
+        keys = uids if uids is not None else [call_key(sampling.seed or 0, g, k % n) for k, (g, _) in enumerate(jobs)]
+        batch, self.stats, self.errors = self._round(jobs, keys, sampling)
+        if batch is None:
+            raise AgentError(f"no agent episode produced a row ({int(self.stats['agent_failed'])} failed, "
+                             f"{int(self.stats['agent_empty'])} never called the model)"
+                             + (f"; the first failure: {self.errors[0]}" if self.errors else ""))
+        self.stats["agent_engine_calls"] = float(self.gateway.engine_calls - calls0)
+        self.stats["agent_engine_rows"] = float(self.gateway.engine_rows - rows0)
+        return batch
+
+    def run_unit(self, sample, sampling, uids: list[int], *, group_id: int, submit) -> tuple:
+        """One prompt's ``len(uids)`` episodes for the asynchronous trainer: their calls go to
+        ``submit`` (the rollout workers' queue, :meth:`Gateway.open`), their rows carry ``sample_uid``.
+        Returns ``(batch or None when no episode left a row, stats, errors)``; thread-safe (units run
+        concurrently)."""
+        if self.gateway is None:
+            raise RuntimeError("AgentEnvironment.run_unit before bind(engine, …)")
+        return self._round([(group_id, sample)] * len(uids), uids, sampling, submit=submit)
+
+    def _round(self, jobs: list[tuple], keys: list[int], sampling, submit=None) -> tuple:
+        """The episodes ``jobs`` — ``(group id, sample)`` each, keyed by ``keys`` — run to their end:
+        ``(batch or None, stats, errors)``."""
+        episodes = [self.gateway.open(u, sampling=sampling, submit=submit) for u in keys]
         try:
             def done(k):  # its agent returned: the gateway stops counting it among those that may still call
                 self.gateway.finish(episodes[k])
@@ -169,23 +192,19 @@ class AgentEnvironment:
             if self.command is not None:
                 def command(k):
                     try:
-                        return self._run_command(jobs[k][2], episodes[k])
+                        return self._run_command(jobs[k][1], episodes[k])
                     finally:
                         done(k)
 
                 with ThreadPoolExecutor(max(1, min(self.max_concurrent, len(jobs)))) as pool:
                     outcomes = list(pool.map(command, range(len(jobs))))
             else:
-                work = [(s, ep.base_url, ep.api_key) for (_, _, s), ep in zip(jobs, episodes)]
+                work = [(s, ep.base_url, ep.api_key) for (_, s), ep in zip(jobs, episodes)]
                 outcomes = (self.worker if self.isolate else self.runner).run(work, done)
         finally:
             for ep in episodes:
                 self.gateway.finish(ep)
-        batch = self._batch(jobs, episodes, outcomes, group_offset)
-        calls = self.gateway.engine_calls - calls0
-        self.stats["agent_engine_calls"] = float(calls)
-        self.stats["agent_engine_rows"] = float(self.gateway.engine_rows - rows0)
-        return batch
+        return self._batch(jobs, episodes, outcomes, uids=submit is not None)
 
     def _run_command(self, sample, ep) -> EpisodeOutcome:
         with tempfile.TemporaryDirectory(prefix="hyperrl-agent-") as tmp:
@@ -223,10 +242,12 @@ class AgentEnvironment:
             return EpisodeOutcome(error=f"env.reward raised {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ rows
-    def _batch(self, jobs, episodes, outcomes, group_offset):
+    def _batch(self, jobs, episodes, outcomes, *, uids: bool = False):
+        """The episodes' rows (``uids``: each carrying its episode's ``sample_uid``) → ``(batch or None,
+        stats, errors)``."""
         rows, calls, failed, empty, errors = [], [], 0, 0, []
         success = []
-        for (i, _, _), ep, out in zip(jobs, episodes, outcomes):
+        for (group, _), ep, out in zip(jobs, episodes, outcomes):
             if out.error is None and out.reward is None and not self.has_rewards:
                 out = dataclasses.replace(out, error="the agent returned no reward and no rewards: are configured; "
                                                      "return a number or an AgentResult(reward=…)")
@@ -240,29 +261,28 @@ class AgentEnvironment:
                 continue
             for c in chains:
                 rows.append(dict(tokens=c.tokens, action=c.action, logprobs=c.logprobs, token_versions=c.versions,
-                                 reward=out.reward or 0.0, group_id=group_offset + i, final_turn=c.final_turn(),
+                                 reward=out.reward or 0.0, group_id=group, final_turn=c.final_turn(),
                                  finish_reason=c.finish_reason,
-                                 version=min(v for v, a in zip(c.versions, c.action) if a)))
+                                 version=min(v for v, a in zip(c.versions, c.action) if a),
+                                 **({"sample_uid": ep.uid} if uids else {})))
                 calls.append(c.tool_calls)
                 success.append(out.success)
-        self.stats = {"agent_episodes": float(len(episodes)), "agent_failed": float(failed),
-                      "agent_empty": float(empty), "agent_calls": float(sum(e.calls for e in episodes)),
-                      "agent_rewrites": float(sum(e.record.rewrites for e in episodes)),
-                      "agent_malformed_tool_calls": float(sum(e.malformed_tool_calls for e in episodes)),
-                      "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
-                      "agent_rows": float(len(rows))}
-        self.errors = errors
-        if errors:
+        stats = {"agent_episodes": float(len(episodes)), "agent_failed": float(failed),
+                 "agent_empty": float(empty), "agent_calls": float(sum(e.calls for e in episodes)),
+                 "agent_rewrites": float(sum(e.record.rewrites for e in episodes)),
+                 "agent_malformed_tool_calls": float(sum(e.malformed_tool_calls for e in episodes)),
+                 "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
+                 "agent_rows": float(len(rows))}
+        if errors and not getattr(self, "_closing", False):
             print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",
                   file=sys.stderr)
         if not rows:
-            raise AgentError(f"no agent episode produced a row ({failed} failed, {empty} never called the model)"
-                             + (f"; the first failure: {errors[0]}" if errors else ""))
+            return None, stats, errors
         batch = stack_episodes(rows, self.tok.pad_token_id or 0)
         batch = batch.set("tool_calls", torch.tensor(calls, dtype=torch.int64))
         if all(s is not None for s in success):
             batch = batch.set("success", torch.tensor([float(s) for s in success]))
-        return batch
+        return batch, stats, errors
 
 
 class AgentError(RuntimeError):

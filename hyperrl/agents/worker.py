@@ -6,15 +6,19 @@ the engine on one core; in an :class:`AgentWorker` (a ``spawn``-ed process, star
 runs on another core, and a program that segfaults, calls ``os._exit`` or leaks memory fails its
 round's episodes, not the run: the worker is started again for the next round.
 
-The parent sends a round — the program's ``"file.py:function"``, each episode's sample, base URL and
-key — and receives one :class:`~hyperrl.agents.programs.EpisodeOutcome` per episode. Timeouts are the
-child's (per episode) and the parent's (the round: every episode's timeout plus a margin, then the
-worker is killed and the episodes still out fail).
+The parent sends a round — each episode's sample, base URL and key, tagged with the round's id —
+and receives one :class:`~hyperrl.agents.programs.EpisodeOutcome` per episode. Rounds run
+concurrently (the asynchronous trainer runs a round per prompt group in flight): the child runs each
+on a thread of its own, a reader thread of the parent routes every message to its round. Timeouts are
+the child's (per episode) and the parent's (the round: every episode's timeout plus a margin, then the
+process is killed — and every round it was running fails, named).
 """
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
+import queue
 import threading
 import time
 
@@ -22,59 +26,90 @@ __all__ = ["AgentWorker"]
 
 
 class AgentWorker:
-    """One child process running agent rounds (see the module doc)."""
+    """One child process running agent rounds, several at once (see the module doc)."""
 
     def __init__(self, program: str, *, timeout_s: float, max_concurrent: int, tool_sources: list | None = None):
         self.program, self.timeout_s, self.max_concurrent = program, timeout_s, max_concurrent
         self.tool_sources = list(tool_sources or [])
-        self._proc = None
-        self._lost = False  # the last round lost the process: the next start is a restart
+        self._proc = self._conn = None
+        self._lost = False  # a round lost the process: the next start is a restart
         self.restarts = 0
+        self._lock = threading.Lock()  # the process, the pipe's sending end, the rounds
+        self._rounds: dict[int, tuple[queue.Queue, object]] = {}  # round id → (its messages, its process)
+        self._ids = itertools.count()
 
     def _start(self) -> None:
+        """(under the lock) Start the child and the thread reading its messages."""
         ctx = mp.get_context("spawn")  # not fork: the trainer's threads (engine, gateway) hold locks
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, self.program, self.timeout_s, self.max_concurrent,
-                                                                 self.tool_sources),
+                                                      self.tool_sources),
                                  name="hyperrl-agent", daemon=True)
         self._proc.start()
         child.close()
+        threading.Thread(target=self._read, args=(self._conn, self._proc), name="hyperrl-agent-reader",
+                         daemon=True).start()
+
+    def _read(self, conn, proc) -> None:
+        """Route the child's messages to their rounds; when it is gone, tell the rounds it was running."""
+        while True:
+            try:
+                rid, kind, value = conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                box = self._rounds.get(rid)
+            if box is not None:
+                box[0].put((kind, value))
+        with self._lock:
+            for q, p in self._rounds.values():
+                if p is proc:
+                    q.put(("lost", None))
 
     def run(self, episodes: list[tuple], on_done=None) -> list:
         """``episodes``: ``(sample, base_url, api_key)`` each → their outcomes, in order;
-        ``on_done(k)`` as the child reports episode ``k`` returned."""
+        ``on_done(k)`` as the child reports episode ``k`` returned. Safe to call from several threads."""
         from hyperrl.agents.runner import EpisodeOutcome
 
-        if self._proc is None or not self._proc.is_alive():
-            if self._proc is not None or self._lost:
-                self.restarts += 1
-            self._start()
-            self._lost = False
-        self._conn.send(episodes)
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                if self._proc is not None or self._lost:
+                    self.restarts += 1
+                self._stop()
+                self._start()
+                self._lost = False
+            rid, q, proc = next(self._ids), queue.Queue(), self._proc
+            self._rounds[rid] = (q, proc)
+            self._conn.send((rid, episodes))
         waves = -(-len(episodes) // max(1, self.max_concurrent))
         deadline = time.monotonic() + waves * self.timeout_s + 60.0  # + the child's start-up (imports)
-        while time.monotonic() < deadline:
-            if self._conn.poll(min(1.0, max(0.0, deadline - time.monotonic()))):
+        try:
+            while time.monotonic() < deadline:
                 try:
-                    kind, value = self._conn.recv()
-                except (EOFError, OSError):
-                    break
+                    kind, value = q.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    continue
                 if kind == "result":
                     return value
+                if kind == "lost":
+                    break
                 if on_done is not None:  # "done": one episode's agent returned
                     on_done(value)
-                continue
-            if not self._proc.is_alive():
-                break
-        self._proc.join(5 if not self._proc.is_alive() or time.monotonic() < deadline else 0)
-        code = self._proc.exitcode
-        self.close()
-        self._lost = True
-        why = (f"the agent process died (exit code {code})" if code is not None else
-               f"the agent process did not finish the round within {waves} × env.timeout_s + 60 s; killed")
-        return [EpisodeOutcome(error=why) for _ in episodes]
+            proc.join(5 if not proc.is_alive() or time.monotonic() < deadline else 0)
+            code = proc.exitcode
+            with self._lock:
+                if self._proc is proc:
+                    self._stop()
+                    self._lost = True
+            why = (f"the agent process died (exit code {code})" if code is not None else
+                   f"the agent process did not finish the round within {waves} × env.timeout_s + 60 s; killed")
+            return [EpisodeOutcome(error=why) for _ in episodes]
+        finally:
+            with self._lock:
+                self._rounds.pop(rid, None)
 
-    def close(self) -> None:
+    def _stop(self) -> None:
+        """(under the lock) Kill the child (if any) and close the pipe."""
         if self._proc is not None:
             if self._proc.is_alive():
                 self._proc.kill()
@@ -82,10 +117,14 @@ class AgentWorker:
             self._conn.close()
             self._proc = None
 
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
 
 def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sources: list) -> None:
     """The child: load the program (and start its tools' MCP servers) once, then run each round sent
-    until the pipe closes."""
+    — on a thread of its own, several at once — until the pipe closes."""
     from hyperrl.agents.mcp import Toolbox
     from hyperrl.agents.runner import EpisodeOutcome, ProgramRunner
 
@@ -94,20 +133,21 @@ def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sourc
         agent.toolbox = Toolbox(tool_sources) if tool_sources and agent.wants_tools else None
     except Exception as e:  # noqa: BLE001 - every episode of every round fails with the reason
         agent, error = None, f"{type(e).__name__}: {e}"
+    lock = threading.Lock()  # the pipe is shared by the rounds' and the episodes' threads
+
+    def send(msg) -> None:
+        with lock:
+            conn.send(msg)
+
+    def round_(rid, episodes) -> None:
+        send((rid, "result", agent.run(episodes, lambda k: send((rid, "done", k)))))
+
     while True:
         try:
-            episodes = conn.recv()
+            rid, episodes = conn.recv()
         except (EOFError, OSError):
             return
         if agent is None:
-            conn.send(("result", [EpisodeOutcome(error=error) for _ in episodes]))
+            send((rid, "result", [EpisodeOutcome(error=error) for _ in episodes]))
         else:
-            lock = threading.Lock()
-
-            def done(k, lock=lock):
-                with lock:  # the pipe is shared by the episodes' threads
-                    conn.send(("done", k))
-
-            outcomes = agent.run(episodes, done)
-            with lock:
-                conn.send(("result", outcomes))
+            threading.Thread(target=round_, args=(rid, episodes), daemon=True).start()

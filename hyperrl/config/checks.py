@@ -202,12 +202,10 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if s.schedule == "gated" and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:
         raise ConfigError(f"async.max_concurrent={s.max_concurrent}: the gated schedule admits whole steps — set 0 "
                           f"or ≥ (η + 1) · rollout.prompts_per_step = {(eta + 1) * r.prompts_per_step}")
-    if cfg.env is not None and cfg.env.name == "agent":
-        raise ConfigError("async.max_staleness: agent programs (env: {name: agent}) are synchronous-only for now "
-                          "(environments driven turn by turn run asynchronously); unset async.max_staleness")
     if cfg.env is not None and s.replay is not None:
-        raise ConfigError("async.replay with env: an environment's steps finish in their own time, which the event "
-                          "log does not record; reproduce a multi-turn run with async.schedule: gated")
+        raise ConfigError("async.replay with env: an environment's steps (an agent's calls) come in their own time, "
+                          "which the event log does not record; reproduce a multi-turn run with "
+                          "async.schedule: gated")
     if cfg.algo.filter is not None or "baseline_reward" in needs:
         raise ConfigError("async.max_staleness: group filters with refill (algo.filter) and ReMax's greedy "
                           "baseline are synchronous-only for now; unset async.max_staleness")

@@ -41,12 +41,17 @@ its environment on a thread pool (a tool's wait overlaps generation), the next t
 prompts, and the unit completes when its episodes are over. At η = 0 (and gated) the turns go in
 lockstep — the synchronous round's batches, bit for bit. The environments live here: a dead worker loses
 only its turns in flight (they wait again, unchanged); a resumed run starts its live episodes again.
-Not yet here: agent programs, group filters with refill (docs/async.md says what exists).
+
+**Agent programs** (``env: {name: agent}``): a unit's n episodes run as one round on a thread of their
+own from admission (never paused); their gateway calls come in through :meth:`_submit` as requests and
+are answered when generated — interrupted and resumed across publications like any. Not yet here:
+group filters with refill (docs/async.md says what exists).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -58,6 +63,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
+from hyperrl.agents import AgentError
 from hyperrl.envs import Episode, episodes_batch
 from hyperrl.loop import admission as A
 from hyperrl.loop.async_schedules import make_schedule
@@ -118,6 +124,13 @@ class AsyncCollector:
         self._lockstep = self.episodic and (eta == 0 or schedule == "gated")
         self._steps = ThreadPoolExecutor(rollout.max_concurrent_episodes, thread_name_prefix="hyperrl-env") \
             if self.episodic else None
+        # agent programs: a unit's n episodes run as one round on a thread of their own (at most
+        # max_concurrent_episodes episodes at once); their gateway calls come here as requests
+        self.agentic = generator.agent is not None
+        self._calls: dict[int, dict] = {}  # a gateway call's request uid → the call (its rows, its answer)
+        self._agent_slots = threading.BoundedSemaphore(max(1, rollout.max_concurrent_episodes // rollout.n))
+        self._agent_error = ""  # the last agent failure (an all-empty batch names it)
+        self._agent_stats: dict[str, float] = {}  # the agent rounds' counts since the last step
         # the event log: every worker call (its requests, version, decode steps before an interruption)
         # and every batch taken — what a replay needs to run the same calls and takes (module doc)
         self._log = log if self.schedule.records else None
@@ -163,6 +176,10 @@ class AsyncCollector:
     def _requests(self, unit: A.Unit) -> list[Request]:
         """The unit's first requests: its n samples; multi-turn, the first turn of its n episodes
         (started now, each with a fresh environment)."""
+        if self.agentic:  # the agents call the gateway; their calls come back through _submit
+            threading.Thread(target=self._run_agents, args=(unit, self._sample(unit.key)), daemon=True,
+                             name=f"hyperrl-agents-{unit.key}").start()
+            return []
         if not self.episodic:
             prompt = tuple(self.task.encode(self._sample(unit.key)))
             return [Request(u, prompt, unit.key) for u in self._uids(unit)]
@@ -178,6 +195,46 @@ class AsyncCollector:
         q = self.generator.turn_request(ep.uid, ep.turns, ctx, budget, ep.group_id)
         self._episodes[q.uid], self._turn_limits[q.uid] = (uid, ep), budget
         return q
+
+    def _run_agents(self, unit: A.Unit, sample) -> None:
+        """(a unit's thread) Its n agent episodes as one round — never paused: a publication interrupts
+        only the generation of their calls — then its rows (none when every episode failed) complete it."""
+        with self._agent_slots:
+            try:
+                sp = self.generator.sampling(0)
+                batch, stats, errors = self.generator.agent.run_unit(
+                    sample, sp, self._uids(unit), group_id=unit.key,
+                    submit=functools.partial(self._submit, unit.key))
+            except BaseException as e:  # noqa: BLE001 — the learner fails the step naming it
+                with self._cond:
+                    self._errors["agent programs"] = e
+                    self._cond.notify_all()
+                return
+        with self._cond:
+            try:
+                for k, v in stats.items():
+                    self._agent_stats[k] = self._agent_stats.get(k, 0.0) + v
+                if errors:
+                    self._agent_error = errors[0]
+                if unit.uid not in self._units:
+                    return  # the unit was dropped meanwhile (a resume)
+                self._rows[unit.uid] = [] if batch is None else [batch]
+                self._complete(unit.uid)
+                self._top_up()
+            except BaseException as e:  # noqa: BLE001 — never lost: the learner reports it
+                self._errors["agent programs"] = e
+            finally:
+                self._cond.notify_all()
+
+    def _submit(self, key: int, reqs: list[Request], done) -> None:
+        """(the gateway's dispatcher) An agent call's requests join the queue; ``done(rows)`` answers the
+        call once all are generated (a publication between may interrupt and resume them)."""
+        with self._cond:
+            call = {"uids": [q.uid for q in reqs], "rows": {}, "done": done}
+            for q in reqs:
+                self._calls[q.uid], self._turn_limits[q.uid] = call, q.max_new_tokens
+            self._pending.extend(dataclasses.replace(q, group_id=key) for q in reqs)
+            self._cond.notify_all()
 
     def _advance(self, uid: int, ep: Episode, args) -> None:
         """(an environment thread) The turn's action to the episode's environment, outside the lock (a
@@ -296,6 +353,15 @@ class AsyncCollector:
                     self._stepping += 1
                     self._steps.submit(self._advance, uid, ep, args)
                 done = done[:0]
+            if self.agentic:
+                for i in range(done.batch_size[0]):
+                    q = int(done["sample_uid"][i])
+                    call = self._calls.pop(q)
+                    self._turn_limits.pop(q)
+                    call["rows"][q] = done[i:i + 1]
+                    if len(call["rows"]) == len(call["uids"]):
+                        call["done"](cat_batches([call["rows"][u] for u in call["uids"]], self.engine.pad_id))
+                done = done[:0]
             unit_of = {u.key: u.uid for u in self._units.values()}
             for i in range(done.batch_size[0]):
                 uid = unit_of[int(done["group_id"][i])]
@@ -308,12 +374,18 @@ class AsyncCollector:
             self._cond.notify_all()
 
     def _complete(self, uid: int) -> None:
+        if not self._rows[uid]:  # agents: every episode failed or never called the model (counted)
+            self.buffer = A.complete(self.buffer, uid)
+            return
         rows = cat_batches(self._rows[uid], self.engine.pad_id)
         rows = rows[torch.argsort(rows["sample_uid"])]  # the unit's rows in uid order, whichever worker came first
         want = sorted(self._uids(self._units[uid]))
         try:  # the workers' contract: versions stamped, the unit's own uids, each once
             validate(rows)
-            if sorted(rows["sample_uid"].tolist()) != want:
+            got = rows["sample_uid"].tolist()
+            if self.agentic and not set(got) <= set(want):  # an agent's episode may leave several rows
+                raise TrajectoryError(f"sample_uid: {sorted(set(got) - set(want))} are not this group's {want}")
+            if not self.agentic and sorted(got) != want:
                 raise TrajectoryError(f"sample_uid: {sorted(rows['sample_uid'].tolist())}, expected {want}")
             self._rows[uid] = [rows]
             self.buffer = A.complete(self.buffer, uid)
@@ -373,7 +445,7 @@ class AsyncCollector:
 
             self._wait(ready, f"waiting for a batch at version {self.version}")
             self._record({"take": self.step_idx, "keys": [u.key for u in taken]})
-            rows = [self._rows.pop(u.uid)[0] for u in taken]
+            rows = [r for u in taken for r in self._rows.pop(u.uid)]
             for u in taken:
                 self._units.pop(u.uid)
                 self._by.pop(u.uid)
@@ -382,6 +454,9 @@ class AsyncCollector:
             counters = {"async_admitted": self.buffer.admitted, "async_consumed": self.buffer.consumed,
                         "async_evicted": self.buffer.evicted, "async_in_flight": self.buffer.in_flight,
                         "async_ready": self.buffer.ready, "async_restarts": self._restarts()}
+        if not rows:  # agents: no episode of the step's groups left a row
+            raise AgentError(f"no agent episode of step {self.step_idx}'s {len(taken)} groups produced a row"
+                             + (f"; the last failure: {self._agent_error}" if self._agent_error else ""))
         batch = cat_batches(rows, self.engine.pad_id)
         validate(batch, learner_version=self.version, max_staleness=self.eta)  # every token within η
         samples = {u.key: self._sample(u.key) for u in taken}
@@ -389,7 +464,9 @@ class AsyncCollector:
             batch = score_and_shape(batch, samples, self.scorer, self.pipeline)
         self.samples = samples
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
-        return batch, {**counters, **{k: float(v) for k, v in st.items()}}
+        with self._cond:
+            agents, self._agent_stats = self._agent_stats, {}  # the agent rounds finished since the last step
+        return batch, {**counters, **agents, **{k: float(v) for k, v in st.items()}}
 
     def _pause(self, what: str, *, drain: bool = True) -> None:
         """Stop the workers taking requests and wait (deadline) until none is generating. Free: the
@@ -496,5 +573,6 @@ class AsyncCollector:
                                    st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
             self._units, self._rows, self._by, self._pending = {}, {}, {}, []
             self._episodes, self._unit_eps, self._turn_limits = {}, {}, {}  # their episodes start again
+            self._calls = {}
             self._requeue, self._next_key = list(st["live"]), st["next_key"]
             self._record({"resume": st.get("step", None)})

@@ -46,6 +46,11 @@ class Generator:
         out, self.stats = self.stats, {}
         return out
 
+    def add_stats(self, stats: dict[str, float]) -> None:
+        """Add an agent round's counts to those :meth:`pop_stats` returns."""
+        for k, v in stats.items():
+            self.stats[k] = self.stats.get(k, 0.0) + v
+
     def close(self) -> None:
         """Stop the agent's gateway and the run's MCP servers (if any)."""
         try:
@@ -86,9 +91,10 @@ class Generator:
         (``sampling.seed − step``: the step enters through the uid, sample_uid, token index);
         multi-turn runs go through the environment."""
         if self.agent is not None:  # the agent owns its loop; the gateway records its tokens
+            if uids is not None and self.engine.capabilities.keyed:  # keyed as the asynchronous trainer keys it
+                sampling = dataclasses.replace(sampling, seed=sampling.seed - step)
             batch = self.agent.run(samples, sampling, n, group_offset=group_offset, uids=uids)
-            for k, v in self.agent.stats.items():
-                self.stats[k] = self.stats.get(k, 0.0) + v
+            self.add_stats(self.agent.stats)
             return batch
         if self.make_env is not None:  # multi-turn: the environment scores the episode
             from hyperrl.envs import run_episodes

@@ -117,13 +117,13 @@ class _HeldFlag:
     land mid-generation, whatever the machine's load. It polls the worker itself, so the flag it
     wraps counts decode steps as before (the event log records 4)."""
 
-    def __init__(self, inner, worker):
-        self.inner, self.worker, self.steps = inner, worker, 0
+    def __init__(self, inner, worker, at: int = 5):
+        self.inner, self.worker, self.steps, self.at = inner, worker, 0, at
 
     def is_set(self):
         self.steps += 1
         deadline = time.monotonic() + 30
-        while (self.steps == 5 and not (self.worker._flag.is_set() or self.worker._hold._asked)
+        while (self.steps == self.at and not (self.worker._flag.is_set() or self.worker._hold._asked)
                and time.monotonic() < deadline):
             time.sleep(0.002)
         return self.inner.is_set()
@@ -135,14 +135,16 @@ class _FaultyEngine:
 
     def __init__(self, engine, mode):
         self.engine, self.mode, self.done, self.release = engine, mode, False, threading.Event()
+        self.hold_at = 5  # "hold": the decode step held
+        self.hold_when = lambda: True  # "hold": and only a call that starts when this holds
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def generate_requests(self, reqs, sp, abort=None, **kw):
-        if self.mode == "hold" and not self.done and self.engine.policy_version >= 1:
+        if self.mode == "hold" and not self.done and self.engine.policy_version >= 1 and self.hold_when():
             self.done = True
-            return self.engine.generate_requests(reqs, sp, abort=_HeldFlag(abort, self.worker), **kw)
+            return self.engine.generate_requests(reqs, sp, abort=_HeldFlag(abort, self.worker, self.hold_at), **kw)
         out = self.engine.generate_requests(reqs, sp, abort=abort, **kw)
         if self.mode == "corrupt" and not self.done:
             self.done = True
