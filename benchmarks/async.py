@@ -86,7 +86,7 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, prompts: 
             for tid in os.listdir("/proc/self/task"):
                 os.sched_setaffinity(int(tid), rollout)
 
-        ray.get(tr.workers[0].actor.__ray_call__.remote(pin))
+        ray.get(tr.collector.workers[0].actor.__ray_call__.remote(pin))
         _pin_ray_system(rollout)  # and whatever Ray started for the actor
     clock, evals, phases, tokens = 0.0, [], {}, 0
     try:
