@@ -151,7 +151,7 @@ def main():
         if out.returncode:
             sys.exit(f"mode {mode} failed:\n{out.stderr[-3000:]}")
         res.append(json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:]))
-        print(mode, round(res[-1]["clock_s"], 1), res[-1]["steps"], res[-1]["evals"][-1], flush=True)
+        print(mode, round(res[-1]["clock_s"], 1), res[-1]["steps"], res[-1]["evals"], flush=True)
     Path("/tmp/hyperrl_agentic_bench.json").write_text(json.dumps(res))
 
     def reach(r):

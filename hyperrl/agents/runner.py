@@ -1,7 +1,9 @@
 """Running an agent program on a round of episodes, in whatever process it lives in.
 
 A :class:`ProgramRunner` runs ``solve(sample, client[, tools])`` on each ``(sample, base_url,
-api_key)``: an ``async def`` on one event loop with ``openai.AsyncOpenAI`` clients, a plain function
+api_key)``: an ``async def`` on one event loop (the runner's, shared by the rounds that run at once —
+the asynchronous trainer runs a round per prompt group in flight) with ``openai.AsyncOpenAI`` clients
+over shared connection pools and one bound on the episodes running (``max_concurrent``), a plain function
 on threads with ``openai.OpenAI`` clients — each bound to its episode, sharing a few connection pools —
 every episode bounded by ``timeout_s``, a failure an :class:`EpisodeOutcome` with the traceback's tail,
 never an exception. The trainer's process uses it directly (``env.isolate: false``), an agent process
@@ -56,6 +58,8 @@ class ProgramRunner:
         self.timeout_s, self.max_concurrent, self.toolbox = timeout_s, max_concurrent, toolbox
         self.is_async = inspect.iscoroutinefunction(self.program)
         self.wants_tools = _positional(self.program) >= 3
+        self._lock = threading.Lock()
+        self._aloop = self._gate = self._http = None  # the async programs' event loop, bound and pools (lazy)
 
     def run(self, episodes: list[tuple], on_done=None) -> list[EpisodeOutcome]:
         """Run the program on ``episodes`` — ``(sample, base_url, api_key)`` each — in this process:
@@ -64,7 +68,7 @@ class ProgramRunner:
         it batches the others' calls)."""
         done = on_done or (lambda k: None)
         if self.is_async:
-            return ThreadPoolExecutor(1).submit(asyncio.run, self._run_async(episodes, done)).result()
+            return asyncio.run_coroutine_threadsafe(self._run_async(episodes, done), self._loop()).result()
         import openai
 
         def one(k):
@@ -105,11 +109,21 @@ class ProgramRunner:
             return EpisodeOutcome(error=_tail(box["error"]))
         return self._outcome(box.get("value"))
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The async programs' event loop, on a daemon thread (started on first use)."""
+        with self._lock:
+            if self._aloop is None:
+                self._aloop = asyncio.new_event_loop()
+                threading.Thread(target=self._aloop.run_forever, name="hyperrl-agent-loop", daemon=True).start()
+            return self._aloop
+
     async def _run_async(self, episodes, done) -> list[EpisodeOutcome]:
         import openai
 
-        gate = asyncio.Semaphore(max(1, self.max_concurrent))
-        http = [openai.DefaultAsyncHttpxClient(limits=_limits()) for _ in range(_pools(self.max_concurrent))]
+        if self._gate is None:  # on the runner's loop: one bound and one set of pools for every round
+            self._gate = asyncio.Semaphore(max(1, self.max_concurrent))
+            self._http = [openai.DefaultAsyncHttpxClient(limits=_limits()) for _ in range(_pools(self.max_concurrent))]
+        gate, http = self._gate, self._http
 
         async def one(k, sample, base_url, api_key):
             try:
@@ -129,11 +143,7 @@ class ProgramRunner:
                 except Exception as e:  # noqa: BLE001 - the episode's failure
                     return EpisodeOutcome(error=_tail("".join(traceback.format_exception(e))))
 
-        try:
-            return list(await asyncio.gather(*(one(k, *e) for k, e in enumerate(episodes))))
-        finally:
-            for h in http:
-                await h.aclose()
+        return list(await asyncio.gather(*(one(k, *e) for k, e in enumerate(episodes))))
 
     def _tools(self) -> tuple:
         """``(toolbox,)`` for a program taking ``tools``, else ()."""
