@@ -37,6 +37,7 @@ random (``secrets``), compared in constant time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import hmac
@@ -253,6 +254,8 @@ class Gateway:
             fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
             try:
                 fut.result(10)
+            except (TimeoutError, concurrent.futures.TimeoutError):  # handlers still draining: stop regardless
+                pass
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
         self._server.join(10)
