@@ -46,3 +46,43 @@ def append_results(title: str, body: str) -> None:
     with RESULTS.open("a") as f:
         f.write(text)
     print(text)
+
+
+def _pin_ray_system(cores: set[int]) -> None:
+    """Move the processes ``ray.init`` started (GCS, raylet, their helpers) and every thread of
+    them onto ``cores`` — the rollout worker's — so they never take the learner's core."""
+    import os
+
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            for t in child.threads():
+                os.sched_setaffinity(t.id, cores)
+        except (psutil.Error, OSError):  # a helper that exited meanwhile
+            pass
+
+
+def start_pinned_ray(threads: int) -> set[int]:
+    """This process (the learner) on cores ``[0, threads)``; a local Ray (1 CPU) whose own processes go on
+    ``[threads, 2·threads)`` — the rollout worker's cores, returned."""
+    import ray
+
+    learner, rollout = set(range(threads)), set(range(threads, 2 * threads))
+    os.sched_setaffinity(0, learner)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    _pin_ray_system(rollout)
+    return rollout
+
+
+def pin_actor(trainer, rollout: set[int]) -> None:
+    """Every thread of the trainer's Ray rollout actor (its calls run on a thread pool), and whatever Ray
+    started for it, onto ``rollout``."""
+    import ray
+
+    def pin(actor):
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), rollout)
+
+    ray.get(trainer.collector.workers[0].actor.__ray_call__.remote(pin))
+    _pin_ray_system(rollout)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import random
 import subprocess
@@ -33,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import append_results, table  # noqa: E402
+from benchmarks._common import append_results, pin_actor, start_pinned_ray, table  # noqa: E402
 
 CONFIG = "configs/calculator.yaml"
 METRIC = "eval_success_rate"
@@ -64,8 +63,6 @@ def register_sandbox() -> None:
 
 def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, target: float, eval_prompts: int) -> dict:
     """One mode in this process: train until the held-out success reaches ``target`` (or ``steps``)."""
-    import os
-
     import torch
 
     from hyperrl.compose import build_trainer
@@ -81,25 +78,14 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, target: f
     if eta is not None:
         ov.append(f"--async.max_staleness={eta}")
     if ray_:
-        import ray
-
-        pin_ray = importlib.import_module("benchmarks.async")._pin_ray_system
-        learner, rollout = set(range(threads)), set(range(threads, 2 * threads))
-        os.sched_setaffinity(0, learner)
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-        pin_ray(rollout)
+        rollout = start_pinned_ray(threads)
         ov.append(f"--async.executor={{name: ray, workers: 1, num_cpus: 1, threads: {threads}}}")
     torch.set_num_threads(threads)
     cfg = load_config(CONFIG, ov)
     r = cfg.rollout
     tr = build_trainer(cfg)
     if ray_:
-        def pin(actor):
-            for tid in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(tid), rollout)
-
-        ray.get(tr.collector.workers[0].actor.__ray_call__.remote(pin))
-        pin_ray(rollout)
+        pin_actor(tr, rollout)
     clock, evals, phases, tokens, calls, s = 0.0, [], {}, 0, 0.0, 0
     try:
         for s in range(1, steps + 1):

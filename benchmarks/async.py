@@ -29,27 +29,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import append_results, table  # noqa: E402
+from benchmarks._common import append_results, pin_actor, start_pinned_ray, table  # noqa: E402
 
 # the long-tail task: 80 % of answers 1–3 digits, 20 % 12–20 (hyperrl.tasks.RepeatTask)
 BASE = ["--task=repeat", "--rollout.max_new_tokens=21", "--rollout.n=8", "--run.eval_every=0", "--run.eval_prompts=256"]
 N = 8  # samples per prompt
 METRIC = "eval_reward_digit_credit_mean"
-
-
-def _pin_ray_system(cores: set[int]) -> None:
-    """Move the processes ``ray.init`` started (GCS, raylet, their helpers) and every thread of
-    them onto ``cores`` — the rollout worker's — so they never take the learner's core."""
-    import os
-
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:
-            for t in child.threads():
-                os.sched_setaffinity(t.id, cores)
-        except (psutil.Error, OSError):  # a helper that exited meanwhile
-            pass
 
 
 def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, prompts: int) -> dict:
@@ -70,24 +55,12 @@ def run_mode(mode: str, steps: int, every: int, cores: int, seed: int, prompts: 
     if decoupled:
         ov.append("--algo.correction=tis")
     if ray_:
-        import os
-
-        import ray
-
-        learner, rollout = set(range(threads)), set(range(threads, 2 * threads))
-        os.sched_setaffinity(0, learner)
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-        _pin_ray_system(rollout)
+        rollout = start_pinned_ray(threads)
         ov.append(f"--async.executor={{name: ray, workers: 1, num_cpus: 1, threads: {threads}}}")
     torch.set_num_threads(threads)
     tr = build_trainer(load_config(None, ov))
     if ray_:
-        def pin(actor):  # every thread of the actor's process (its calls run on a thread pool)
-            for tid in os.listdir("/proc/self/task"):
-                os.sched_setaffinity(int(tid), rollout)
-
-        ray.get(tr.collector.workers[0].actor.__ray_call__.remote(pin))
-        _pin_ray_system(rollout)  # and whatever Ray started for the actor
+        pin_actor(tr, rollout)
     clock, evals, phases, tokens = 0.0, [], {}, 0
     try:
         for s in range(1, steps + 1):

@@ -41,3 +41,12 @@ def assert_every_sample_trained_once(cfg, a, b, state, live_end, steps: int = 3)
     trained = {(u // stride) * P + (u // n) % P for u in uids}
     assert set(state["live"]) <= trained | live_end
     assert trained | live_end == set(range(b.collector._next_key))
+
+
+def assert_trained_once_within_eta(trained, rows: int, eta: int) -> None:
+    """``trained`` (``(version, uids, action versions, …)`` per step): ``rows`` samples, each trained in one step
+    only (an agent's episode may leave several rows, all in that step), every token at most ``eta`` versions old."""
+    seen = [u for _, uids, *_ in trained for u in set(uids)]
+    assert len(seen) == len(set(seen)) == rows  # every sample trained once, none twice
+    for version, _, versions, *_ in trained:
+        assert all(0 <= version - v <= eta for v in versions)  # every token within η

@@ -37,12 +37,12 @@ import torch
 from pydantic import AfterValidator
 
 from hyperrl.agents.gateway import Gateway
-from hyperrl.rollout.requests import call_key
 from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
 from hyperrl.agents.worker import AgentWorker
 from hyperrl.envs.base import register_environment
 from hyperrl.envs.tools import _known_format
 from hyperrl.rewards.styles import load_function
+from hyperrl.rollout.requests import call_key
 from hyperrl.trajectory import stack_episodes
 
 __all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome", "AgentError"]

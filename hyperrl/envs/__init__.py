@@ -28,7 +28,8 @@ from hyperrl.envs.tools import (
 
 __all__ = [
     "Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder", "Limits",
-    "Episode", "episodes_batch", "run_episodes", "stack_episodes", "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
+    "Episode", "episodes_batch", "run_episodes", "stack_episodes",
+    "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
     "TOOLS", "Tool", "ToolResult", "ToolRunner",
     "register_tool", "calculate", "BM25Index", "make_search_tool", "resolve_call",
 ]

@@ -386,7 +386,7 @@ class AsyncCollector:
             if self.agentic and not set(got) <= set(want):  # an agent's episode may leave several rows
                 raise TrajectoryError(f"sample_uid: {sorted(set(got) - set(want))} are not this group's {want}")
             if not self.agentic and sorted(got) != want:
-                raise TrajectoryError(f"sample_uid: {sorted(rows['sample_uid'].tolist())}, expected {want}")
+                raise TrajectoryError(f"sample_uid: {sorted(got)}, expected {want}")
             self._rows[uid] = [rows]
             self.buffer = A.complete(self.buffer, uid)
         except TrajectoryError as e:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from hyperrl.agents import AgentError
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
 from hyperrl.loop.trainer import AsyncTrainer
+from tests.async_helpers import assert_trained_once_within_eta
 from tests.loop.test_async_episodes import _segments
 from tests.loop.test_async_trainer import _Recording, _restart_worker
 
@@ -62,10 +64,7 @@ def test_agent_episodes_train_within_eta_once_and_calls_resume_across_publicatio
         ms = [tr.step() for _ in range(8)]
     finally:
         tr.close()
-    trained = [u for _, uids, _, _, _ in tr.trained for u in set(uids)]
-    assert len(trained) == len(set(trained)) == 8 * 4 * 4  # every episode's rows in one batch, each episode once
-    for version, _, versions, _, _ in tr.trained:
-        assert all(0 <= version - v <= 2 for v in versions)
+    assert_trained_once_within_eta(tr.trained, 8 * 4 * 4, 2)  # every episode's rows in one batch, once
     cut = any(len(set(tv[r, a:b].tolist())) > 1 for _, _, _, tv, act in tr.trained for r in range(tv.shape[0])
               for a, b in _segments(act[r]))
     assert eng.done and cut, "no call was resumed across a publication"
@@ -82,7 +81,8 @@ def test_agents_whose_every_episode_fails_fail_the_step_naming_the_failure(tmp_p
 
     monkeypatch.setattr(runner, "program", broken)
     try:
-        with pytest.raises(Exception, match="(?s)no agent episode of step 0's 4 groups produced a row.*sandbox unreachable"):
+        with pytest.raises(AgentError, match="(?s)no agent episode of step 0's 4 groups produced a row.*sandbox "
+                                             "unreachable"):
             tr.step()
     finally:
         tr.close()

@@ -14,6 +14,7 @@ from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.rollout import LocalWorker, WorkerDied
 from hyperrl.rollout.requests import call_key
 from hyperrl.rollout.workers import WorkerError
+from tests.async_helpers import assert_trained_once_within_eta
 from tests.loop.test_async_trainer import _assert_same_run, _Recording, _restart_worker
 
 
@@ -71,10 +72,7 @@ def test_turns_resume_across_publications_within_eta_and_lose_nothing(tmp_path, 
         ms = [tr.step() for _ in range(6)]
     finally:
         tr.close()
-    seen = [u for _, uids, _, _, _ in tr.trained for u in uids]
-    assert len(seen) == len(set(seen)) == 6 * 4 * 4  # every episode trained once, none twice
-    for version, _, versions, _, _ in tr.trained:
-        assert all(0 <= version - v <= eta for v in versions)  # every token within η
+    assert_trained_once_within_eta(tr.trained, 6 * 4 * 4, eta)
     cut = False  # one turn (a contiguous run of actions) sampled under two versions: resumed mid-call
     for _, _, _, tv, act in tr.trained:
         for row in range(tv.shape[0]):

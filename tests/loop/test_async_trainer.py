@@ -14,7 +14,7 @@ from hyperrl.config import load_config
 from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.rollout import LocalWorker
 from hyperrl.rollout.workers import WorkerError
-from tests.async_helpers import assert_every_sample_trained_once, kill_and_resume
+from tests.async_helpers import assert_every_sample_trained_once, assert_trained_once_within_eta, kill_and_resume
 
 
 def _cfg(tmp_path, *extra):
@@ -98,10 +98,7 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
         ms = [tr.step() for _ in range(8)]
     finally:
         tr.close()
-    seen = [u for _, uids, _, _, _ in tr.trained for u in uids]
-    assert len(seen) == len(set(seen)) == 8 * 4 * 4  # every sample trained once, none twice
-    for version, _, versions, _, _ in tr.trained:
-        assert all(0 <= version - v <= eta for v in versions)  # every token within η
+    assert_trained_once_within_eta(tr.trained, 8 * 4 * 4, eta)
     partial = [bool(((tv.masked_fill(~act, 10**9).amin(-1) != tv.masked_fill(~act, -1).amax(-1)))
                     .any()) for _, _, _, tv, act in tr.trained]
     assert any(partial), "no request was resumed across a publication"  # one row, several versions
