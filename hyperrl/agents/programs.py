@@ -179,11 +179,12 @@ class AgentEnvironment:
         concurrently)."""
         if self.gateway is None:
             raise RuntimeError("AgentEnvironment.run_unit before bind(engine, …)")
-        return self._round([(group_id, sample)] * len(uids), uids, sampling, submit=submit)
+        return self._round([(group_id, sample)] * len(uids), uids, sampling, submit=submit, lane="units")
 
-    def _round(self, jobs: list[tuple], keys: list[int], sampling, submit=None) -> tuple:
+    def _round(self, jobs: list[tuple], keys: list[int], sampling, submit=None, lane: str = "rounds") -> tuple:
         """The episodes ``jobs`` — ``(group id, sample)`` each, keyed by ``keys`` — run to their end:
-        ``(batch or None, stats, errors)``."""
+        ``(batch or None, stats, errors)``; ``lane``: the concurrency bound they share
+        (:meth:`~hyperrl.agents.runner.ProgramRunner.run`)."""
         episodes = [self.gateway.open(u, sampling=sampling, submit=submit) for u in keys]
         try:
             def done(k):  # its agent returned: the gateway stops counting it among those that may still call
@@ -200,7 +201,7 @@ class AgentEnvironment:
                     outcomes = list(pool.map(command, range(len(jobs))))
             else:
                 work = [(s, ep.base_url, ep.api_key) for (_, s), ep in zip(jobs, episodes)]
-                outcomes = (self.worker if self.isolate else self.runner).run(work, done)
+                outcomes = (self.worker if self.isolate else self.runner).run(work, done, lane=lane)
         finally:
             for ep in episodes:
                 self.gateway.finish(ep)

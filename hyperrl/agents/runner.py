@@ -59,16 +59,21 @@ class ProgramRunner:
         self.is_async = inspect.iscoroutinefunction(self.program)
         self.wants_tools = _positional(self.program) >= 3
         self._lock = threading.Lock()
-        self._aloop = self._gate = self._http = None  # the async programs' event loop, bound and pools (lazy)
+        self._aloop = None  # the async programs' event loop (lazy)
+        self._lanes: dict[str, tuple] = {}  # lane → its bound and HTTP pools (made on the loop)
 
-    def run(self, episodes: list[tuple], on_done=None) -> list[EpisodeOutcome]:
+    def run(self, episodes: list[tuple], on_done=None, *, lane: str = "rounds") -> list[EpisodeOutcome]:
         """Run the program on ``episodes`` — ``(sample, base_url, api_key)`` each — in this process:
         an ``async def`` on one event loop, a plain function on threads; one outcome each, in order.
         ``on_done(k)`` is called as episode ``k`` returns (the gateway then stops waiting for it when
-        it batches the others' calls)."""
+        it batches the others' calls). Concurrent rounds of one ``lane`` share the bound of
+        ``max_concurrent`` episodes and the HTTP pools; lanes are apart — an evaluation (lane ``rounds``)
+        run while the asynchronous trainer's units (lane ``units``) wait paused never waits for their
+        slots or connections."""
         done = on_done or (lambda k: None)
         if self.is_async:
-            return asyncio.run_coroutine_threadsafe(self._run_async(episodes, done), self._loop()).result()
+            coro = self._run_async(episodes, done, lane)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop()).result()
         import openai
 
         def one(k):
@@ -117,13 +122,15 @@ class ProgramRunner:
                 threading.Thread(target=self._aloop.run_forever, name="hyperrl-agent-loop", daemon=True).start()
             return self._aloop
 
-    async def _run_async(self, episodes, done) -> list[EpisodeOutcome]:
+    async def _run_async(self, episodes, done, lane: str) -> list[EpisodeOutcome]:
         import openai
 
-        if self._gate is None:  # on the runner's loop: one bound and one set of pools for every round
-            self._gate = asyncio.Semaphore(max(1, self.max_concurrent))
-            self._http = [openai.DefaultAsyncHttpxClient(limits=_limits()) for _ in range(_pools(self.max_concurrent))]
-        gate, http = self._gate, self._http
+        if lane not in self._lanes:  # on the runner's loop: one bound and one set of pools per lane (an
+            # episode waiting on a paused call holds its connection: a lane of its own keeps the others')
+            self._lanes[lane] = (asyncio.Semaphore(max(1, self.max_concurrent)),
+                                 [openai.DefaultAsyncHttpxClient(limits=_limits())
+                                  for _ in range(_pools(self.max_concurrent))])
+        gate, http = self._lanes[lane]
 
         async def one(k, sample, base_url, api_key):
             try:

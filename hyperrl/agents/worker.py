@@ -66,9 +66,10 @@ class AgentWorker:
                 if p is proc:
                     q.put(("lost", None))
 
-    def run(self, episodes: list[tuple], on_done=None) -> list:
+    def run(self, episodes: list[tuple], on_done=None, *, lane: str = "rounds") -> list:
         """``episodes``: ``(sample, base_url, api_key)`` each → their outcomes, in order;
-        ``on_done(k)`` as the child reports episode ``k`` returned. Safe to call from several threads."""
+        ``on_done(k)`` as the child reports episode ``k`` returned; ``lane``: the bound the round
+        shares (:meth:`ProgramRunner.run`). Safe to call from several threads."""
         from hyperrl.agents.runner import EpisodeOutcome
 
         with self._lock:
@@ -80,7 +81,7 @@ class AgentWorker:
                 self._lost = False
             rid, q, proc = next(self._ids), queue.Queue(), self._proc
             self._rounds[rid] = (q, proc)
-            self._conn.send((rid, episodes))
+            self._conn.send((rid, episodes, lane))
         waves = -(-len(episodes) // max(1, self.max_concurrent))
         deadline = time.monotonic() + waves * self.timeout_s + 60.0  # + the child's start-up (imports)
         try:
@@ -139,15 +140,15 @@ def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sourc
         with lock:
             conn.send(msg)
 
-    def round_(rid, episodes) -> None:
-        send((rid, "result", agent.run(episodes, lambda k: send((rid, "done", k)))))
+    def round_(rid, episodes, lane) -> None:
+        send((rid, "result", agent.run(episodes, lambda k: send((rid, "done", k)), lane=lane)))
 
     while True:
         try:
-            rid, episodes = conn.recv()
+            rid, episodes, lane = conn.recv()
         except (EOFError, OSError):
             return
         if agent is None:
             send((rid, "result", [EpisodeOutcome(error=error) for _ in episodes]))
         else:
-            threading.Thread(target=round_, args=(rid, episodes), daemon=True).start()
+            threading.Thread(target=round_, args=(rid, episodes, lane), daemon=True).start()

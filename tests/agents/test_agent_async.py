@@ -5,6 +5,8 @@ within η, every episode's rows trained once, a call cut mid-generation carries 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from hyperrl.agents import AgentError
@@ -86,3 +88,29 @@ def test_agents_whose_every_episode_fails_fail_the_step_naming_the_failure(tmp_p
             tr.step()
     finally:
         tr.close()
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_an_evaluation_never_waits_for_the_paused_units_slots_or_connections(tmp_path, isolate):
+    # 4 units of 8 episodes fill the bound (32) and one HTTP pool (32 connections) with calls the evaluation's pause
+    # holds: sharing them, the evaluation's episodes would wait for those calls' timeout (env.timeout_s) and fail
+    tr = _trainer(tmp_path, 1, f"--env.isolate={str(isolate).lower()}", "--rollout.n=8",
+                  "--rollout.max_concurrent_episodes=32", "--env.timeout_s=20", "--run.eval_prompts=8",
+                  trainer=AsyncTrainer)
+    try:
+        for _ in range(2):
+            tr.step()
+        deadline = time.monotonic() + 10  # the units are running: their episodes await calls the pause will hold
+        while not tr.collector._calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tr.collector._calls, "no unit's call was waiting"
+        t0 = time.monotonic()
+        m = tr.evaluate()
+        took = time.monotonic() - t0
+        stats = dict(tr.generator.agent.stats)
+        after = tr.step()  # and the paused units go on
+    finally:
+        tr.close()
+    assert stats["agent_failed"] == 0 and stats["agent_episodes"] == 8, stats
+    assert took < 20, f"the evaluation took {took:.1f} s: it waited for the paused units"
+    assert m["eval_tool_call_rate"] >= 0 and after["agent_failed"] == 0
