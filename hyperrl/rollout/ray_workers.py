@@ -300,6 +300,8 @@ class RayEngine(TransactionalEngine):
     def close(self) -> None:
         import ray
 
+        if not ray.is_initialized():  # Ray is gone (a second close): any Ray call would start it again
+            return
         for w in self.workers:
             try:
                 ray.kill(w.actor, no_restart=True)
@@ -354,7 +356,12 @@ def ray_workers(engine, *, workers: int, num_cpus: float, threads: int, address:
     group = RayEngine(engine, workers=workers, num_cpus=num_cpus, threads=threads, max_restarts=max_restarts,
                       timeout_s=timeout_s)
 
-    def close():
+    closed = []
+
+    def close():  # once: the collector closes at the run's end and again when it is collected
+        if closed:
+            return
+        closed.append(True)
         group.close()
         if started:
             ray.shutdown()

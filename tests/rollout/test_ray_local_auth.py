@@ -47,3 +47,20 @@ def test_a_local_ray_instance_refuses_a_process_without_its_token(tmp_path, firs
         assert "MODE token ACTOR 42" in out.stdout and "INTRUDER False" in out.stdout, out.stdout
     else:  # Ray caches the mode per process: it falls back, and says so
         assert "MODE None ACTOR 42" in out.stdout and "without token authentication" in out.stderr, out.stdout
+
+
+def test_a_run_on_the_ray_it_started_exits_when_done(tmp_path):
+    # the collector is closed at the run's end and again when it is collected: the second close must not call Ray
+    # (whose auto-init would start it again — at interpreter exit, a hang: the agent units' threads keep the collector
+    # alive until then)
+    args = [sys.executable, "-m", "hyperrl.cli", "train", "--config=configs/calculator_agent.yaml",
+            "--model.hidden=32", "--model.intermediate=64",
+            "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.steps=2", "--run.eval_every=0",
+            f"--run.out_dir={tmp_path}", "--async.max_staleness=1",
+            "--async.executor={name: ray, workers: 1, num_cpus: 1, threads: 1}"]
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the run did not exit: {(e.stderr or b'')[-800:]!r}") from None
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "done: 2 steps" in proc.stdout + proc.stderr
