@@ -93,6 +93,19 @@ class ModelConfig(_Frozen):
     kv_heads: int = Field(2, description="tiny Qwen3: key/value heads")
     head_dim: int = Field(32, description="tiny Qwen3: head dimension")
     intermediate: int = Field(256, description="tiny Qwen3: MLP width")
+    experts: int = Field(0, ge=0, description="tiny Qwen3-MoE: experts per layer (0 = the dense Qwen3; every layer "
+                         "sparse otherwise)")
+    experts_per_token: int = Field(2, ge=1, description="tiny Qwen3-MoE: experts routed per token (top-k)")
+    moe_intermediate: int = Field(64, ge=1, description="tiny Qwen3-MoE: each expert's MLP width")
+    router_aux_loss_coef: float = Field(0.001, ge=0, description="MoE: weight of the router's load-balancing loss "
+                                        "(loss_router_aux; Qwen3-MoE's formula and default; 0 = off, metrics kept)")
+
+    @model_validator(mode="after")
+    def _experts(self):
+        if self.experts and self.experts_per_token > self.experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token}: must be ≤ model.experts "
+                             f"({self.experts})")
+        return self
     checkpoint: str | None = Field(None, description="a local HF checkpoint directory instead of a random init")
     tokenizer: str | None = Field(None, description="tokenizer directory (AutoTokenizer); default: the checkpoint's "
                                   "own, or the embedded character tokenizer without a checkpoint")

@@ -32,6 +32,7 @@ from hyperrl.loop.collect import Timer
 from hyperrl.loop.hooks import completion_rows
 from hyperrl.loop.prepare import GateError
 from hyperrl.models.lora import TrainableView, is_lora
+from hyperrl.models.moe import RouterTap, is_moe
 from hyperrl.rewards import RewardError
 
 __all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError"]
@@ -112,7 +113,13 @@ class Trainer:
         """The composed loss of a micro-batch: the policy terms (objective, KL, entropy, correction)
         plus the critic's value term; mismatch metrics from ``transforms.correction``."""
         p = self.pipeline
-        lp, ent = self.forwards.logprobs(self.policy, part)
+        if is_moe(self.policy):  # the router's load-balancing term and metrics, from the update's own forward
+            with RouterTap(self.policy) as tap:
+                lp, ent = self.forwards.logprobs(self.policy, part)
+            router = T.router_loss(tap.logits, tap.top_k, self.cfg.model.router_aux_loss_coef, tap.mask)
+        else:
+            lp, ent = self.forwards.logprobs(self.policy, part)
+            router = None
         if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
             part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
                 part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
@@ -125,7 +132,7 @@ class Trainer:
             c = self.cfg.algo.critic
             values = self.forwards.values(self.critic, part)
             out = out + T.critic_loss(part, values, clip=c.value_clip, agg=p.agg, normalizer=norm, coef=c.value_coef)
-        return out
+        return out if router is None else out + router
 
     def update(self, batch: TensorDict) -> dict:
         """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""

@@ -9,15 +9,22 @@ import copy
 from hyperrl.device import torch_dtype
 from hyperrl.models.critic import ValueModel
 from hyperrl.models.lora import AdapterDisabled, apply_lora
-from hyperrl.models.tiny import tiny_qwen3
+from hyperrl.models.tiny import tiny_qwen3, tiny_qwen3_moe
 from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer
 
 __all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic"]
 
 
 def _tiny(cfg, tok, seed: int):
-    """The tiny random Qwen3 of the ``model`` section, sized to the tokenizer."""
+    """The tiny random Qwen3 of the ``model`` section, sized to the tokenizer (a Qwen3-MoE when
+    ``model.experts`` > 0)."""
     m = cfg.model
+    if m.experts:
+        return tiny_qwen3_moe(len(tok), experts=m.experts, top_k=m.experts_per_token,
+                              moe_intermediate=m.moe_intermediate, router_aux_loss_coef=m.router_aux_loss_coef,
+                              hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                              head_dim=m.head_dim, seed=seed, pad_id=tok.pad_token_id, bos_id=tok.bos_token_id,
+                              eos_id=tok.eos_token_id)
     return tiny_qwen3(len(tok), hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
                       head_dim=m.head_dim, intermediate=m.intermediate, seed=seed, pad_id=tok.pad_token_id,
                       bos_id=tok.bos_token_id, eos_id=tok.eos_token_id)

@@ -2,9 +2,9 @@
 
 Each concept lives in its own module (``advantages``, ``objectives``, ``aggregation``, ``kl``,
 ``logprobs``, ``correction``, ``shaping``, ``filters``, ``preference``, ``batching``, ``stats``,
-``loss``, ``chain``; for asynchronous RL ``staleness``; learning-rate ``schedules``); this facade re-exports
-the public names. Kernels take tensors and the scalars they use; adapters take a trajectory
-TensorDict and return a new one (or a LossOutput).
+``loss``, ``chain``; mixture-of-experts router terms ``moe``; for asynchronous RL ``staleness``;
+learning-rate ``schedules``); this facade re-exports the public names. Kernels take tensors and
+the scalars they use; adapters take a trajectory TensorDict and return a new one (or a LossOutput).
 """
 
 from hyperrl.transforms.advantages import (
@@ -72,6 +72,7 @@ from hyperrl.transforms.logprobs import (
     token_logprobs,
 )
 from hyperrl.transforms.loss import LossOutput, critic_loss, policy_loss
+from hyperrl.transforms.moe import load_balancing_loss, router_loss, router_metrics
 from hyperrl.transforms.objectives import (
     OBJECTIVES,
     Objective,
@@ -131,6 +132,8 @@ __all__ = [
     # correction
     "Correction", "mismatch_log_ratio", "importance_weights", "truncated_is", "masked_is", "rejection_mask",
     "mismatch_metrics",
+    # mixture of experts
+    "load_balancing_loss", "router_metrics", "router_loss",
     # shaping, filters, preference, batching, stats
     "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated",
     "informative_groups", "dynamic_sampling_filter",

@@ -1,0 +1,78 @@
+"""A mixture-of-experts policy's routers: finding them, and tapping the logits a forward routes by.
+
+A router is a module with ``top_k`` and ``num_experts`` whose forward returns the router logits
+``[N, E]`` first (transformers' ``Qwen3MoeTopKRouter`` and its kin: ``mlp.gate`` of each sparse
+layer). :class:`RouterTap` hooks them for the span of a ``with`` block and keeps, per layer, the
+logits of every forward run in it — with the mask of which of those ``N`` tokens are real, read
+from the call's ``attention_mask`` (its last ``input_ids.shape[1]`` columns: the queries; a call
+without one — the packed forward — has no padding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["moe_routers", "is_moe", "RouterTap"]
+
+
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The model's routers, in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")
+            and isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+
+
+def is_moe(model) -> bool:
+    """Whether ``model`` has MoE routers (:func:`moe_routers`)."""
+    return bool(moe_routers(model))
+
+
+class RouterTap:
+    """``with RouterTap(model) as tap: model(...)`` → ``tap.logits`` (one ``[N, E]`` per router,
+    the calls concatenated), ``tap.mask`` (``[N]`` bool), ``tap.top_k``, ``tap.num_experts``.
+    Hooks are removed on exit (a backward after it — gradient checkpointing's recompute — records
+    nothing)."""
+
+    def __init__(self, model):
+        self.model, self.routers = model, moe_routers(model)
+        if not self.routers:
+            raise ValueError("RouterTap: the model has no MoE router (a module with top_k and num_experts)")
+        self.top_k, self.num_experts = int(self.routers[0].top_k), int(self.routers[0].num_experts)
+        self._calls: list[tuple[list[torch.Tensor | None], torch.Tensor | None]] = []
+        self._hooks: list = []
+
+    def __enter__(self) -> RouterTap:
+        def on_call(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            am = kwargs.get("attention_mask")
+            mask = None
+            if am is not None and ids is not None:
+                mask = am[:, -ids.shape[1]:].reshape(-1).bool()
+            self._calls.append(([None] * len(self.routers), mask))
+
+        def on_route(k):
+            def hook(module, args, out):
+                if self._calls:
+                    self._calls[-1][0][k] = out[0] if isinstance(out, tuple) else out
+            return hook
+
+        self._hooks.append(self.model.register_forward_pre_hook(on_call, with_kwargs=True))
+        self._hooks += [r.register_forward_hook(on_route(k)) for k, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @property
+    def logits(self) -> list[torch.Tensor]:
+        calls = [c for c in self._calls if all(x is not None for x in c[0])]
+        return [torch.cat([c[0][k] for c in calls]) for k in range(len(self.routers))] if calls else []
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        calls = [c for c in self._calls if all(x is not None for x in c[0])]
+        if not calls or all(m is None for _, m in calls):
+            return None
+        return torch.cat([m if m is not None else torch.ones(x[0].shape[0], dtype=torch.bool, device=x[0].device)
+                          for x, m in calls])
