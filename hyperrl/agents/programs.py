@@ -273,10 +273,15 @@ class AgentEnvironment:
                  "agent_rewrites": float(sum(e.record.rewrites for e in episodes)),
                  "agent_malformed_tool_calls": float(sum(e.malformed_tool_calls for e in episodes)),
                  "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
+                 "agent_server_errors": float(sum(len(e.errors) for e in episodes)),
                  "agent_rows": float(len(rows))}
         if errors and not getattr(self, "_closing", False):
             print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",
                   file=sys.stderr)
+        server = next((e.errors[0] for e in episodes if e.errors), None)
+        if server is not None and not getattr(self, "_closing", False):  # the agent got a 500 (and may have retried)
+            print(f"warning: {int(stats['agent_server_errors'])} gateway calls of this round failed on the server; "
+                  f"the first: {server}", file=sys.stderr)
         if not rows:
             return None, stats, errors
         batch = stack_episodes(rows, self.tok.pad_token_id or 0)

@@ -249,3 +249,38 @@ def test_the_prompt_placeholders_are_formatted_without_a_shell(files, tmp_path):
     finally:
         agent.close()
     assert out.read_text().strip() == '["What is 7 * 8?", "easy", "$HOME; rm -rf /"]'
+
+
+RETRY = '''
+def solve(sample, client):
+    import openai
+    for attempt in range(2):  # a server error (500) is retried once, as an agent with retries would
+        try:
+            client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": "hi"}])
+            return 1.0
+        except openai.InternalServerError:
+            continue
+    return 0.0
+'''
+
+
+def test_a_gateway_error_the_agent_survived_is_counted_and_said(files, capfd):
+    (files / "retry.py").write_text(RETRY)
+    agent = _agent(program=f"{files}/retry.py:solve", isolate=False)
+    gen, calls = agent.gateway.engine.generate_requests, []
+
+    def once_broken(*a, **kw):  # the engine's first call fails: its episodes' calls get a 500
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("engine hiccup")
+        return gen(*a, **kw)
+
+    agent.gateway.engine.generate_requests = once_broken
+    try:
+        batch = agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    assert batch["reward"].tolist() == [1.0] and agent.stats["agent_failed"] == 0
+    assert agent.stats["agent_server_errors"] == 1
+    assert "1 gateway calls of this round failed on the server; the first: RuntimeError: engine hiccup" in \
+        capfd.readouterr().err
