@@ -34,6 +34,14 @@ optional: ``sample_uid``      ``[B]``      int64     unique id of the sample ove
 optional: ``finish_reason``   ``[B]``      int64     0 stop, 1 length, 2 aborted (``FINISH_REASONS``)
 optional: ``final_turn``      ``[B]``      int64     index of the first token of the row's last action turn:
                                                      the configured rewards score that final response only
+optional: ``routed_experts``  ``[B, T, L,   int16     mixture of experts: the ``k`` experts each token was
+                              k]``                   routed to in each of the ``L`` MoE layers by the
+                                                     forward that processed it in the rollout (prompt
+                                                     tokens from the prefill); −1 where none did (a
+                                                     row's last token, padding). Routing replay
+                                                     (``algo.routing_replay``, docs/moe.md) reads it
+optional: ``old_routed_        ``[B, T, L,   int16     the routes of the trainer's own old-log-prob pass
+experts``                     k]``                   (R2 replays them in the update)
 ============================  ===========  ========  =============================================
 
 A row's ``policy_version`` is its *oldest* action token's version when ``token_version`` is
@@ -87,6 +95,7 @@ class _Field:
     per_token: bool
     required: bool
     finite: bool = False
+    trailing: int = 0  # per-token fields with more dims than [B, T] (routed_experts: [B, T, L, k])
 
 
 _F32 = torch.float32
@@ -110,6 +119,8 @@ FIELDS: dict[str, _Field] = {
     "sample_uid": _Field(torch.int64, False, False),
     "finish_reason": _Field(torch.int64, False, False),
     "final_turn": _Field(torch.int64, False, False),
+    "routed_experts": _Field(torch.int16, True, False, trailing=2),
+    "old_routed_experts": _Field(torch.int16, True, False, trailing=2),
 }
 TOKEN_FIELDS = tuple(k for k, f in FIELDS.items() if f.per_token)
 SEQ_FIELDS = tuple(k for k, f in FIELDS.items() if not f.per_token)
@@ -135,8 +146,9 @@ def make_trajectory(**fields: torch.Tensor) -> TensorDict:
         if spec is not None and value.dtype != spec.dtype:
             if spec.dtype == torch.bool and value.dtype.is_floating_point:
                 raise TrajectoryError(f"{key}: expected a 0/1 mask, got dtype {value.dtype}")
-            if spec.dtype == torch.int64 and (value.dtype.is_floating_point or value.dtype == torch.bool):
-                raise TrajectoryError(f"{key}: dtype {value.dtype}, expected integers (torch.int64)")
+            ints = spec.dtype in (torch.int64, torch.int16)
+            if ints and (value.dtype.is_floating_point or value.dtype == torch.bool):
+                raise TrajectoryError(f"{key}: dtype {value.dtype}, expected integers ({spec.dtype})")
             if spec.dtype == torch.float32 and not value.dtype.is_floating_point:
                 raise TrajectoryError(f"{key}: dtype {value.dtype}, expected floating point (stored as float32)")
             value = value.to(spec.dtype)
@@ -159,8 +171,10 @@ def _check_shapes(fields, B: int, T: int) -> None:
         if spec is None:
             continue
         want = (B, T) if spec.per_token else (B,)
-        if tuple(v.shape) != want:
-            _fail(key, f"shape {list(v.shape)}, expected {list(want)} ({'[B, T]' if spec.per_token else '[B]'})")
+        if tuple(v.shape[:len(want)]) != want or v.dim() != len(want) + spec.trailing:
+            what = "[B, T, L, k]" if spec.trailing else "[B, T]" if spec.per_token else "[B]"
+            dims = ", ".join([str(d) for d in want] + ["…"] * spec.trailing)
+            _fail(key, f"shape {list(v.shape)}, expected [{dims}] ({what})")
 
 
 def validate(batch: TensorDict, *, single_version: bool = False, required: tuple[str, ...] = REQUIRED,
@@ -212,6 +226,9 @@ def validate(batch: TensorDict, *, single_version: bool = False, required: tuple
         _fail("action_mask", f"set on padding in sequence {row}; actions must lie where attention_mask is 1")
     if T > 0 and bool(act[:, 0].any()):
         _fail("action_mask", "set at position 0; a sequence must start with at least one prompt token")
+    if "routed_experts" in batch.keys() and bool((batch["routed_experts"] < -1).any()):
+        b, t = (batch["routed_experts"] < -1).flatten(2).any(-1).nonzero()[0].tolist()
+        _fail("routed_experts", f"token [{b}, {t}] has a negative expert id other than −1 (no route)")
     lp = batch["rollout_logprobs"]
     if bool((lp[act] > 1e-6).any()):
         _fail("rollout_logprobs", "positive log-prob on an action token; pass log-probs, not probabilities")
@@ -366,6 +383,11 @@ def stack_episodes(rows: list[dict], pad_id: int = 0) -> TensorDict:
         extra["sample_uid"] = torch.tensor([r["sample_uid"] for r in rows])
     if all("final_turn" in r for r in rows):
         extra["final_turn"] = torch.tensor([r["final_turn"] for r in rows])
+    if rows and all(r.get("routes") is not None for r in rows):  # [n, L, k] per row (a mixture of experts)
+        re = torch.full((B, T, *rows[0]["routes"].shape[1:]), -1, dtype=torch.int16)
+        for i, r in enumerate(rows):
+            re[i, :len(r["routes"])] = r["routes"]
+        extra["routed_experts"] = re
     return make_trajectory(tokens=tokens, attention_mask=attn, action_mask=act, rollout_logprobs=lp,
                            policy_version=torch.where(act.any(-1), oldest, version), token_version=tv,
                            group_id=torch.tensor([r["group_id"] for r in rows]),
@@ -394,9 +416,12 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     return TensorDict(fields, batch_size=batch.batch_size, device=batch.device)
 
 
+_MINUS_ONE = ("token_version", "kv_version", "routed_experts", "old_routed_experts")  # padded with −1 (none)
+
+
 def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
     """Concatenate trajectory batches along rows, right-padding token fields ``[B, T]`` to the
-    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0, versions ``NO_VERSION``). One
+    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0, versions ``NO_VERSION``, routes −1). One
     batch is returned as is."""
     if len(batches) == 1:
         return batches[0]
@@ -410,8 +435,8 @@ def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
         for k in b.keys():
             v = b[k]
             if k in TOKEN_FIELDS and extra:
-                fill = pad_id if k == "tokens" else NO_VERSION if k in ("token_version", "kv_version") else 0
-                v = torch.nn.functional.pad(v, (0, extra), value=fill)
+                fill = pad_id if k == "tokens" else -1 if k in _MINUS_ONE else 0
+                v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra), value=fill)
             fields[k] = v
         padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))
     return torch.cat(padded, 0)

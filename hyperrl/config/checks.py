@@ -152,7 +152,29 @@ def check_combinations(cfg: TrainConfig) -> None:
             raise ConfigError("rollout.engine.lora_adapters: model.lora.train_modules are trained outside the adapters "
                               "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
                               "train_modules")
+    _check_replay(cfg, caps)
     _check_async(cfg, caps, needs, world)
+
+
+def _check_replay(cfg: TrainConfig, caps) -> None:
+    """``algo.routing_replay`` needs a mixture-of-experts policy, an engine that records routes, and a
+    forward the replay hooks see whole (no recompute in backward)."""
+    a, m = cfg.algo, cfg.model
+    if a.routing_replay == "none":
+        return
+    said = f"algo.routing_replay={a.routing_replay}"
+    if not m.experts and m.checkpoint is None:  # a checkpoint is checked once loaded (at the first batch)
+        raise ConfigError(f"{said}: the policy is dense (model.experts=0); routing replay needs a mixture of "
+                          "experts — set model.experts (e.g. 8) or algo.routing_replay=none")
+    if not caps.routes:
+        raise ConfigError(f"{said}: rollout.engine={cfg.rollout.engine.name} does not record the experts it routed "
+                          "each token to (routed_experts); use rollout.engine=transformers (tp=1)")
+    if m.gradient_checkpointing:
+        raise ConfigError(f"{said} with model.gradient_checkpointing: the backward's recompute would route by "
+                          "itself, not replay; set gradient_checkpointing: false")
+    if cfg.env is not None and cfg.env.name == "agent":
+        raise ConfigError(f"{said} with env=agent: the gateway's rows do not carry routed_experts yet; routing "
+                          "replay runs tasks and environments (env: calculator, …), not agent programs")
 
 
 def _check_groups(cfg: TrainConfig) -> None:

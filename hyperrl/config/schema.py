@@ -194,6 +194,12 @@ class AlgoConfig(_Frozen):
                                                           "version V; interpolate = A-3PO, log π_behav + α(log π_θ "
                                                           "− log π_behav), α = (V − v_t)/(V + 1 − v_t), no forward")
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    routing_replay: Literal["none", "r2", "r3"] = Field("none", description="mixture of experts (docs/moe.md): "
+                                                        "r3 = every trainer forward (old, reference, update) "
+                                                        "routes each token to the experts the rollout used "
+                                                        "(routed_experts); r2 = the update replays the routes of "
+                                                        "the trainer's own old-log-prob pass; none = the "
+                                                        "router's own choice (agreement still measured)")
 
 
 class OptimConfig(_Frozen):

@@ -128,6 +128,8 @@ class Episode:
         self.chat = list(first) if isinstance(first, list) else None  # the conversation so far
         self.versions: list[int] = [NO_VERSION] * len(self.builder)
         self.reward, self.calls, self.success, self.turns, self.done = 0.0, 0, False, 0, False
+        self.routes: torch.Tensor | None = None  # a mixture of experts: each token's first recorded route
+        self._routes_lost = False  # a turn came without routes: the row carries none
 
     def turn(self) -> tuple[list[int], int] | None:
         """The next call: the context to continue and its token budget; None when the episode is over."""
@@ -135,9 +137,25 @@ class Episode:
             return None
         return self.builder.tokens, max(1, min(self.max_new_tokens, self.limits.max_episode_tokens - len(self.builder)))
 
-    def advance(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """The turn's action → the environment's step → its observation appended (or the episode ends)."""
+    def _take_routes(self, routes: torch.Tensor | None, n: int) -> None:
+        """The turn's routes ``[context + n, L, k]``: the context's tokens keep the routes they were first
+        recorded with (an observation gets its from this turn's prefill), the action's are appended."""
+        if routes is None or self._routes_lost:
+            self._routes_lost, self.routes = True, None
+            return
+        ctx = len(self.builder)
+        if self.routes is None:
+            self.routes = torch.full((ctx, *routes.shape[1:]), -1, dtype=torch.int16)
+        have = self.routes[:ctx]
+        have = torch.where((have >= 0).all(-1, keepdim=True), have, routes[:ctx].to(torch.int16))
+        self.routes = torch.cat([have, routes[ctx:ctx + n].to(torch.int16)])
+
+    def advance(self, ids: list[int], logprobs: list[float], versions: list[int],
+                routes: torch.Tensor | None = None) -> None:
+        """The turn's action → the environment's step → its observation appended (or the episode ends).
+        ``routes``: a mixture of experts' ``routed_experts`` of the turn's row (context + action)."""
         b, lim = self.builder, self.limits
+        self._take_routes(routes, len(ids))
         b.add_action(ids, logprobs)
         self.versions += list(versions)
         self.turns += 1
@@ -164,6 +182,9 @@ class Episode:
             if obs:
                 b.add_observation(obs)
                 self.versions += [NO_VERSION] * len(obs)
+                if self.routes is not None:  # routed by the next turn's prefill
+                    self.routes = torch.cat([self.routes, torch.full((len(obs), *self.routes.shape[1:]), -1,
+                                                                     dtype=torch.int16)])
 
     def row(self) -> dict:
         """The episode's trajectory row (tokens, masks, log-probs, per-token versions, reward, group)."""
@@ -172,6 +193,8 @@ class Episode:
                "token_versions": self.versions}
         if self.uid is not None:
             row["sample_uid"] = self.uid
+        if self.routes is not None and not self._routes_lost:
+            row["routes"] = self.routes
         if getattr(self.env, "scores_final_turn", False):  # the configured rewards judge the final response
             row["final_turn"] = next((s for kind, s, _ in reversed(self.builder.segments) if kind == "action"), 0)
         return row
@@ -244,7 +267,8 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
                 m = out["action_mask"][row]
                 tv = out["token_version"][row][m].tolist() if "token_version" in out.keys() else None
                 ids = out["tokens"][row][m].tolist()
-                jobs.append((e, (ids, out["rollout_logprobs"][row][m].tolist(), tv or [version] * len(ids))))
+                routes = out["routed_experts"][row] if "routed_experts" in out.keys() else None
+                jobs.append((e, (ids, out["rollout_logprobs"][row][m].tolist(), tv or [version] * len(ids), routes)))
             _step_all(jobs, pool)
     return episodes_batch(episodes, getattr(engine, "pad_id", tokenizer.pad_token_id or 0)), \
         [e.builder for e in episodes]

@@ -348,7 +348,8 @@ class AsyncCollector:
                     self._turn_limits.pop(int(done["sample_uid"][i]))
                     m = done["action_mask"][i]
                     args = (done["tokens"][i][m].tolist(), done["rollout_logprobs"][i][m].tolist(),
-                            done["token_version"][i][m].tolist())
+                            done["token_version"][i][m].tolist(),
+                            done["routed_experts"][i] if "routed_experts" in done.keys() else None)
                     self._by[uid].add(name)
                     self._stepping += 1
                     self._steps.submit(self._advance, uid, ep, args)

@@ -18,16 +18,47 @@ are meaningful in either (every consumer masks by ``action_mask``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
-           "policy_logprobs", "prefix_groups", "choose"]
+           "policy_logprobs", "prefix_groups", "choose", "RouteReplay"]
 
 
-def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
+class RouteReplay:
+    """A mixture-of-experts forward's routing over a batch ``[B, T]`` (docs/moe.md): ``routes``
+    ``[B, T, L, k]`` — the reference each call's tokens are compared with (the agreement counters of
+    ``routing``, a :class:`hyperrl.models.Routing`) and, with ``force``, routed by; ``None`` captures
+    only. After the pass ``captured [B, T, L, k]`` (int16) holds the experts every token ran (−1
+    where no call ran it: a row's last token, padding). The forwards below map each model call's
+    ``N`` tokens to batch positions with ``src [B, T]`` (the call's token index, −1 = not in it)."""
+
+    def __init__(self, routing, batch: TensorDict, routes: torch.Tensor | None = None, force: bool = False):
+        B, Tn = batch["tokens"].shape
+        self.routing, self.routes, self.force = routing, routes, force
+        self.captured = torch.full((B, Tn, routing.layers, routing.top_k), -1, dtype=torch.int16)
+
+    @contextlib.contextmanager
+    def call(self, src: torch.Tensor, n: int):
+        valid = src >= 0
+        ref = None
+        if self.routes is not None:
+            ref = torch.full((n, self.routing.layers, self.routing.top_k), -1, dtype=torch.int16)
+            ref[src[valid].cpu()] = self.routes[valid].to("cpu", torch.int16)  # a shared prompt: its rows agree
+        with self.routing.call(ref, force=self.force):
+            yield
+        self.captured[valid.cpu()] = self.routing.used[src[valid].cpu()]
+
+
+def _call(replay: RouteReplay | None, src: torch.Tensor, n: int):
+    return contextlib.nullcontext() if replay is None else replay.call(src, n)
+
+
+def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, replay: RouteReplay | None = None):
     """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 before the
     first action position of the batch, ``a``). Logits are computed only on the action window —
     positions ``a − 1 … T − 2`` (``logits_to_keep``), not at every prompt position: at a real
@@ -38,14 +69,18 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float):
         z = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return z, z.clone()
     a = max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)  # the batch's first action position
-    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                   logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
+    B, W = tokens.shape[0], tokens.shape[1] - 1
+    src = torch.nn.functional.pad(torch.arange(B * W, device=tokens.device).view(B, W), (0, 1), value=-1)
+    with _call(replay, torch.where(batch["attention_mask"].bool(), src, -1), B * W):
+        logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                       logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
     lp, ent = T.logprobs_and_entropy(logits, tokens[:, a:], temperature)
     pad = torch.nn.functional.pad
     return pad(lp, (a, 0)), pad(ent, (a, 0))
 
 
-def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0):
+def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0,
+                                replay: RouteReplay | None = None):
     """As :func:`plain_logprobs_and_entropy` on action positions, padding-free (MindSpeed-RL's
     remove-padding): the rows' real tokens are concatenated into sequences of at most
     ``max_tokens`` (first-fit decreasing bins, :func:`hyperrl.transforms.micro_batches_by_token_budget`;
@@ -75,7 +110,11 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
         keep = nxt[r, c].nonzero(as_tuple=True)[0]
         if not len(keep):
             continue
-        logits = model(input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep, use_cache=False).logits
+        src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)
+        src[r, c] = torch.arange(len(r), device=tokens.device)
+        with _call(replay, src, len(r)):
+            logits = model(input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep,
+                           use_cache=False).logits
         lp, ent = T.logprobs_and_entropy(logits, tokens[r[keep], c[keep] + 1][None], temperature)
         lp_out = lp_out.index_put((r[keep], c[keep] + 1), lp[0])
         ent_out = ent_out.index_put((r[keep], c[keep] + 1), ent[0])
@@ -99,7 +138,7 @@ def prefix_groups(batch: TensorDict):
 
 
 def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None, *,
-                                       min_rest: int = 0):
+                                       min_rest: int = 0, replay: RouteReplay | None = None):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each distinct prompt run once.
 
     Prompts ``[U, P]`` are left-padded so every row's continuation starts at cache slot ``P``;
@@ -120,8 +159,12 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     pre_mask = src >= 0
     pre_ids = torch.where(pre_mask, tokens[first].gather(1, src.clamp_min(0)), 0)
     pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
-                logits_to_keep=1)
+    Tn = tokens.shape[1]
+    t = torch.arange(Tn, device=dev)[None, :]
+    src = torch.where(t < p[:, None], inverse[:, None] * P + (P - p[:, None]) + t, -1)  # row b's prompt in its u
+    with _call(replay, src, len(first) * P):
+        out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
+                    logits_to_keep=1)
     logits = out.logits[:, -1].index_select(0, inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
@@ -129,11 +172,15 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     if S > 1:
         cache = _select_rows(out.past_key_values, inverse)
         mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
-        rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=p[:, None] + s[:, :-1],
-                     past_key_values=cache, use_cache=False).logits
+        src = torch.full((B, Tn), -1, dtype=torch.long, device=dev)
+        v = cont_valid[:, :-1]
+        b_idx = torch.arange(B, device=dev)[:, None].expand_as(v)
+        src[b_idx[v], (p[:, None] + s[:, :-1])[v]] = (b_idx * (S - 1) + s[:, :-1])[v]
+        with _call(replay, src, B * (S - 1)):
+            rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=p[:, None] + s[:, :-1],
+                         past_key_values=cache, use_cache=False).logits
         logits = torch.cat([logits, rest], 1)
     lp, ent = T.logprobs_and_entropy(logits, cont, temperature)
-    Tn = tokens.shape[1]
     cols = p[:, None] + s  # distinct per row; the buffer is wide enough for rows' padding tails
     zero = torch.zeros(B, Tn + s.shape[1], dtype=lp.dtype, device=dev)
     lp_full = zero.scatter(1, cols, torch.where(cont_valid, lp, 0.0))[:, :Tn]
@@ -169,7 +216,8 @@ def choose(batch: TensorDict, shared_prefix: bool = True):
     return int(p.min()) >= 1 and U < B and U * int(p.max()) + B * max(S - 1, 0) < B * (Tn - 1), S, groups
 
 
-def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True, agree=None):
+def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True, agree=None,
+                    replay: RouteReplay | None = None):
     """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it is cheaper
     (:func:`choose`), else the plain forward. ``agree((use, S)) → (use, S)`` makes the choice
     collective (data parallel: every rank then makes the same model calls — all use the
@@ -178,5 +226,6 @@ def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_pref
     if agree is not None:
         use, S = agree(use, S)
     if use:  # an agreed `use` implies this rank preferred it too, so its groups exist
-        return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups, min_rest=int(S > 1))
-    return plain_logprobs_and_entropy(model, batch, temperature)
+        return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups, min_rest=int(S > 1),
+                                                  replay=replay)
+    return plain_logprobs_and_entropy(model, batch, temperature, replay)

@@ -49,10 +49,10 @@ def micro_batches(batch: TensorDict, budget: int) -> list[list[int]]:
 
 @torch.no_grad()
 def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParallel | None = None):
-    """``fn(rows) -> tensor | tuple of tensors`` (each ``[b]`` or per-token ``[b, w]``) over the
+    """``fn(rows) -> tensor | tuple of tensors`` (each ``[b]`` or per-token ``[b, w, …]``) over the
     micro-batches of :func:`micro_batches`, each cut to its own width ``w``; per-token outputs are
-    padded back to ``T`` with zeros, everything reassembled in row order — a no-grad forward whose
-    memory is bounded by the micro-batch.
+    padded back to ``T`` with zeros (−1 for integer routes ``[b, w, L, k]``), everything reassembled
+    in row order — a no-grad forward whose memory is bounded by the micro-batch.
     Ranks with fewer micro-batches call ``fn(batch[:1])`` and drop the result (FSDP's lockstep)."""
     parallel = parallel or LocalParallel()
     outs, order = [], []
@@ -66,14 +66,22 @@ def map_micro_batches(fn, batch: TensorDict, budget: int, parallel: LocalParalle
         r = fn(rows)
         single = not isinstance(r, tuple)
         w = rows["tokens"].shape[1]  # per-token outputs [b, w] back to [b, T] (zeros on the cut padding)
-        outs.append(tuple(torch.nn.functional.pad(x, (0, Tn - w)) if x.dim() == 2 and x.shape[1] == w else x
-                          for x in ((r,) if single else r)))
+        outs.append(tuple(_pad_width(x, w, Tn) for x in ((r,) if single else r)))
         order.append(idx)
     if not outs:
         raise ValueError("map_micro_batches: the batch has no rows")
     inverse = torch.argsort(torch.cat(order))
     res = tuple(torch.cat(parts, 0)[inverse] for parts in zip(*outs))
     return res[0] if single else res
+
+
+def _pad_width(x: torch.Tensor, w: int, Tn: int) -> torch.Tensor:
+    """A per-token output ``[b, w, …]`` padded to ``[b, T, …]``: zeros, or −1 for integer outputs
+    with trailing dims (routes ``[b, w, L, k]``, where 0 is an expert id)."""
+    if x.dim() < 2 or x.shape[1] != w or w == Tn:
+        return x
+    fill = -1 if x.dim() > 2 and not x.is_floating_point() else 0
+    return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, Tn - w), value=fill)
 
 
 @dataclass

@@ -17,8 +17,9 @@ from tensordict import TensorDict
 
 from hyperrl import transforms as T
 from hyperrl.device import compute_context, torch_dtype
-from hyperrl.loop.forward import packed_logprobs_and_entropy, policy_logprobs
+from hyperrl.loop.forward import RouteReplay, packed_logprobs_and_entropy, policy_logprobs
 from hyperrl.loop.learner import map_micro_batches
+from hyperrl.models.moe import Routing, check_routes, is_moe
 
 __all__ = ["Forwards", "Preparer", "GateError"]
 
@@ -50,16 +51,25 @@ class Forwards:
         """Mixed precision of every trainer forward (``model.dtype`` over ``model.param_dtype``)."""
         return compute_context(self.device, *self._dtypes)
 
-    def logprobs(self, model, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token log-probs and entropies ``[B, T]`` of ``model`` on ``batch`` (at the sampling temperature)."""
+    def logprobs(self, model, batch: TensorDict, routes: tuple | None = None):
+        """Token log-probs and entropies ``[B, T]`` of ``model`` on ``batch`` (at the sampling temperature).
+        ``routes = (routing, key, force)``: a mixture of experts' routing (:class:`RouteReplay` with
+        ``batch[key]`` as the reference, ``None`` = capture only) — then the routes the forward used
+        ``[B, T, L, k]`` are returned third."""
         # gradient checkpointing drops the KV cache inside checkpointed layers: plain forward then
         shared = self.cfg.optim.shared_prefix and not self.cfg.model.gradient_checkpointing
+        replay = None
+        if routes is not None:
+            routing, key, force = routes
+            replay = RouteReplay(routing, batch, batch[key] if key is not None else None, force)
         with self.amp():
             if self.cfg.optim.pack_tokens:
-                return packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                   self.cfg.optim.pack_tokens)
-            return policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
-                                   agree=self.parallel.agree_forward())
+                out = packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                  self.cfg.optim.pack_tokens, replay)
+            else:
+                out = policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
+                                      agree=self.parallel.agree_forward(), replay=replay)
+        return out if replay is None else (*out, replay.captured.to(out[0].device))
 
     def values(self, critic, batch: TensorDict) -> torch.Tensor:
         """The critic's token-aligned values ``[B, T]`` in fp32."""
@@ -80,15 +90,47 @@ class Preparer:
     def __init__(self, forwards: Forwards, policy, pipeline, cfg, *, reference=None, critic=None):
         self.forwards, self.policy, self.pipeline, self.cfg = forwards, policy, pipeline, cfg
         self.reference, self.critic = reference, critic
+        # a mixture of experts: its routers' replay / capture / agreement hooks (docs/moe.md)
+        self.routing = Routing(policy) if is_moe(policy) else None
+        self._ref_routing = Routing(reference) if reference is not None and is_moe(reference) else None
+        if cfg.algo.routing_replay != "none" and self.routing is None:
+            raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay}: the policy "
+                             f"({type(policy).__name__}) has no MoE router; routing replay needs a mixture of "
+                             "experts — set algo.routing_replay=none")
 
     @property
     def single_pass(self) -> bool:
         """One on-policy pass with no gate, reference or correction: the rollout's own log-probs
         serve as the behaviour policy (the trainer's forward would recompute the same values up to
-        float rounding), and the mismatch metrics come from the update's forward — one forward saved."""
+        float rounding), and the mismatch metrics come from the update's forward — one forward saved.
+        R2 needs the old pass (its routes are what the update replays)."""
         a = self.cfg.algo
         return a.ppo_epochs == 1 and self.cfg.optim.mini_batches == 1 and a.gate_threshold is None and \
-            self.reference is None and self.pipeline.correction is None
+            self.reference is None and self.pipeline.correction is None and a.routing_replay != "r2"
+
+    def route_key(self, batch: TensorDict) -> str | None:
+        """The rollout's routes to compare with (and under R3 replay), checked against the policy
+        (:func:`hyperrl.models.moe.check_routes`); ``None`` for a dense policy or a batch without
+        them when nothing is replayed."""
+        mode = self.cfg.algo.routing_replay
+        if self.routing is None or (mode == "none" and "routed_experts" not in batch.keys()):
+            return None
+        check_routes(batch, self.routing, why=f" (algo.routing_replay={mode})" if mode != "none" else "")
+        return "routed_experts"
+
+    def update_routes(self, batch: TensorDict) -> tuple | None:
+        """The update forward's ``routes`` argument of :meth:`Forwards.logprobs`: R3 replays the
+        rollout's, R2 the old pass's; otherwise the rollout's are compared with (single pass only:
+        the old pass measured them already)."""
+        mode = self.cfg.algo.routing_replay
+        if self.routing is None:
+            return None
+        if mode == "r3":
+            return self.routing, "routed_experts", True
+        if mode == "r2":
+            return self.routing, "old_routed_experts", True
+        key = "routed_experts" if self.single_pass and "routed_experts" in batch.keys() else None
+        return self.routing, key, False
 
     @torch.no_grad()
     def prepare(self, batch: TensorDict, *, step: int, version: int, baseline=None) -> tuple[TensorDict, dict]:
@@ -96,15 +138,25 @@ class Preparer:
         behaviour ``old_logprobs`` (checked by the gate: :class:`GateError`) and ``ref_logprobs``, as
         the pipeline needs; returns it and the mismatch metrics."""
         f, out, needs = self.forwards, batch.copy(), self.pipeline.needs
+        mode, key = self.cfg.algo.routing_replay, self.route_key(batch)  # routes checked at every batch
         if self.critic is not None:
             out.set("values", f.no_grad(lambda rows: f.values(self.critic, rows), batch))
         if "baseline_reward" in needs:
             out.set("baseline_reward", baseline(batch))
         if self.single_pass or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in the loss)
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
+        routes = None if self.routing is None else (self.routing, key, mode == "r3")
         with _eval_mode(self.policy):  # no dropout (LoRA's) in the behaviour / reference log-probs
-            lp, _ = f.no_grad(lambda rows: f.logprobs(self.policy, rows), batch)
+            if routes is None:
+                lp, _ = f.no_grad(lambda rows: f.logprobs(self.policy, rows), batch)
+            else:
+                self.routing.reset()
+                lp, _, used = f.no_grad(lambda rows: f.logprobs(self.policy, rows, routes), batch)
+                if mode == "r2":
+                    out.set("old_routed_experts", used.cpu().to(torch.int16).to(lp.device))
         mm = T.mismatch_metrics(lp, batch["rollout_logprobs"], batch["action_mask"])
+        if routes is not None:
+            mm = {**mm, **self.routing.metrics()}
         thr = self.cfg.algo.gate_threshold
         if thr is not None and float(mm["mismatch_max_abs"]) > thr:
             raise GateError(f"step {step}: trainer vs rollout log-prob gap {float(mm['mismatch_max_abs']):.3e}"
@@ -112,6 +164,7 @@ class Preparer:
                             f"refused, still serving version {version}")
         out.set("old_logprobs", lp)
         if self.reference is not None:
+            ref = (self._ref_routing, key, True) if mode == "r3" and self._ref_routing is not None else None
             with _eval_mode(self.policy):
-                out.set("ref_logprobs", f.no_grad(lambda rows: f.logprobs(self.reference, rows), batch)[0])
+                out.set("ref_logprobs", f.no_grad(lambda rows: f.logprobs(self.reference, rows, ref), batch)[0])
         return out, {k: float(v) for k, v in mm.items()}

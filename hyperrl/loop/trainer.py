@@ -114,9 +114,14 @@ class Trainer:
         plus the critic's value term; mismatch metrics from ``transforms.correction``."""
         p = self.pipeline
         if is_moe(self.policy):  # the router's load-balancing term and metrics, from the update's own forward
+            routes = self.preparer.update_routes(part)  # routing replay (R2 / R3) or the agreement measured
+            self.preparer.routing.reset()
             with RouterTap(self.policy) as tap:
-                lp, ent = self.forwards.logprobs(self.policy, part)
+                lp, ent, _ = self.forwards.logprobs(self.policy, part, routes)
             router = T.router_loss(tap.logits, tap.top_k, self.cfg.model.router_aux_loss_coef, tap.mask)
+            if self.preparer.single_pass:  # else the old pass measured the agreement at the rollout's weights
+                agree = self.preparer.routing.metrics()
+                router = router + T.LossOutput({}, {k: torch.tensor(v) for k, v in agree.items()})
         else:
             lp, ent = self.forwards.logprobs(self.policy, part)
             router = None

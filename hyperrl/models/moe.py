@@ -6,24 +6,18 @@ layer). :class:`RouterTap` hooks them for the span of a ``with`` block and keeps
 logits of every forward run in it — with the mask of which of those ``N`` tokens are real, read
 from the call's ``attention_mask`` (its last ``input_ids.shape[1]`` columns: the queries; a call
 without one — the packed forward — has no padding).
+
+Routing replay and capture (:class:`Routing`) live in :mod:`hyperrl.routing` (a foundation the
+rollout engines import too) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["moe_routers", "is_moe", "RouterTap"]
+from hyperrl.routing import Routing, check_routes, is_moe, moe_routers, replay_weights
 
-
-def moe_routers(model) -> list[torch.nn.Module]:
-    """The model's routers, in layer order (empty for a dense model)."""
-    return [m for m in model.modules() if hasattr(m, "top_k") and hasattr(m, "num_experts")
-            and isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
-
-
-def is_moe(model) -> bool:
-    """Whether ``model`` has MoE routers (:func:`moe_routers`)."""
-    return bool(moe_routers(model))
+__all__ = ["moe_routers", "is_moe", "RouterTap", "Routing", "replay_weights", "check_routes"]
 
 
 class RouterTap:

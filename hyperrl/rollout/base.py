@@ -56,7 +56,9 @@ class Capabilities:
       compiled policy, cannot use it);
     * ``lora_adapters`` — receives LoRA adapters (``load_lora(policy, version)``) instead of merged
       weights;
-    * ``buffers`` — exposes its destination buffers (``buffers()``) for the publisher to write in place.
+    * ``buffers`` — exposes its destination buffers (``buffers()``) for the publisher to write in place;
+    * ``routes`` — records ``routed_experts`` (the experts every token was routed to) when it serves a
+      mixture-of-experts model (routing replay, docs/moe.md).
     """
 
     keyed: bool = False
@@ -64,6 +66,7 @@ class Capabilities:
     shared_weights: bool = False
     lora_adapters: bool = False
     buffers: bool = False
+    routes: bool = False
 
 
 @runtime_checkable

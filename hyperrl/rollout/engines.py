@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +34,11 @@ class EngineContext:
 
 
 @register_engine("transformers")
-def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1):
+def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
-    (publication copies — and casts — the trainer's weights into it). ``share_weights``: serve
+    (publication copies — and casts — the trainer's weights into it); ``dtype`` (e.g. bfloat16)
+    serves it in another one than the trainer computes in — production's bf16 engine against an
+    fp32 trainer (docs/moe.md measures what that does to routing). ``share_weights``: serve
     the trainer's policy itself — no second copy, publication a checked version bump (one
     process, ``model.dtype == model.param_dtype``, no ``model.lora``; see
     :class:`~.hf.TransformersEngine`). ``tp``: split the copy over TP groups of ``tp``
@@ -46,6 +49,13 @@ def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: 
 
     if tp < 1:
         raise ValueError(f"rollout.engine.tp={tp}: must be ≥ 1")
+    if dtype is not None:
+        from hyperrl.device import torch_dtype
+
+        if share_weights:
+            raise ValueError(f"rollout.engine.dtype={dtype}: an engine sharing the trainer's weights serves them in "
+                             "their own dtype; drop dtype or set share_weights: false")
+        ctx = dataclasses.replace(ctx, dtype=torch_dtype(dtype))
     if tp > 1:
         from hyperrl.rollout.tp import TPTransformersEngine
 
@@ -111,8 +121,8 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
 # load (an asynchronous run needs a resumable engine that does not share the trainer's weights)
 # before any engine exists; tests hold each built engine's ``capabilities`` to these.
 _DECLARED = {
-    "transformers": lambda share_weights=False, tp=1: Capabilities(keyed=True, resumable=True,
-                                                                   shared_weights=share_weights),
+    "transformers": lambda share_weights=False, tp=1, dtype=None: Capabilities(keyed=True, resumable=True,
+                                                                   shared_weights=share_weights, routes=tp == 1),
     "vllm": lambda lora_adapters=False, **_: Capabilities(resumable=True, lora_adapters=lora_adapters,
                                                           buffers=Path("/dev/shm").is_dir()),
 }

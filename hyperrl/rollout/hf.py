@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
+from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, make_trajectory
 
 __all__ = ["TransformersEngine", "filter_logits"]
@@ -68,8 +69,9 @@ class TransformersEngine(TransactionalEngine):
             self.model.eval()
         self.device = torch.device(device)
         self.pad_id, self.shared = pad_id, shared
-        # generate_requests: keyed sampling, abort, resume
-        self.capabilities = Capabilities(keyed=True, resumable=True, shared_weights=shared)
+        # generate_requests: keyed sampling, abort, resume; a mixture of experts' routes recorded
+        self.capabilities = Capabilities(keyed=True, resumable=True, shared_weights=shared, routes=True)
+        self._routing = Routing(self.model) if is_moe(self.model) else None
         self._version, self._failed = version, None
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
@@ -178,8 +180,12 @@ class TransformersEngine(TransactionalEngine):
             g = torch.arange(tv.shape[1])[None, :] - torch.tensor([len(c) for c in ctx])[:, None]
             tv = torch.where(act, torch.tensor(steps)[g.clamp(0, len(steps) - 1)], tv)
             kv = torch.where(act, steps[0], kv)
+        routes = b["routed_experts"].clone() if "routed_experts" in b.keys() else None
         for i, r in enumerate(requests):  # the partial tokens are actions sampled under older weights
             P, K = len(r.prompt), len(r.partial)
+            if K and routes is not None and r.partial_routes is not None:  # they keep the routes they ran with
+                pr = r.partial_routes.to(routes.dtype)
+                routes[i, P:P + K] = torch.where(pr >= 0, pr, routes[i, P:P + K])
             if K:
                 act[i, P:P + K] = True
                 lp[i, P:P + K] = torch.tensor(r.partial_logprobs)
@@ -187,6 +193,8 @@ class TransformersEngine(TransactionalEngine):
                 kv[i, P:P + K] = torch.tensor(r.partial_kv_versions or r.partial_versions)
         oldest = torch.where(act, tv, torch.iinfo(torch.int64).max).min(-1).values
         extra = {"kv_version": kv} if hold is not None else {}
+        if routes is not None:
+            extra["routed_experts"] = routes
         return make_trajectory(**{**b.to_dict(), "action_mask": act, "rollout_logprobs": lp, "token_version": tv,
                                   "policy_version": torch.where(act.any(-1), oldest, self._version),
                                   "sample_uid": uids, "group_id": torch.tensor([r.group_id for r in requests]),
@@ -217,6 +225,10 @@ class TransformersEngine(TransactionalEngine):
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         past = step_ids = None
         steps = sampling.max_new_tokens if budgets is None else int(budgets.max())
+        routing, routes = self._routing, None  # a mixture of experts: the experts each token is routed to
+        if routing is not None:  # (prompt [B, P, L, k] from the prefill, generated [B, steps, L, k])
+            routes = [None, torch.full((B, steps, routing.layers, routing.top_k), -1, dtype=torch.int16)]
+        record = routing.call if routing is not None else contextlib.nullcontext
         rows_c = torch.arange(B, device=dev)  # the rows still computed (keyed sampling drops finished ones)
         for t in range(steps):
             if abort is not None and abort.is_set():
@@ -229,15 +241,21 @@ class TransformersEngine(TransactionalEngine):
             # only the last position's logits are needed: no [B, P, V] prefill logits (a large saving at
             # real vocabularies)
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
-                out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[::n],
-                                 use_cache=True, logits_to_keep=1)
+                with record():
+                    out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[::n],
+                                     use_cache=True, logits_to_keep=1)
                 past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)
                 if n > 1:
                     past.batch_repeat_interleave(n)
+                if routes is not None:
+                    routes[0] = routing.used.view(B // n, P, routing.layers, routing.top_k).repeat_interleave(n, 0)
             else:
-                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
-                                 use_cache=True, logits_to_keep=1)
+                with record():  # this step runs the tokens sampled at t − 1
+                    out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=past,
+                                     use_cache=True, logits_to_keep=1)
                 past, logits = out.past_key_values, out.logits[:, -1]
+                if routes is not None:
+                    routes[1][rows_c.cpu(), t - 1] = routing.used
             z = filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             logp = torch.log_softmax(z, -1)
             if keys is None:
@@ -269,10 +287,13 @@ class TransformersEngine(TransactionalEngine):
             pos = pos[:, -1:] + 1
         plen = torch.tensor([len(p) for p in rows])
         finish = torch.where(aborted, _ABORTED, torch.where(stopped, 0, 1)).cpu()  # aborted / stop / length
-        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups, finish)
+        return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups, finish,
+                                routes)
 
-    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None) -> TensorDict:
-        """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised)."""
+    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None, routes=None) -> TensorDict:
+        """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised);
+        ``routes = (prompt [B, P, L, k], generated [B, N, L, k])`` → ``routed_experts`` (−1 where no
+        forward ran the token: a row's last, padding)."""
         B, P = left_ids.shape
         total = plen + lengths
         T = int(total.max())
@@ -285,6 +306,13 @@ class TransformersEngine(TransactionalEngine):
                              torch.where(in_gen, out_tok.gather(1, g_idx), self.pad_id))
         lp = torch.where(in_gen, out_lp.gather(1, g_idx), 0.0)
         extra = {} if finish is None else {"finish_reason": finish}
+        if routes is not None and routes[0] is not None:
+            b = torch.arange(B)[:, None]
+            gen = routes[1][b, g_idx.clamp_max(max(routes[1].shape[1] - 1, 0))] if routes[1].shape[1] else None
+            none = torch.full((B, T, *routes[0].shape[2:]), -1, dtype=torch.int16)
+            extra["routed_experts"] = torch.where(in_prompt[..., None, None], routes[0][b, p_idx],
+                                                  none if gen is None else torch.where(in_gen[..., None, None], gen,
+                                                                                       none))
         return make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
                                rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
                                token_version=torch.where(in_gen, self._version, NO_VERSION),

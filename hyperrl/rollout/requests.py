@@ -17,7 +17,7 @@ streams cannot do that (their draws depend on the order of every earlier draw).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -42,6 +42,8 @@ class Request:
     partial_versions: tuple[int, ...] = ()
     partial_kv_versions: tuple[int, ...] | None = None  # None: each partial token's own version (re-prefilled)
     max_new_tokens: int | None = None  # this response's token limit (partial included); None: the sampling's
+    # a mixture of experts: the partial tokens' routes [K, L, k] as the earlier call ran them (−1: none)
+    partial_routes: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.prompt:
@@ -50,6 +52,9 @@ class Request:
             raise ValueError(f"Request {self.uid}: partial, partial_logprobs and partial_versions differ in length")
         if self.partial_kv_versions is not None and len(self.partial_kv_versions) != len(self.partial):
             raise ValueError(f"Request {self.uid}: partial_kv_versions and partial differ in length")
+        if self.partial_routes is not None and self.partial_routes.shape[0] != len(self.partial):
+            raise ValueError(f"Request {self.uid}: partial_routes has {self.partial_routes.shape[0]} rows for "
+                             f"{len(self.partial)} partial tokens")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"Request {self.uid}: max_new_tokens={self.max_new_tokens}; at least 1 (None: the "
                              "sampling's)")
@@ -127,7 +132,8 @@ def requests_for(prompts: list[list[int]], n: int, *, uid_offset: int, group_off
 def resume_requests(batch: TensorDict, limits: dict[int, int] | None = None) -> list[Request]:
     """The aborted rows of a ``generate_requests`` batch as requests that continue them: the prompt
     (the tokens before the first action), the generated tokens with their log-probs and versions;
-    ``limits``: the requests' own ``max_new_tokens`` by uid (a row does not carry it).
+    ``limits``: the requests' own ``max_new_tokens`` by uid (a row does not carry it); a mixture of
+    experts' ``routed_experts`` travel with the partial tokens (they keep their routes).
     Single-turn rows only (a row with observation tokens after its first action is refused)."""
     out = []
     for i in (batch["finish_reason"] == _ABORTED).nonzero()[:, 0].tolist():
@@ -142,5 +148,6 @@ def resume_requests(batch: TensorDict, limits: dict[int, int] | None = None) -> 
                            tuple(tok[first:]), tuple(batch["rollout_logprobs"][i, first:n].tolist()),
                            tuple(batch["token_version"][i, first:n].tolist()),
                            tuple(batch["kv_version"][i, first:n].tolist()) if "kv_version" in batch.keys() else None,
-                           (limits or {}).get(int(batch["sample_uid"][i]))))
+                           (limits or {}).get(int(batch["sample_uid"][i])),
+                           batch["routed_experts"][i, first:n].clone() if "routed_experts" in batch.keys() else None))
     return out
