@@ -167,8 +167,10 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
         raise ConfigError(f"{said}: the policy is dense (model.experts=0); routing replay needs a mixture of "
                           "experts — set model.experts (e.g. 8) or algo.routing_replay=none")
     if not caps.routes:
+        hint = " — set rollout.engine.routed_experts=true (vLLM's capture: GPU)" if cfg.rollout.engine.name == "vllm" \
+            else ""
         raise ConfigError(f"{said}: rollout.engine={cfg.rollout.engine.name} does not record the experts it routed "
-                          "each token to (routed_experts); use rollout.engine=transformers (tp=1)")
+                          f"each token to (routed_experts){hint}; or use rollout.engine=transformers (tp=1)")
     if m.gradient_checkpointing:
         raise ConfigError(f"{said} with model.gradient_checkpointing: the backward's recompute would route by "
                           "itself, not replay; set gradient_checkpointing: false")

