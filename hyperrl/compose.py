@@ -65,7 +65,9 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     critic = build_critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dims.tp > 1:
+    if dims.ep > 1:
+        policy = expert_parallel_model(cfg, policy, dims, device, dtype, parallel, reference, critic)
+    elif dims.tp > 1:
         policy = tensor_parallel_model(policy, dims, device, dtype)
         parallel.sum_over_tp(tp_partial_params(policy))
     elif dims.world > 1:
@@ -78,6 +80,28 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
         policy.compile(backend=m.compile, dynamic=True)
     return policy, engine, reference, critic
+
+
+def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, parallel, reference, critic):
+    """``run.ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks (DTensors on the
+    ``("replica", "ep")`` mesh; tokens dispatched by all-to-all), FSDP2 over every rank for the rest,
+    the experts' gradients summed over their replicas by the data-parallel strategy."""
+    from hyperrl.distributed.expert_parallel import expert_params, shard_experts
+    from hyperrl.routing import is_moe
+
+    why = [w for w, bad in (("the policy is dense (model.experts=0)", not is_moe(policy)),
+                            ("model.lora", cfg.model.lora is not None), ("a critic", critic is not None),
+                            ("a reference model (KL)", reference is not None),
+                            ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if bad]
+    if why:
+        raise ConfigError(f"run.ep={dims.ep}: expert parallelism here trains an MoE policy alone — not with "
+                          f"{', '.join(why)}; set run.ep=1")
+    mesh = dims.expert_mesh(device.type)
+    experts = shard_experts(policy, mesh.get_group("ep"), mesh.get_local_rank("ep"), dims.ep, mesh)
+    params = expert_params(experts)
+    policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
+    parallel.experts_over(params, mesh.get_group("replica"))
+    return policy
 
 
 def _check_context(cfg: TrainConfig, task, policy) -> None:
@@ -121,7 +145,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
                          f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
-    dims = ParallelDims.from_env(cfg.run.tp)
+    dims = ParallelDims.from_env(cfg.run.tp, cfg.run.ep)
     parallel = make_parallel(dims)
     policy, engine, reference, critic = build_models(cfg, pipeline, tok, device, parallel, dims)
     _check_context(cfg, task, policy)

@@ -271,6 +271,9 @@ class RunConfig(_Frozen):
     tp: int = Field(1, ge=1, description="tensor parallelism of the trainer's policy under torchrun: groups of tp "
                     "consecutive ranks split every decoder layer (Megatron's split, hyperrl.distributed.parallelize), "
                     "FSDP2 over the world / tp data-parallel groups; 1 = FSDP2 over every rank")
+    ep: int = Field(1, ge=1, description="expert parallelism of a mixture-of-experts policy under torchrun: groups "
+                    "of ep consecutive ranks share each layer's experts (E/ep each; tokens dispatched by all-to-all, "
+                    "hyperrl.distributed.expert_parallel), FSDP2 over every rank for the rest; 1 = off")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 

@@ -118,6 +118,8 @@ class TorchDataParallel(LocalParallel):
             raise ValueError(f"run.tp={tp} must divide the world size {self.world}")
         self._dp_group = self._tp_group = None
         self._tp_partial: list = []
+        self._experts: list = []  # expert-parallel parameters and their replica group (experts_over)
+        self._replicas = None
         if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
             for t in range(tp):
                 g = dist.new_group(list(range(t, self.world, tp)))
@@ -127,6 +129,12 @@ class TorchDataParallel(LocalParallel):
                 g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
                 if d == self.rank // tp:
                     self._tp_group = g
+
+    def experts_over(self, params, replica_group) -> None:
+        """Expert-parallel parameters (DTensors on the ``("replica", "ep")`` mesh): :meth:`sync_grads`
+        sums their gradients over ``replica_group`` (the ranks holding the same experts) ÷ world — the
+        all-to-all's backward already summed the tokens of their ``ep`` group."""
+        self._experts, self._replicas = list(params), replica_group
 
     def sum_over_tp(self, params) -> None:
         if self.tp == 1 and params:
@@ -175,6 +183,12 @@ class TorchDataParallel(LocalParallel):
 
         params = list(params)
         self._sum_partial_over_tp(params)
+        mine = {id(p) for p in params}
+        experts = [p for p in self._experts if id(p) in mine]
+        if experts:
+            from hyperrl.distributed.expert_parallel import sync_expert_grads
+
+            sync_expert_grads(experts, self._replicas, 1.0 / self.world)
         ps = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
         if not ps:
             return

@@ -30,8 +30,9 @@ def world_size() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How the world's ranks are split: ``world = dp · tp`` (``ep`` and ``cp`` are the expert- and
-    context-parallel axes the MoE and long-context work add; both must be 1 today). ``tp``
+    """How the world's ranks are split: ``world = dp · tp``; ``ep`` splits a mixture's experts over
+    groups of ``ep`` consecutive ranks (with ``tp = 1``; :meth:`expert_mesh`); ``cp`` (context
+    parallelism) must be 1 today. ``tp``
     consecutive ranks form a tensor-parallel group; ``dp`` is the data-parallel size (FSDP2 shards
     over it). :meth:`mesh` builds the device mesh once and returns the same one after: a 1-D
     ``("fsdp",)`` mesh when ``tp == 1``, a 2-D ``("dp", "tp")`` mesh otherwise."""
@@ -45,22 +46,39 @@ class ParallelDims:
         for name in ("world", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
-        if self.ep != 1 or self.cp != 1:
-            raise ValueError(f"parallel dims: ep={self.ep}, cp={self.cp}: expert and context parallelism are not "
-                             "implemented yet (both must be 1)")
+        if self.cp != 1:
+            raise ValueError(f"parallel dims: cp={self.cp}: context parallelism is not implemented yet (must be 1)")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"run.ep={self.ep} with run.tp={self.tp}: expert and tensor parallelism are not composed "
+                             "yet; use one of them")
         if self.world % self.tp:
             raise ValueError(f"run.tp={self.tp} must divide the world size {self.world}")
+        if self.world % self.ep:
+            raise ValueError(f"run.ep={self.ep} must divide the world size {self.world} (torchrun --nproc-per-node)")
         object.__setattr__(self, "_meshes", {})
 
     @property
     def dp(self) -> int:
-        """The data-parallel size ``world / (tp · ep · cp)``."""
-        return self.world // (self.tp * self.ep * self.cp)
+        """The data-parallel size ``world / tp``: every rank trains its own rows under expert parallelism
+        (the ``ep`` ranks of a group exchange tokens, not batches)."""
+        return self.world // (self.tp * self.cp)
 
     @classmethod
-    def from_env(cls, tp: int = 1) -> ParallelDims:
-        """The dims of this process's world (:func:`world_size`) with tensor parallelism ``tp``."""
-        return cls(world=world_size(), tp=tp)
+    def from_env(cls, tp: int = 1, ep: int = 1) -> ParallelDims:
+        """The dims of this process's world (:func:`world_size`) with tensor parallelism ``tp`` and
+        expert parallelism ``ep``."""
+        return cls(world=world_size(), tp=tp, ep=ep)
+
+    def expert_mesh(self, device_type: str):
+        """The experts' ``("replica", "ep")`` device mesh (``world / ep × ep``): ``ep`` consecutive
+        ranks share a layer's experts; the ranks at one ``ep`` position hold the same ones."""
+        key = ("experts", device_type)
+        if key not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._meshes[key] = init_device_mesh(device_type, (self.world // self.ep, self.ep),
+                                                 mesh_dim_names=("replica", "ep"))
+        return self._meshes[key]
 
     def mesh(self, device_type: str):
         """The run's device mesh on ``device_type`` (built on the first call, the same object after)."""

@@ -75,21 +75,23 @@ def parallelize(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Mod
     return PARALLELIZE_PLANS.get(kind)(model, mesh, mp_policy=mp_policy)
 
 
-def fully_shard_model(module, layers, dims, device: torch.device, dtype: torch.dtype):
+def fully_shard_model(module, layers, dims, device: torch.device, dtype: torch.dtype, ignored=None):
     """FSDP2 over all ranks on a device mesh of the run's device type (gloo on CPU, NCCL/HCCL on
     devices): each decoder layer, then the root. Mixed precision by FSDP2's
     ``MixedPrecisionPolicy``: parameters all-gathered and computed in ``dtype``, gradients
     reduced in fp32 (the sharded master weights and the optimizer state stay in
     ``model.param_dtype``). FSDP averages gradients over ranks; the trainer scales each loss by the
     world size so the result is the *sum* the global token normaliser expects (gloo has no
-    PREMUL_SUM for a divide factor of 1), keeping accumulation exact."""
+    PREMUL_SUM for a divide factor of 1), keeping accumulation exact. ``ignored``: parameters FSDP
+    leaves alone (expert-parallel experts, :mod:`hyperrl.distributed.expert_parallel`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = dims.mesh(device.type)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    kw = {"ignored_params": set(ignored)} if ignored else {}  # expert-parallel experts: sharded their own way
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **kw)
+    fully_shard(module, mesh=mesh, mp_policy=mp, **kw)
     return module
 
 

@@ -118,7 +118,10 @@ class Trainer:
             self.preparer.routing.reset()
             with RouterTap(self.policy) as tap:
                 lp, ent, _ = self.forwards.logprobs(self.policy, part, routes)
-            router = T.router_loss(tap.logits, tap.top_k, self.cfg.model.router_aux_loss_coef, tap.mask)
+            # each forward's share of the step's action tokens (all ranks, micro-batches): the term sums to the
+            # coefficient once per optimizer step — one process over the full batch: exactly the family's loss
+            share = float(part["action_mask"].sum()) / max(float(norm.num_tokens), 1.0)
+            router = T.router_loss(tap.logits, tap.top_k, self.cfg.model.router_aux_loss_coef * share, tap.mask)
             if self.preparer.single_pass:  # else the old pass measured the agreement at the rollout's weights
                 agree = self.preparer.routing.metrics()
                 router = router + T.LossOutput({}, {k: torch.tensor(v) for k, v in agree.items()})
