@@ -153,7 +153,27 @@ def check_combinations(cfg: TrainConfig) -> None:
                               "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
                               "train_modules")
     _check_replay(cfg, caps)
+    _check_ep(cfg, world)
     _check_async(cfg, caps, needs, world)
+
+
+def _check_ep(cfg: TrainConfig, world: int) -> None:
+    """``run.ep``: it splits a mixture's experts — a whole number per rank — over ranks of this world,
+    without tensor parallelism (not composed yet)."""
+    ep, m = cfg.run.ep, cfg.model
+    if ep == 1:
+        return
+    if cfg.run.tp > 1:
+        raise ConfigError(f"run.ep={ep} with run.tp={cfg.run.tp}: expert and tensor parallelism are not composed yet; "
+                          "use one of them")
+    if m.checkpoint is None and not m.experts:
+        raise ConfigError(f"run.ep={ep}: the policy is dense (model.experts=0); expert parallelism splits a mixture "
+                          "of experts — set model.experts or run.ep=1")
+    if m.checkpoint is None and m.experts % ep:
+        raise ConfigError(f"run.ep={ep} does not divide model.experts={m.experts}; each rank holds a whole number of "
+                          "every layer's experts")
+    if world % ep:
+        raise ConfigError(f"run.ep={ep} does not divide the world size {world} (torchrun --nproc-per-node)")
 
 
 def _check_replay(cfg: TrainConfig, caps) -> None:

@@ -24,6 +24,8 @@ autograd function and process groups are torch.distributed's.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -52,7 +54,12 @@ def expert_groups(world: int, ep: int):
 
 
 class ExpertParallelExperts(torch.nn.Module):
-    """A stacked-experts module's local slice over an ``ep`` group (see the module doc)."""
+    """A stacked-experts module's local slice over an ``ep`` group (see the module doc).
+    ``ExpertParallelExperts.comm_seconds`` accumulates the wall time of the forward's exchanges (counts,
+    dispatch, combine; the backward's mirror exchange is not timed) over every instance — a benchmark's
+    all-to-all share."""
+
+    comm_seconds = 0.0
 
     def __init__(self, experts: torch.nn.Module, group, ep_rank: int, ep: int, mesh=None):
         super().__init__()
@@ -89,6 +96,7 @@ class ExpertParallelExperts(torch.nn.Module):
         order = torch.argsort(dest, stable=True)  # pairs grouped by the rank holding their expert
         send = torch.bincount(dest, minlength=self.ep)
         recv = torch.empty_like(send)
+        t0 = time.perf_counter()
         dist.all_to_all_single(recv, send, group=self.group)
         send_l, recv_l = send.tolist(), recv.tolist()
         x = hidden[token[order]]
@@ -96,6 +104,7 @@ class ExpertParallelExperts(torch.nn.Module):
         e_in = torch.empty(sum(recv_l), dtype=ids.dtype, device=ids.device)
         dist.all_to_all_single(e_in, (ids[order] - dest[order] * self.local).contiguous(), recv_l, send_l,
                                group=self.group)
+        ExpertParallelExperts.comm_seconds += time.perf_counter() - t0
         y = x_in.new_zeros(x_in.shape)
         gate_up_w, down_w = _local(self.gate_up_proj), _local(self.down_proj)
         for e in range(self.local):
@@ -104,7 +113,9 @@ class ExpertParallelExperts(torch.nn.Module):
                 continue
             gate, up = torch.nn.functional.linear(x_in[rows], gate_up_w[e]).chunk(2, dim=-1)
             y = y.index_add(0, rows, torch.nn.functional.linear(self.act_fn(gate) * up, down_w[e]))
+        t0 = time.perf_counter()
         back = wait_tensor(a2a(y, send_l, recv_l, self.group))
+        ExpertParallelExperts.comm_seconds += time.perf_counter() - t0
         w = top_k_weights.reshape(-1)[order].to(back.dtype)
         return hidden.new_zeros(hidden.shape).index_add(0, token[order], (back * w[:, None]).to(hidden.dtype))
 

@@ -220,3 +220,20 @@ def test_the_ep_trainer_publishes_checkpoints_and_resumes_bit_identically(tmp_pa
     resumed = run_gloo(_run_worker, 4, str(tmp_path / "b"), 6, True, timeout=600)
     assert resumed[0]["metrics"] == full[0]["metrics"][3:]
     assert all((v == resumed[0]["full"][k]).all() for k, v in full[0]["full"].items())
+
+
+@pytest.mark.parametrize("over, msg", [
+    (["--run.ep=3"], r"run.ep=3 does not divide model.experts=8"),
+    (["--run.ep=2", "--model.experts=0"], r"run.ep=2: the policy is dense"),
+    (["--run.ep=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.ep=2 with run.tp=2: expert and tensor parallelism are not composed"),
+    (["--run.ep=2"], r"run.ep=2 does not divide the world size 1"),
+])
+def test_bad_ep_settings_are_refused_at_load(over, msg, monkeypatch):
+    from hyperrl.config import ConfigError, load_config
+
+    if "--run.tp=2" in over:  # a world torchrun would give (the tp checks need one)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+
+    with pytest.raises(ConfigError, match=msg):
+        load_config("configs/moe.yaml", over)
