@@ -105,7 +105,9 @@ class ExpertParallelExperts(torch.nn.Module):
         dist.all_to_all_single(e_in, (ids[order] - dest[order] * self.local).contiguous(), recv_l, send_l,
                                group=self.group)
         ExpertParallelExperts.comm_seconds += time.perf_counter() - t0
-        y = x_in.new_zeros(x_in.shape)
+        # x_in · 0, not zeros: a rank none of whose experts got a token must still join both exchanges'
+        # backward (a collective), so its y must depend on x_in
+        y = x_in * 0.0
         gate_up_w, down_w = _local(self.gate_up_proj), _local(self.down_proj)
         for e in range(self.local):
             rows = (e_in == e).nonzero()[:, 0]

@@ -85,6 +85,33 @@ def test_expert_parallel_equals_the_whole_model_in_one_process(ep):
     assert any(float(abs(g).max()) > 0 for g in res[0]["grads"].values())
 
 
+def _idle_worker(rank, world):
+    """Every token of both ranks routed to rank 0's experts: rank 1's experts get nothing, and its backward
+    must still join both exchanges (else the collectives mismatch — seen after ~100 training steps)."""
+    from hyperrl.distributed.expert_parallel import ExpertParallelExperts, expert_groups
+
+    experts = _model().model.layers[0].mlp.experts
+    group, _, ep_rank = expert_groups(world, 2)
+    layer = ExpertParallelExperts(experts, group, ep_rank, 2)
+    g = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(5, 32, generator=g, requires_grad=True)
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [0, 2]])  # experts 0..3: rank 0's
+    w = torch.rand(5, 2, generator=g)
+    out = layer(hidden, ids, w)
+    out.square().sum().backward()
+    ref_h = hidden.detach().clone().requires_grad_(True)
+    ref = experts(ref_h, ids, w)
+    ref.square().sum().backward()
+    return {"out": float((out - ref).abs().max()), "grad": float((hidden.grad - ref_h.grad).abs().max()),
+            "expert_grad": None if layer.gate_up_proj.grad is None else float(layer.gate_up_proj.grad.abs().max())}
+
+
+def test_a_rank_whose_experts_get_no_token_still_joins_the_backward():
+    res = run_gloo(_idle_worker, 2, timeout=120)
+    assert max(r["out"] for r in res.values()) < 1e-5 and max(r["grad"] for r in res.values()) < 1e-5
+    assert res[1]["expert_grad"] in (None, 0.0) and res[0]["expert_grad"] > 0
+
+
 def _bad_worker(rank, world):
     from hyperrl.distributed.expert_parallel import expert_groups
 
@@ -237,3 +264,22 @@ def test_bad_ep_settings_are_refused_at_load(over, msg, monkeypatch):
 
     with pytest.raises(ConfigError, match=msg):
         load_config("configs/moe.yaml", over)
+
+
+def _r3_worker(rank, world, out_dir):
+    from hyperrl.compose import build_trainer
+    from hyperrl.config import load_config
+
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *ARGS,
+                                                        "--algo.routing_replay=r3",
+                                                        "--rollout.engine={name: transformers, dtype: bfloat16}"]))
+    m = [tr.step() for _ in range(2)][-1]
+    return {k: v for k, v in m.items() if k.startswith(("moe_route", "mismatch"))}
+
+
+def test_routing_replay_composes_with_expert_parallelism(tmp_path):
+    """R3 over an EP trainer (the routers' hooks feed the forced experts to the all-to-all): the agreement
+    metrics arrive, the same on every rank."""
+    res = run_gloo(_r3_worker, 4, str(tmp_path), timeout=600)
+    assert {"moe_route_agree", "moe_route_all_layers_agree", "mismatch_max_abs"} <= set(res[0])
+    assert all(r == res[0] for r in res.values()) and 0.5 < res[0]["moe_route_agree"] <= 1.0
