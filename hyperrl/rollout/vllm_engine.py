@@ -78,6 +78,11 @@ class VLLMEngine(TransactionalEngine):
             engine_kwargs.update(enable_lora=True, max_loras=1,
                                  max_lora_rank=next(x for x in (8, 16, 32, 64, 128, 256, 320, 512) if x >= lora_rank))
         self._routes = routed_experts
+        if routed_experts and not cfg.get("num_experts_per_tok"):
+            raise ValueError(f"rollout.engine.routed_experts: {model_dir} is not a mixture of experts (no "
+                             "num_experts_per_tok in its config)")
+        # (L, k) of the served mixture's routes
+        self._route_shape = (int(cfg.get("num_hidden_layers", 0)), int(cfg.get("num_experts_per_tok", 0)))
         if routed_experts:  # vLLM's own capture: CompletionOutput.routed_experts [seq_len, L, k]
             engine_kwargs["enable_return_routed_experts"] = True
         try:
@@ -150,13 +155,6 @@ class VLLMEngine(TransactionalEngine):
                                        self._route_shape)
         return row
 
-    @property
-    def _route_shape(self) -> tuple[int, int]:
-        """``(L, k)`` of the served mixture of experts (from its config)."""
-        import json
-
-        cfg = json.loads((self.model_dir / "config.json").read_text())
-        return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
 
 
     def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
