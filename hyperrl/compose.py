@@ -71,6 +71,8 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
         policy = tensor_parallel_model(policy, dims, device, dtype)
         parallel.sum_over_tp(tp_partial_params(policy))
     elif dims.world > 1:
+        if dims.cp > 1:  # before sharding: the checks read the plain model
+            context_parallel_model(policy, reference, dims, parallel)
         if m.lora is None:
             policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype)
         else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
@@ -102,6 +104,30 @@ def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, paralle
     policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
     parallel.experts_over(params, mesh.get_group("replica"))
     return policy
+
+
+def context_parallel_model(policy, reference, dims, parallel) -> None:
+    """``run.cp > 1``: the policy's (and a reference's) attention runs as Ulysses attention over this rank's
+    context-parallel group (each rank a slice of every sequence; the engine's copy is untouched). Refused
+    for a family whose attention does not go through transformers' attention interface (no CP plan) and
+    for heads that ``cp`` does not divide."""
+    from hyperrl.distributed.context_parallel import context_parallel
+    from hyperrl.routing import is_moe
+
+    name = type(policy).__name__
+    if not getattr(policy, "_supports_attention_backend", False):
+        raise ConfigError(f"run.cp={dims.cp}: {name} has no context-parallel plan (its attention does not use "
+                          "transformers' attention interface, which Ulysses attention plugs into); set run.cp=1")
+    if is_moe(policy):
+        raise ConfigError(f"run.cp={dims.cp}: {name} is a mixture of experts — context parallelism trains a dense "
+                          "policy yet; set run.cp=1")
+    heads = policy.config.num_attention_heads
+    if heads % dims.cp:
+        raise ConfigError(f"run.cp={dims.cp} does not divide the attention heads ({heads}) of {name}: Ulysses "
+                          "attention splits the heads over the cp ranks")
+    for model in (policy, reference):
+        if model is not None:
+            context_parallel(model, parallel.cp_group)
 
 
 def _check_context(cfg: TrainConfig, task, policy) -> None:
@@ -145,7 +171,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
                          f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
-    dims = ParallelDims.from_env(cfg.run.tp, cfg.run.ep)
+    dims = ParallelDims.from_env(cfg.run.tp, cfg.run.ep, cfg.run.cp)
     parallel = make_parallel(dims)
     policy, engine, reference, critic = build_models(cfg, pipeline, tok, device, parallel, dims)
     _check_context(cfg, task, policy)

@@ -125,10 +125,10 @@ def check_combinations(cfg: TrainConfig) -> None:
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")
-    if cfg.optim.pack_tokens and world > 1:
+    if cfg.optim.pack_tokens and world > 1 and cfg.run.cp == 1:
         raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent "
                           f"number of model calls, which {world} FSDP ranks cannot keep in step; set "
-                          "optim.pack_tokens=0 (or run one process)")
+                          "optim.pack_tokens=0 (or run one process; under run.cp each micro-batch is one packed call)")
     if cfg.run.tp > 1 and "values" in needs:
         raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
                           f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")
@@ -154,6 +154,7 @@ def check_combinations(cfg: TrainConfig) -> None:
                               "train_modules")
     _check_replay(cfg, caps)
     _check_ep(cfg, world)
+    _check_cp(cfg, world, needs)
     _check_async(cfg, caps, needs, world)
 
 
@@ -174,6 +175,31 @@ def _check_ep(cfg: TrainConfig, world: int) -> None:
                           "every layer's experts")
     if world % ep:
         raise ConfigError(f"run.ep={ep} does not divide the world size {world} (torchrun --nproc-per-node)")
+
+
+def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
+    """``run.cp``: it slices every sequence over ranks of this world and splits the attention heads
+    (Ulysses) — a dense policy alone, without tensor or expert parallelism (not composed yet)."""
+    cp, m = cfg.run.cp, cfg.model
+    if cp == 1:
+        return
+    said = f"run.cp={cp}"
+    for key, on in (("run.tp", cfg.run.tp), ("run.ep", cfg.run.ep)):
+        if on > 1:
+            raise ConfigError(f"{said} with {key}={on}: context parallelism is not composed with tensor or expert "
+                              "parallelism yet; use one of them")
+    if world % cp:
+        raise ConfigError(f"{said} does not divide the world size {world} (torchrun --nproc-per-node)")
+    if m.checkpoint is None and m.heads % cp:
+        raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
+                          "the cp ranks")
+    why = [w for w, bad in (("a mixture of experts (model.experts)", m.checkpoint is None and m.experts),
+                            ("algo.routing_replay", cfg.algo.routing_replay != "none"),
+                            ("a critic (values)", "values" in needs),
+                            ("model.gradient_checkpointing", m.gradient_checkpointing)) if bad]
+    if why:
+        raise ConfigError(f"{said}: context parallelism trains a dense policy without {', '.join(why)} yet; set "
+                          "run.cp=1 or drop them")
 
 
 def _check_replay(cfg: TrainConfig, caps) -> None:

@@ -274,6 +274,10 @@ class RunConfig(_Frozen):
     ep: int = Field(1, ge=1, description="expert parallelism of a mixture-of-experts policy under torchrun: groups "
                     "of ep consecutive ranks share each layer's experts (E/ep each; tokens dispatched by all-to-all, "
                     "hyperrl.distributed.expert_parallel), FSDP2 over every rank for the rest; 1 = off")
+    cp: int = Field(1, ge=1, description="context parallelism for long sequences under torchrun: groups of cp "
+                    "consecutive ranks train the same rows, each a contiguous slice of every sequence; attention "
+                    "exchanges heads for sequence by all-to-all (Ulysses, hyperrl.distributed.context_parallel) — "
+                    "the update's activations and logits per rank ≈ 1/cp; must divide the attention heads; 1 = off")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 

@@ -18,6 +18,11 @@ the loop:
   data-parallel groups (``data_rank``, ``data_world``) and sums over data (the normaliser,
   evaluation counts) are reduced over the data-parallel group only — summed over every rank they
   would count each row ``tp`` times;
+* **context parallelism** (``cp`` consecutive ranks form a CP group): its ranks train the *same* rows, each
+  holding a slice of every sequence (:mod:`hyperrl.distributed.context_parallel`); data is sharded over the
+  ``world / cp`` groups like TP's, the group's batch is its first rank's (:meth:`TorchDataParallel.share_batch`),
+  and the gathered log-probs' backward (a reduce-scatter *sum* over the ``cp`` identical losses) together with
+  FSDP's average over every rank and ``loss_scale = world / cp`` gives the one-process gradient;
 * **TP-partial gradients**: parameters replicated over TP but applied to each rank's local heads
   (Qwen3's q/k norms) get their gradients summed over the TP group before clipping;
 * **replicated modules** (a LoRA policy's frozen base is not sharded): parameters broadcast from
@@ -43,15 +48,21 @@ class LocalParallel:
     """One process: every rule is the identity. ``rank`` / ``world`` are the process's;
     ``data_rank`` / ``data_world`` its data-parallel coordinates (equal without tensor parallelism)."""
 
-    rank, world, tp = 0, 1, 1
+    rank, world, tp, cp = 0, 1, 1, 1
+    cp_group = None  # the context-parallel process group (cp > 1)
+
+    @property
+    def share(self) -> int:
+        """How many consecutive ranks train the same rows: a TP or a CP group (``tp · cp``)."""
+        return self.tp * self.cp
 
     @property
     def data_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // self.share
 
     @property
     def data_world(self) -> int:
-        return self.world // self.tp
+        return self.world // self.share
 
     @property
     def loss_scale(self) -> float:
@@ -63,6 +74,11 @@ class LocalParallel:
 
     def all_have_rows(self, n: int) -> bool:
         return n > 0
+
+    def share_batch(self, batch):
+        """The batch every rank of this rank's CP group trains: its first rank's (identity without
+        context parallelism)."""
+        return batch
 
     def global_normalizer(self, norm: T.Normalizer) -> T.Normalizer:
         return norm
@@ -107,28 +123,35 @@ class LocalParallel:
 class TorchDataParallel(LocalParallel):
     """The rules on the default ``torch.distributed`` process group; ``tp > 1``: TP groups of
     ``tp`` consecutive ranks (a ``(dp, tp)`` device mesh), data reduced over the data-parallel
-    group of this rank (the ranks with its TP index)."""
+    group of this rank (the ranks with its TP index); ``cp > 1``: CP groups of ``cp`` consecutive
+    ranks, alike."""
 
-    def __init__(self, tp: int = 1):
+    def __init__(self, tp: int = 1, cp: int = 1):
         import torch.distributed as dist
 
         self._dist = dist
-        self.rank, self.world, self.tp = dist.get_rank(), dist.get_world_size(), tp
+        self.rank, self.world, self.tp, self.cp = dist.get_rank(), dist.get_world_size(), tp, cp
         if tp < 1 or self.world % tp:
             raise ValueError(f"run.tp={tp} must divide the world size {self.world}")
+        if cp < 1 or self.world % cp or (cp > 1 and tp > 1):
+            raise ValueError(f"run.cp={cp} must divide the world size {self.world}, with run.tp=1")
         self._dp_group = self._tp_group = None
         self._tp_partial: list = []
         self._experts: list = []  # expert-parallel parameters and their replica group (experts_over)
         self._replicas = None
-        if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
-            for t in range(tp):
-                g = dist.new_group(list(range(t, self.world, tp)))
-                if t == self.rank % tp:
+        s = self.share
+        if s > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
+            for t in range(s):
+                g = dist.new_group(list(range(t, self.world, s)))
+                if t == self.rank % s:
                     self._dp_group = g
-            for d in range(self.world // tp):
-                g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-                if d == self.rank // tp:
-                    self._tp_group = g
+            for d in range(self.world // s):
+                g = dist.new_group(list(range(d * s, (d + 1) * s)))
+                if d == self.rank // s:
+                    if tp > 1:
+                        self._tp_group = g
+                    else:
+                        self.cp_group = g
 
     def experts_over(self, params, replica_group) -> None:
         """Expert-parallel parameters (DTensors on the ``("replica", "ep")`` mesh): :meth:`sync_grads`
@@ -149,6 +172,16 @@ class TorchDataParallel(LocalParallel):
 
     def all_have_rows(self, n: int) -> bool:
         return int(self._reduce([n], self._dist.ReduceOp.MIN)[0]) > 0
+
+    def share_batch(self, batch):
+        """A CP group's ranks must train identical rows (their slices are of the same sequences): keyed
+        sampling makes them so, and the group's first rank's batch is broadcast to the rest so no
+        float or reward nondeterminism can make them differ."""
+        if self.cp == 1:
+            return batch
+        box = [batch.cpu() if self.rank % self.cp == 0 else None]
+        self._dist.broadcast_object_list(box, src=self.rank - self.rank % self.cp, group=self.cp_group)
+        return box[0].to(batch.device)
 
     def global_normalizer(self, norm: T.Normalizer) -> T.Normalizer:
         t = self._reduce([float(norm.num_tokens), float(norm.num_seqs)], self._dist.ReduceOp.SUM, data=True)
@@ -272,7 +305,7 @@ class TorchDataParallel(LocalParallel):
         self._dist.all_gather_object(names, sorted(sums))
         keys = sorted(set().union(*names))
         t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
-        self._dist.all_reduce(t, group=self._dp_group)  # a TP group's ranks hold the same numbers
+        self._dist.all_reduce(t, group=self._dp_group)  # a TP / CP group's ranks hold the same numbers
         return dict(zip(keys, t.tolist()))
 
     def barrier(self) -> None:
@@ -285,9 +318,11 @@ def make_parallel(dims=None) -> LocalParallel:
     process group of > 1 rank, else :class:`LocalParallel`."""
     import torch.distributed as dist
 
-    tp = 1 if dims is None else dims.tp
+    tp, cp = (1, 1) if dims is None else (dims.tp, dims.cp)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return TorchDataParallel(tp)
+        return TorchDataParallel(tp, cp)
     if tp != 1:
         raise ValueError(f"run.tp={tp}: tensor parallelism needs torchrun with a multiple of {tp} processes")
+    if cp != 1:
+        raise ValueError(f"run.cp={cp}: context parallelism needs torchrun with a multiple of {cp} processes")
     return LocalParallel()

@@ -30,11 +30,12 @@ def world_size() -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How the world's ranks are split: ``world = dp · tp``; ``ep`` splits a mixture's experts over
-    groups of ``ep`` consecutive ranks (with ``tp = 1``; :meth:`expert_mesh`); ``cp`` (context
-    parallelism) must be 1 today. ``tp``
-    consecutive ranks form a tensor-parallel group; ``dp`` is the data-parallel size (FSDP2 shards
-    over it). :meth:`mesh` builds the device mesh once and returns the same one after: a 1-D
+    """How the world's ranks are split: ``world = dp · tp · cp``; ``ep`` splits a mixture's experts over
+    groups of ``ep`` consecutive ranks (with ``tp = 1``; :meth:`expert_mesh`). ``tp`` consecutive ranks
+    form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
+    every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`; with ``tp = ep = 1``);
+    ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
+    every rank all the same). :meth:`mesh` builds the device mesh once and returns the same one after: a 1-D
     ``("fsdp",)`` mesh when ``tp == 1``, a 2-D ``("dp", "tp")`` mesh otherwise."""
 
     world: int = 1
@@ -46,8 +47,12 @@ class ParallelDims:
         for name in ("world", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
-        if self.cp != 1:
-            raise ValueError(f"parallel dims: cp={self.cp}: context parallelism is not implemented yet (must be 1)")
+        if self.cp > 1 and (self.tp > 1 or self.ep > 1):
+            other = f"run.tp={self.tp}" if self.tp > 1 else f"run.ep={self.ep}"
+            raise ValueError(f"run.cp={self.cp} with {other}: context parallelism is not composed with tensor or "
+                             "expert parallelism yet; use one of them")
+        if self.world % self.cp:
+            raise ValueError(f"run.cp={self.cp} must divide the world size {self.world} (torchrun --nproc-per-node)")
         if self.ep > 1 and self.tp > 1:
             raise ValueError(f"run.ep={self.ep} with run.tp={self.tp}: expert and tensor parallelism are not composed "
                              "yet; use one of them")
@@ -59,15 +64,15 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """The data-parallel size ``world / tp``: every rank trains its own rows under expert parallelism
-        (the ``ep`` ranks of a group exchange tokens, not batches)."""
+        """The data-parallel size ``world / (tp · cp)``: every rank trains its own rows under expert
+        parallelism (the ``ep`` ranks of a group exchange tokens, not batches)."""
         return self.world // (self.tp * self.cp)
 
     @classmethod
-    def from_env(cls, tp: int = 1, ep: int = 1) -> ParallelDims:
-        """The dims of this process's world (:func:`world_size`) with tensor parallelism ``tp`` and
-        expert parallelism ``ep``."""
-        return cls(world=world_size(), tp=tp, ep=ep)
+    def from_env(cls, tp: int = 1, ep: int = 1, cp: int = 1) -> ParallelDims:
+        """The dims of this process's world (:func:`world_size`) with tensor parallelism ``tp``, expert
+        parallelism ``ep`` and context parallelism ``cp``."""
+        return cls(world=world_size(), tp=tp, ep=ep, cp=cp)
 
     def expert_mesh(self, device_type: str):
         """The experts' ``("replica", "ep")`` device mesh (``world / ep × ep``): ``ep`` consecutive

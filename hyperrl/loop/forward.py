@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from hyperrl import transforms as T
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
-           "policy_logprobs", "prefix_groups", "choose", "RouteReplay"]
+           "context_parallel_logprobs_and_entropy", "policy_logprobs", "prefix_groups", "choose", "RouteReplay"]
 
 
 class RouteReplay:
@@ -95,10 +95,7 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
     blocks), which a flash-attention varlen kernel would not."""
     tokens, attn, act = batch["tokens"], batch["attention_mask"].bool(), batch["action_mask"].bool()
     B, Tn = tokens.shape
-    lengths = attn.sum(-1)
-    if not torch.equal(attn, torch.arange(Tn, device=attn.device)[None, :] < lengths[:, None]):
-        raise ValueError("attention_mask: the packed forward needs right-padded rows (real tokens a prefix of each "
-                         "row); use optim.pack_tokens=0")
+    lengths = _right_padded(attn, "the packed forward", "use optim.pack_tokens=0")
     nxt = torch.nn.functional.pad(act[:, 1:], (0, 1))  # position t predicts an action at t + 1
     rows_, cols_ = attn.nonzero(as_tuple=True)  # row-major: the packed order
     lp_out = torch.zeros(B, Tn, dtype=torch.float32, device=tokens.device)
@@ -119,6 +116,54 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
         lp_out = lp_out.index_put((r[keep], c[keep] + 1), lp[0])
         ent_out = ent_out.index_put((r[keep], c[keep] + 1), ent[0])
     return lp_out, ent_out
+
+
+def _right_padded(attn: torch.Tensor, who: str, fix: str) -> torch.Tensor:
+    """The rows' lengths ``[B]``; refuses a row whose real tokens are not a prefix of it."""
+    lengths = attn.sum(-1)
+    if not torch.equal(attn, torch.arange(attn.shape[1], device=attn.device)[None, :] < lengths[:, None]):
+        raise ValueError(f"attention_mask: {who} needs right-padded rows (real tokens a prefix of each row); {fix}")
+    return lengths
+
+
+def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature: float, group, *,
+                                          packed: bool = False):
+    """As :func:`plain_logprobs_and_entropy` on action positions, with each rank of the context-parallel
+    ``group`` (``cp`` ranks, the same ``batch`` on each) running a contiguous slice of every sequence
+    (:mod:`hyperrl.distributed.context_parallel`: Ulysses attention over the whole sequence; ``model``
+    switched by :func:`~hyperrl.distributed.context_parallel.context_parallel`). Each rank computes the
+    logits, log-probs and entropies of its slice only — ``[B, T/cp, V]``, the forward's largest tensor —
+    and the ``[B, T]`` results are gathered (differentiable: the backward reduce-scatters, summing the
+    ``cp`` ranks' identical losses' gradients). ``packed``: the rows' real tokens concatenated into one
+    sequence (positions restarting at 0, attention within each row; :func:`packed_logprobs_and_entropy`'s
+    padding-free forward), exactly one model call — ranks stay in step. Rows must be right-padded."""
+    from hyperrl.distributed.context_parallel import gather_sequence, packed_segments, split_sequence
+
+    tokens, attn = batch["tokens"], batch["attention_mask"].bool()
+    B, Tn = tokens.shape
+    _right_padded(attn, "context parallelism (run.cp)", "rows are right-padded by the collectors — check custom ones")
+    cp, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    pad = torch.nn.functional.pad
+    if packed:
+        rows, cols = attn.nonzero(as_tuple=True)  # row-major: the packed order
+        ids, pos, seg = tokens[rows, cols][None], cols[None], rows[None]
+    else:  # position t predicts token t + 1: run the first T − 1
+        ids, pos, seg = tokens[:, :-1], None, None
+    N = ids.shape[1]
+    local, lpos, Np = split_sequence(ids, group, position_ids=pos)
+    n = Np // cp
+    targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, r * n:(r + 1) * n]
+    ctx = packed_segments(model, pad(seg, (0, Np - N), value=B)) if packed else contextlib.nullcontext()
+    with ctx:
+        logits = model(input_ids=local, position_ids=lpos, use_cache=False).logits  # [B, n, V]: this slice's
+    lp, ent = T.logprobs_and_entropy(logits, targets, temperature)
+    lp, ent = gather_sequence(lp, group, N), gather_sequence(ent, group, N)
+    if not packed:
+        return pad(lp, (1, 0)), pad(ent, (1, 0))
+    same = torch.cat([rows[1:] == rows[:-1], rows.new_zeros(1, dtype=torch.bool)])  # predicts its own row's next
+    zero = torch.zeros(B, Tn, dtype=lp.dtype, device=tokens.device)
+    where = (rows[same], cols[same] + 1)
+    return zero.index_put(where, lp[0][same]), zero.index_put(where, ent[0][same])
 
 
 def prefix_groups(batch: TensorDict):

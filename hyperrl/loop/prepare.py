@@ -17,7 +17,12 @@ from tensordict import TensorDict
 
 from hyperrl import transforms as T
 from hyperrl.device import compute_context, torch_dtype
-from hyperrl.loop.forward import RouteReplay, packed_logprobs_and_entropy, policy_logprobs
+from hyperrl.loop.forward import (
+    RouteReplay,
+    context_parallel_logprobs_and_entropy,
+    packed_logprobs_and_entropy,
+    policy_logprobs,
+)
 from hyperrl.loop.learner import map_micro_batches
 from hyperrl.models.moe import Routing, check_routes, is_moe
 
@@ -63,7 +68,11 @@ class Forwards:
             routing, key, force = routes
             replay = RouteReplay(routing, batch, batch[key] if key is not None else None, force)
         with self.amp():
-            if self.cfg.optim.pack_tokens:
+            if self.parallel.cp > 1:  # each rank a slice of every sequence (routes refused at load)
+                out = context_parallel_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
+                                                            self.parallel.cp_group,
+                                                            packed=bool(self.cfg.optim.pack_tokens))
+            elif self.cfg.optim.pack_tokens:
                 out = packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                   self.cfg.optim.pack_tokens, replay)
             else:

@@ -66,7 +66,7 @@ class Trainer:
             batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
         except RewardError as e:
             raise RewardError(f"step {self.step_idx + 1}: {e}", row=e.row) from e
-        batch = batch.to(self.device)
+        batch = self.parallel.share_batch(batch.to(self.device))  # a context-parallel group trains one batch
         gate, losses = {}, {"update_skipped": 1.0}
         if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
             with timer("logprob"):

@@ -100,3 +100,105 @@ def _heads_worker(rank, world):
 def test_cp_that_does_not_divide_the_heads_is_refused():
     assert run_gloo(_heads_worker, 4, timeout=120)[0] == "run.cp=4: must divide the attention heads (2) — Ulysses " \
                                                          "splits heads over ranks"
+
+
+# ---------------------------------------------------------------- the trainer with run.cp (the embedded default)
+
+ARGS = ["--rollout.prompts_per_step=8", "--rollout.n=8", "--run.eval_every=0", "--run.threads=1"]
+
+
+def _record_grads(tr):
+    """The policy's gradients as the optimizer sees them (after the data-parallel sync), full tensors."""
+    seen, clip = {}, tr.parallel.clip_grad_norm
+    names = {id(p): n for n, p in tr.policy.named_parameters()}
+
+    def wrapped(params, max_norm):
+        params = list(params)
+        for p in params:
+            if p.grad is not None and id(p) in names:
+                g = p.grad
+                seen[names[id(p)]] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return clip(params, max_norm)
+
+    tr.parallel.clip_grad_norm = wrapped
+    return seen
+
+
+def _trainer(out_dir, extra):
+    from hyperrl.compose import build_trainer
+    from hyperrl.config import load_config
+
+    return build_trainer(load_config(None, [f"--run.out_dir={out_dir}", *ARGS, *extra]))
+
+
+def _grad_worker(rank, world, out_dir, extra):
+    tr = _trainer(out_dir, extra)
+    seen = _record_grads(tr)
+    m = tr.step()
+    return {"grads": {k: v.numpy() for k, v in seen.items()}, "reward": m["reward_mean"],
+            "rows": tr.parallel.shard(list(range(8))), "loss": m["loss_policy"]}
+
+
+@pytest.mark.parametrize("cp, extra", [(4, []), (2, []), (2, ["--optim.pack_tokens=4096"]),
+                                       (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256"])],
+                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed", "cp4-reference-micro"])
+def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
+    """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
+    two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
+    rank — plain, packed, and with a reference model's KL and micro-batches."""
+    res = run_gloo(_grad_worker, 4, str(tmp_path / "cp"), ["--run.cp=" + str(cp), *extra], timeout=600)
+    tr = _trainer(str(tmp_path / "one"), extra)
+    one = _record_grads(tr)
+    m = tr.step()
+    assert [res[r]["rows"] for r in range(4)] == ([list(range(8))] * 4 if cp == 4 else
+                                                  [[0, 2, 4, 6]] * 2 + [[1, 3, 5, 7]] * 2)
+    assert abs(res[0]["reward"] - m["reward_mean"]) < 1e-6 and abs(res[0]["loss"] - m["loss_policy"]) < 1e-5
+    assert set(res[0]["grads"]) == set(one) and len(one) > 10
+    gap = max(float((torch.from_numpy(res[0]["grads"][k]) - v).abs().max()) / float(v.abs().max())
+              for k, v in one.items())
+    print(f"cp={cp} {extra}: max relative gradient gap {gap:.2e}")
+    assert gap < 1e-5
+    assert all((res[r]["grads"][k] == res[0]["grads"][k]).all() for r in res for k in one)  # every rank alike
+
+
+@pytest.mark.parametrize("over, msg", [
+    (["--run.cp=3"], r"run.cp=3 does not divide the world size 4"),
+    (["--run.cp=4", "--model.heads=2", "--model.kv_heads=1"], r"run.cp=4 does not divide model.heads=2"),
+    (["--run.cp=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.cp=2 with run.tp=2: context parallelism is not composed"),
+    (["--run.cp=2", "--model.experts=8"], r"run.cp=2: context parallelism trains a dense policy without a mixture"),
+    (["--run.cp=2", "--algo.advantage=gae"], r"run.cp=2: context parallelism trains a dense policy without a critic"),
+    (["--run.cp=2", "--model.gradient_checkpointing=true"], r"without model.gradient_checkpointing"),
+])
+def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
+    from hyperrl.config import ConfigError, load_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the world torchrun would give
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, over)
+
+
+def _plan_worker(rank, world):
+    from hyperrl.compose import context_parallel_model
+    from hyperrl.config import ConfigError
+    from hyperrl.distributed import ParallelDims, make_parallel
+    from hyperrl.models import tiny_qwen3
+
+    dims = ParallelDims(world=world, cp=world)
+    parallel = make_parallel(dims)
+    said = []
+    policy = tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)
+    policy._supports_attention_backend = False  # a family whose attention is its own code: no CP plan
+    for model in (policy, tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1)):
+        try:
+            context_parallel_model(model, None, dims, parallel)
+            said.append("accepted")
+        except ConfigError as e:
+            said.append(str(e))
+    return said
+
+
+def test_a_family_without_a_cp_plan_and_a_checkpoint_whose_heads_cp_does_not_divide_are_refused_at_build():
+    said = run_gloo(_plan_worker, 4, timeout=120)[0]
+    assert said[0].startswith("run.cp=4: Qwen3ForCausalLM has no context-parallel plan")
+    assert said[1].startswith("run.cp=4 does not divide the attention heads (2) of Qwen3ForCausalLM")

@@ -1,0 +1,126 @@
+"""Context parallelism (``run.cp``): the update's peak memory per rank and its time at a long response.
+
+One update step of the trainer (``prepare`` + ``update``: forward, backward, optimizer) on a synthetic rollout
+batch — ``--rows`` rows of an 8-token prompt and a ``--response``-token response (4,096 by default) — with a
+random-initialised tiny Qwen3 sized by ``--hidden`` / ``--layers`` / ``--heads``, for each ``cp`` of
+``--cp``: ``cp = 1`` is one process; ``cp > 1`` is ``torchrun --nproc-per-node cp`` with ``run.cp = cp`` (one
+context-parallel group training the same rows, each rank a ``1/cp`` slice of every sequence). Each rank
+reports its process's peak RSS before and after the step (``ru_maxrss``); the table gives the step's own
+memory (the increase) on the largest rank, its ratio to ``cp = 1``, and the update's wall time (on this
+machine's 2 cores ``cp`` processes share them: the time ratio is an upper bound). ``--vocab`` replaces the
+task's tokenizer-sized vocabulary by a real one (a checkpoint is written), where the ``[B, T, V]`` logits
+dominate. Appends to RESULTS.md.
+
+    python benchmarks/cp.py --cp 1 2 4 --response 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import append_results, table  # noqa: E402
+
+_CHILD = r"""
+import json, resource, sys, time
+import torch
+sys.path.insert(0, sys.argv[1])
+import hyperrl.transforms as T
+from hyperrl.compose import build_trainer
+from hyperrl.config import load_config
+from hyperrl.trajectory import make_trajectory
+out, cp, rows, R = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+extra = json.loads(sys.argv[6])
+from hyperrl.distributed import init_distributed
+init_distributed()
+cfg = load_config(None, [f"--run.out_dir={out}", f"--run.cp={cp}", f"--rollout.n={rows}",
+                         "--rollout.prompts_per_step=1", "--run.eval_every=0", "--optim.micro_batch_tokens=0", *extra])
+tr = build_trainer(cfg)
+V = tr.policy.config.vocab_size
+g = torch.Generator().manual_seed(0)
+P = 8
+tokens = torch.cat([torch.randint(3, 20, (1, P), generator=g).repeat(rows, 1),
+                    torch.randint(3, min(V, 20), (rows, R), generator=g)], 1)
+act = torch.arange(P + R)[None, :].expand(rows, -1) >= P
+batch = make_trajectory(tokens=tokens, attention_mask=torch.ones_like(act), action_mask=act,
+                        rollout_logprobs=torch.full((rows, P + R), -3.0) * act,
+                        group_id=torch.zeros(rows, dtype=torch.long),
+                        policy_version=torch.zeros(rows, dtype=torch.long), reward=torch.rand(rows, generator=g))
+batch = T.compute_advantages(batch, "grpo")
+built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+batch, _ = tr.prepare(batch)
+m = tr.update(batch)
+dt = time.perf_counter() - t0
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"built_mib": built / 1024, "peak_mib": peak / 1024, "update_s": dt, "loss": m["loss_policy"]}))
+"""
+
+
+def _run(cp: int, out: str, rows: int, response: int, extra: list[str]) -> list[dict]:
+    head = [sys.executable] if cp == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                             f"--nproc-per-node={cp}"]
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(_CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // cp))}
+    r = subprocess.run([*head, f.name, str(ROOT), out, str(cp), str(rows), str(response), json.dumps(extra)],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
+    os.unlink(f.name)
+    if r.returncode:
+        raise RuntimeError(r.stderr[:3000] + "\n…\n" + r.stderr[-3000:])
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--response", type=int, default=4096)
+    ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=0, help="a real vocabulary size (0 = the task tokenizer's)")
+    args = ap.parse_args()
+    model = [f"--model.hidden={args.hidden}", f"--model.layers={args.layers}", f"--model.heads={args.heads}",
+             f"--model.kv_heads={args.heads // 2}", f"--model.head_dim={args.hidden // args.heads}",
+             f"--model.intermediate={3 * args.hidden}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.vocab:
+            from hyperrl.models.tiny import tiny_qwen3
+
+            ckpt = Path(tmp) / "ckpt"
+            tiny_qwen3(args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.heads // 2,
+                       head_dim=args.hidden // args.heads, intermediate=3 * args.hidden).save_pretrained(ckpt)
+            from hyperrl.tokenizer import char_tokenizer
+
+            char_tokenizer().save_pretrained(ckpt)  # the task's tokenizer beside the wider embedding
+            model = [f"--model.checkpoint={ckpt}"]
+        res = {cp: _run(cp, f"{tmp}/cp{cp}", args.rows, args.response, model) for cp in args.cp}
+    own = {cp: max(r["peak_mib"] - r["built_mib"] for r in rs) for cp, rs in res.items()}
+    t = {cp: max(r["update_s"] for r in rs) for cp, rs in res.items()}
+    base = args.cp[0]
+    rows = [[cp, len(res[cp]), round(max(r["built_mib"] for r in res[cp])), round(own[cp]),
+             f"{own[cp] / own[base]:.2f}", f"{1 / cp:.2f}", f"{t[cp]:.1f}", f"{t[cp] / t[base]:.2f}",
+             f"{res[cp][0]['loss']:.6f}"] for cp in args.cp]
+    vocab = f"vocabulary {args.vocab:,}" if args.vocab else "the arith tokenizer's vocabulary"
+    body = (f"One update (prepare + update: forward, backward, AdamW) of a random tiny Qwen3 (hidden {args.hidden}, "
+            f"{args.layers} layers, {args.heads} heads, {vocab}) on {args.rows} rows of an 8-token prompt + "
+            f"{args.response}-token response; cp > 1: torchrun, one context-parallel group (Ulysses attention), "
+            "each rank a 1/cp slice of every sequence; the step's own memory = peak RSS − RSS after build, "
+            "largest rank; time: the update's wall seconds (cp processes share 2 cores)\n\n"
+            + table(["cp", "ranks", "after build MiB", "step's own MiB", "ratio", "1/cp", "update s", "time ratio",
+                     "loss"], rows))
+    print(body)
+    append_results("context parallelism: the update's memory per rank at a long response", body)
+
+
+if __name__ == "__main__":
+    main()
