@@ -51,6 +51,12 @@ _recipe("cispo", "CISPO (MiniMax-M1): −sg(min(r, 5))·A·lp, token-mean (TRL l
         advantage="grpo", objective="cispo", agg="token-mean")
 _recipe("sapo", "SAPO (Qwen 2025): soft sigmoid gate τ = 1.0 / 1.05, seq-mean-token-mean (verl forces it).",
         advantage="grpo", objective="sapo", agg="seq-mean-token-mean")
+_recipe("dppo", "DPPO-Binary-TV (arXiv 2602.04879) as verl 0.9 loss_mode=dppo_tv: GRPO advantages, the sampled "
+        "token's probability kept within ±0.2 of the old one on the side of its advantage, truncated IS at 3, "
+        "token-mean.", advantage="grpo", objective="dppo_tv", agg="token-mean")
+_recipe("topr", "TOPR (Le Roux et al. 2025; ROLL): −A·lp on positive samples, −sg(clip(π/μ, 0, 1))·A·lp on the "
+        "rest (per-token ratio, as ROLL), R = s − μ_g (a group-mean baseline, no std), token-mean.",
+        advantage="dr_grpo", objective="topr", agg="token-mean")
 _recipe("rloo", "RLOO (Ahmadian et al. 2024): leave-one-out baseline, PPO clip 0.2, token-mean.",
         advantage="rloo", objective=_PPO, agg="token-mean")
 _recipe("reinforce_pp", "REINFORCE++ (Hu 2025): discounted return-to-go whitened over the batch, PPO clip 0.2.",

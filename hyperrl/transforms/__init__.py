@@ -78,6 +78,9 @@ from hyperrl.transforms.objectives import (
     Objective,
     cispo,
     clip_cov,
+    dppo_kl,
+    dppo_tv,
+    dro,
     gmpo,
     gspo,
     kl_cov,
@@ -85,6 +88,7 @@ from hyperrl.transforms.objectives import (
     register_objective,
     reinforce,
     sapo,
+    topr,
     value_loss,
 )
 from hyperrl.transforms.preference import DPOLoss, dpo_loss
@@ -121,7 +125,8 @@ __all__ = [
     "masked_whiten",
     "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
     # objectives
-    "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "clip_cov", "kl_cov", "value_loss",
+    "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "dppo_tv", "dppo_kl", "dro", "topr",
+    "clip_cov", "kl_cov", "value_loss",
     # aggregation
     "Normalizer", "aggregate",
     # kl

@@ -115,6 +115,14 @@ def _mis(batch, *, lo: Positive = 0.5, hi: Positive = 2.0, level: str = "token")
     return masked_is(_decoupled(batch), batch["action_mask"], lo=lo, hi=hi, level=level)
 
 
+@register_correction("icepop", needs=("old_logprobs",))
+def _icepop(batch, *, lo: Positive = 0.5, hi: Positive = 5.0) -> Correction:
+    """IcePop (Ling Team 2025; verl, OpenRLHF, NeMo-RL, AReaL): per token, keep the weight
+    ``π_old/π_rollout`` where it lies in ``[α, β]`` = ``[lo, hi]`` and drop the token elsewhere — exactly
+    ``mis`` at ``level="token"`` (this alias fixes the level and takes IcePop's window, [0.5, 5])."""
+    return masked_is(_decoupled(batch), batch["action_mask"], lo=lo, hi=hi, level="token")
+
+
 @register_correction("rejection", needs=("old_logprobs",))
 def _rejection(batch, *, estimator: str = "k3", threshold: Positive = 1e-2, level: str = "sequence") -> Correction:
     """Rejection sampling: drop tokens / sequences whose ``kX(old − rollout)`` exceeds ``threshold``; weight 1."""

@@ -25,6 +25,10 @@ __all__ = [
     "sapo",
     "gmpo",
     "reinforce",
+    "dppo_tv",
+    "dppo_kl",
+    "dro",
+    "topr",
     "clip_cov",
     "kl_cov",
     "value_loss",
@@ -149,6 +153,74 @@ def gmpo(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.
 def reinforce(logprobs, old_logprobs, advantages, mask) -> Objective:
     """REINFORCE / GPG: ``L = −A·lp`` (multiply by detached IS weights in the adapter)."""
     return Objective(-advantages * logprobs, {})
+
+
+def _dppo(logprobs, old_logprobs, advantages, keep_pos, keep_neg, clip_ratio_c, log_ratio_clamp):
+    """The DPPO loss given its trust-region tests: ``−A·sg(min(r, c))·lp`` on the tokens kept (``keep_pos``
+    where ``A > 0``, ``keep_neg`` elsewhere), 0 on the masked ones."""
+    ratio = torch.exp(log_ratio(logprobs, old_logprobs, log_ratio_clamp))
+    w = torch.clamp(ratio, max=clip_ratio_c).detach()
+    keep = torch.where(advantages > 0, keep_pos, keep_neg).detach().to(logprobs.dtype)
+    return Objective(-advantages * w * logprobs * keep,
+                     {"clipped": (1.0 - keep), "truncated": (ratio > clip_ratio_c).to(keep.dtype).detach() * keep,
+                      "ratio": ratio.detach()})
+
+
+@register_objective("dppo_tv")
+def dppo_tv(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.2, clip_high: NonNegative = 0.2,
+            clip_ratio_c: Positive = 3.0, log_ratio_clamp: Positive = 20.0) -> Objective:
+    """DPPO-Binary-TV (arXiv 2602.04879; verl 0.9 ``loss_mode=dppo_tv``): a trust region on the sampled
+    token's *probability*. With ``p = exp(lp)``, ``p_old = exp(old)``: a token with ``A > 0`` is kept while
+    ``p − p_old ≤ ε_high``, one with ``A ≤ 0`` while ``p − p_old ≥ −ε_low``; kept tokens take the truncated-IS
+    REINFORCE term ``L = −A·sg(min(r, c))·lp``, masked ones 0 (no gradient). verl's names: ε = ``clip_ratio``
+    / ``clip_ratio_low`` / ``clip_ratio_high`` (0.2), ``c = clip_ratio_c`` — 3.0 in verl's ``ActorConfig``
+    (the function's own fallback, 20, applies only to a config without the key). Metrics: ``clipped`` (masked),
+    ``truncated`` (kept with ``r > c``, verl's ``pg_clipfrac_lower``)."""
+    dp = torch.exp(logprobs) - torch.exp(old_logprobs)
+    return _dppo(logprobs, old_logprobs, advantages, dp <= clip_high, dp >= -clip_low, clip_ratio_c, log_ratio_clamp)
+
+
+@register_objective("dppo_kl")
+def dppo_kl(logprobs, old_logprobs, advantages, mask, *, clip_low: NonNegative = 0.2, clip_high: NonNegative = 0.2,
+            clip_ratio_c: Positive = 3.0, log_ratio_clamp: Positive = 20.0) -> Objective:
+    """DPPO-Binary-KL (arXiv 2602.04879; verl 0.9 ``loss_mode=dppo_kl``): as :func:`dppo_tv` with the binary
+    KL of the sampled token's Bernoulli ``KL_bin = p_old·(old − lp) + (1 − p_old)·log((1 − p_old + 1e-8) /
+    (1 − p + 1e-8))`` as the divergence: ``A > 0`` keeps ``KL_bin ≤ ε_high or p ≤ p_old``, ``A ≤ 0`` keeps
+    ``KL_bin ≤ ε_low or p ≥ p_old``; ``L = −A·sg(min(r, c))·lp`` on the kept tokens. verl's names and
+    defaults (ε 0.2, ``clip_ratio_c`` 3.0 from its ``ActorConfig``)."""
+    p, p_old = torch.exp(logprobs), torch.exp(old_logprobs)
+    kl = p_old * (old_logprobs - logprobs) + (1 - p_old) * torch.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+    return _dppo(logprobs, old_logprobs, advantages, (kl <= clip_high) | (p <= p_old), (kl <= clip_low) | (p >= p_old),
+                 clip_ratio_c, log_ratio_clamp)
+
+
+@register_objective("dro")
+def dro(logprobs, old_logprobs, advantages, mask, *, beta: Positive) -> Objective:
+    """DRO, direct reward optimisation with a quadratic log-ratio penalty (verl 0.9 ``loss_mode=dro``):
+    ``L = −(lp·A − β/2·(lp − old)²)``. ``beta`` is verl's ``policy_loss.dro_beta`` — required there too
+    (verl refuses a missing or non-positive one)."""
+    d = logprobs - old_logprobs
+    return Objective(-(logprobs * advantages - 0.5 * beta * d.square()), {"log_ratio_sq": d.detach().square()})
+
+
+@register_objective("topr")
+def topr(logprobs, old_logprobs, advantages, mask, *, level: str = "token", positive_coef: NonNegative = 1.0,
+         negative_coef: NonNegative = 1.0, log_ratio_clamp: Positive = 20.0) -> Objective:
+    """TOPR, tapered off-policy REINFORCE (Le Roux et al. 2025, arXiv 2503.14286; ROLL): a plain
+    supervised term on positive samples and a truncated importance weight on the rest —
+    ``A > 0``: ``L = −c₊·A·lp``; ``A ≤ 0``: ``L = −c₋·sg(clip(π/μ, 0, 1))·A·lp`` with ``π/μ`` the ratio to the
+    behaviour policy (``old``): per token (``level="token"``) or of the whole sequence
+    (``"sequence"``: ``exp(Σ_t m·(lp − old))``, the paper's trajectory ratio). ``c₊`` / ``c₋`` are ROLL's
+    ``positive_loss_coef`` / ``use_topr_neg_loss_coef``. Metric ``tapered``: negative tokens whose weight < 1."""
+    d = log_ratio(logprobs, old_logprobs, log_ratio_clamp)
+    if level == "sequence":
+        d = torch.clamp((d * mask.to(d.dtype)).sum(-1, keepdim=True), -log_ratio_clamp, log_ratio_clamp).expand_as(d)
+    elif level != "token":
+        raise ValueError(f"level={level!r}; choose 'token' (ROLL) or 'sequence' (the paper's trajectory ratio)")
+    w = torch.clamp(torch.exp(d), 0.0, 1.0).detach()
+    pos = advantages > 0
+    weight = torch.where(pos, torch.full_like(w, positive_coef), negative_coef * w)
+    return Objective(-weight * advantages * logprobs, {"tapered": ((~pos) & (w < 1)).to(w.dtype), "ratio": w})
 
 
 def _covariance(logprobs, advantages, mask):

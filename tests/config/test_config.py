@@ -44,12 +44,14 @@ def test_factory_defaults_are_the_only_defaults(kind, data):
            "filter": T.FILTERS}[kind]
     name = data.draw(st.sampled_from(reg.names()))
     recipe = data.draw(st.sampled_from(RECIPES.names()))
-    spec = getattr(load_config(None, [f"--algo.recipe={recipe}", f"--algo.{kind}={name}"]).algo, kind)
+    required = {p.name: 0.5 for p in reg.factory(name).params.values() if p.required}  # dro's beta: verl has none
+    given = [f"--algo.{kind}.{k}={v}" for k, v in required.items()]
+    spec = getattr(load_config(None, [f"--algo.recipe={recipe}", f"--algo.{kind}={name}", *given]).algo, kind)
     base = recipe_config(recipe).get(kind)
     base = {"name": base} if isinstance(base, str) else (base or {})
     # a new name starts from the factory's defaults; the same name keeps the recipe's own arguments
     kept = {k: v for k, v in base.items() if k != "name"} if base.get("name") == name else {}
-    assert spec.name == name and spec.args == {**reg.factory(name).defaults(), **kept}
+    assert spec.name == name and spec.args == {**reg.factory(name).defaults(), **kept, **required}
     assert set(spec.args) == set(reg.factory(name).params)  # every hyperparameter, nothing else
 
 

@@ -46,6 +46,7 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
     ("env", "agent"): ["--env.program={agent}:solve", "--env.tool_format=none", "--env.isolate=false"],
     ("env", "tool_chat"): ["--tools=[{{name: calculator}}]", "--rewards=[{{fn: exact_answer}}]"],
     ("task", "files"): ["--task.train_files=[tests/data/gsm8k_tiny.parquet]"],
+    ("algo.objective", "dro"): ["--algo.objective={{name: dro, beta: 0.1}}"],  # verl requires dro_beta too
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
 

@@ -1,0 +1,138 @@
+"""The 2026 objectives and masks (issue 31): DPPO-TV / DPPO-KL (verl 0.9), DRO (verl 0.9), TOPR (ROLL) and the
+IcePop correction — golden values derived by hand, on-policy equivalence with REINFORCE, and masks that cut
+the gradient."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyperrl.transforms import CORRECTIONS, aggregate, dppo_kl, dppo_tv, dro, policy_loss, topr
+from hyperrl.transforms.advantages import compute_advantages
+from hyperrl.transforms.correction import masked_is, mismatch_log_ratio
+from tests.conftest import random_batch
+
+L = math.log
+
+
+def _t(*xs):
+    return torch.tensor([list(xs)], dtype=torch.float32)
+
+
+def test_dppo_tv_golden():
+    # p_old → p per token, A:  0.2 → 0.5, A=+1: p − p_old = 0.3 > ε_high 0.2 → masked (0)
+    #                          0.2 → 0.5, A=−1: 0.3 ≥ −0.2 → kept: −A·min(2.5, 3)·log 0.5 = 2.5·(−0.693147) = −1.732868
+    #                          0.4 → 0.1, A=+1: −0.3 ≤ 0.2 → kept: −1·0.25·log 0.1 = 0.575646
+    #                          0.4 → 0.1, A=−1: −0.3 < −0.2 → masked (0)
+    #                          0.1 → 0.35, A=−1: kept, r = 3.5 truncated at 3: 3·log 0.35 = 3·(−1.049822) = −3.149466
+    lp = _t(L(0.5), L(0.5), L(0.1), L(0.1), L(0.35)).requires_grad_(True)
+    old = _t(L(0.2), L(0.2), L(0.4), L(0.4), L(0.1))
+    adv = _t(1.0, -1.0, 1.0, -1.0, -1.0)
+    out = dppo_tv(lp, old, adv, torch.ones_like(adv, dtype=torch.bool))
+    torch.testing.assert_close(out.loss.detach(), _t(0.0, -1.732868, 0.575646, 0.0, -3.149466), atol=1e-5, rtol=0)
+    assert out.metrics["clipped"].tolist() == [[1.0, 0.0, 0.0, 1.0, 0.0]]
+    assert out.metrics["truncated"].tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0]]
+    out.loss.sum().backward()  # masked tokens: no gradient; kept ones: −A·w
+    torch.testing.assert_close(lp.grad, _t(0.0, 2.5, -0.25, 0.0, 3.0), atol=1e-5, rtol=0)
+
+
+def test_dppo_kl_golden():
+    # p_old 0.2 → p 0.5: KL_bin = 0.2·log(0.2/0.5) + 0.8·log(0.8/0.5) = −0.183258 + 0.376003 = 0.192745
+    #   A=+1, ε_high 0.2: 0.192745 ≤ 0.2 → kept: −1·2.5·log 0.5 = 1.732868; ε_high 0.1: p > p_old → masked
+    #   A=−1, ε_low 0.1: KL > 0.1 but p ≥ p_old → kept: 2.5·log 0.5 = −1.732868
+    lp, old = _t(L(0.5), L(0.5)), _t(L(0.2), L(0.2))
+    adv, m = _t(1.0, -1.0), torch.ones(1, 2, dtype=torch.bool)
+    torch.testing.assert_close(dppo_kl(lp, old, adv, m).loss, _t(1.732868, -1.732868), atol=1e-5, rtol=0)
+    out = dppo_kl(lp, old, adv, m, clip_high=0.1, clip_low=0.1)
+    torch.testing.assert_close(out.loss, _t(0.0, -1.732868), atol=1e-5, rtol=0)
+    # p_old 0.5 → p 0.2, A=−1: KL_bin = 0.5·log(2.5) + 0.5·log(0.5/0.8) = 0.458145 − 0.235002 = 0.223144 > 0.2 and
+    # p < p_old → masked; A=+1: p ≤ p_old → kept: −1·0.4·log 0.2 = 0.643775
+    out = dppo_kl(_t(L(0.2), L(0.2)), _t(L(0.5), L(0.5)), _t(-1.0, 1.0), m)
+    torch.testing.assert_close(out.loss, _t(0.0, 0.643775), atol=1e-5, rtol=0)
+
+
+def test_dro_golden():
+    # lp = log 0.5, old = log 0.25 (d = log 2 = 0.693147), A = 2, β = 0.1:
+    #   L = −(lp·A − β/2·d²) = −(−1.386294 − 0.05·0.480453) = 1.410317;  ∂L/∂lp = −(A − β·d) = −1.930685
+    lp = _t(L(0.5)).requires_grad_(True)
+    out = dro(lp, _t(L(0.25)), _t(2.0), torch.ones(1, 1, dtype=torch.bool), beta=0.1)
+    torch.testing.assert_close(out.loss.detach(), _t(1.410317), atol=1e-5, rtol=0)
+    out.loss.sum().backward()
+    torch.testing.assert_close(lp.grad, _t(-1.930685), atol=1e-5, rtol=0)
+
+
+def test_topr_golden_token_and_sequence():
+    # A = +2 at lp = log 0.5: −A·lp = 1.386294 whatever the ratio (r = 2 here)
+    # A = −1, r = 0.5/0.25 = 2 → clip 1: −(−1)·1·log 0.5 = −0.693147
+    # A = −1, r = 0.5/1.0 = 0.5 → 0.5: 0.5·log 0.5 = −0.346574, gradient −w·A = 0.5
+    lp = _t(L(0.5), L(0.5), L(0.5)).requires_grad_(True)
+    old = _t(L(0.25), L(0.25), 0.0)
+    out = topr(lp, old, _t(2.0, -1.0, -1.0), torch.ones(1, 3, dtype=torch.bool))
+    torch.testing.assert_close(out.loss.detach(), _t(1.386294, -0.693147, -0.346574), atol=1e-5, rtol=0)
+    assert out.metrics["tapered"].tolist() == [[0.0, 0.0, 1.0]]
+    out.loss.sum().backward()
+    torch.testing.assert_close(lp.grad, _t(-2.0, 1.0, 0.5), atol=1e-6, rtol=0)
+    # sequence level: Σ_t m·(lp − old) = log 2 + log 0.5 + (masked) = 0 → w = 1 on every negative token
+    m = torch.tensor([[True, True, False]])
+    seq = topr(lp.detach(), _t(L(0.25), 0.0, -5.0), _t(-1.0, -1.0, -1.0), m, level="sequence")
+    torch.testing.assert_close(seq.metrics["ratio"], torch.ones(1, 3))
+    with pytest.raises(ValueError, match="level='tokens'"):
+        topr(lp, old, _t(1.0, 1.0, 1.0), m, level="tokens")
+
+
+ON_POLICY = {"dppo_tv": (dppo_tv, {}), "dppo_kl": (dppo_kl, {}), "dro": (dro, {"beta": 0.3}), "topr": (topr, {}),
+             "topr_seq": (topr, {"level": "sequence"})}
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", list(ON_POLICY))
+@given(seed=st.integers(0, 10_000))
+def test_on_policy_gradient_equals_reinforce(name, agg, seed):
+    """At ``lp = old`` every token is inside DPPO's trust region (p − p_old = 0, KL_bin = 0), TOPR's weight is 1
+    and DRO's penalty has zero gradient: all are REINFORCE, −A·∇lp."""
+    g = torch.Generator().manual_seed(seed)
+    lp0 = -torch.rand(5, 7, generator=g) * 3
+    adv = torch.randn(5, 7, generator=g)
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    fn, kw = ON_POLICY[name]
+    lp = lp0.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(aggregate(fn(lp, lp.detach(), adv, mask, **kw).loss, mask, agg), lp)
+    ref = lp0.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(aggregate(-adv * ref, mask, agg), ref)
+    torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-5)
+
+
+@given(seed=st.integers(0, 10_000), shift=st.floats(-2.0, 2.0))
+def test_dppo_masks_exactly_the_tokens_outside_the_trust_region(seed, shift):
+    """A token keeps a gradient iff it is inside the region on the side of its advantage (TV), and every kept
+    token's gradient is −A·min(r, c)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(4, 6, generator=g) * 3
+    lp = (old + shift * torch.randn(4, 6, generator=g)).clamp(max=-1e-3).requires_grad_(True)
+    adv = torch.randn(4, 6, generator=g)
+    dppo_tv(lp, old, adv, torch.ones(4, 6, dtype=torch.bool)).loss.sum().backward()
+    dp = lp.detach().exp() - old.exp()
+    inside = torch.where(adv > 0, dp <= 0.2, dp >= -0.2)
+    w = torch.exp(lp.detach() - old).clamp(max=3.0)
+    torch.testing.assert_close(lp.grad, torch.where(inside, -adv * w, 0.0), atol=1e-5, rtol=1e-5)
+
+
+@given(seed=st.integers(0, 10_000))
+def test_icepop_is_token_level_mis_with_its_window(seed):
+    b = random_batch(B=6, T=9, seed=seed % 50)
+    g = torch.Generator().manual_seed(seed)
+    b = b.set("old_logprobs", b["rollout_logprobs"] + torch.randn(6, 9, generator=g))
+    got = CORRECTIONS.build("icepop")(b)
+    want = masked_is(mismatch_log_ratio(b["old_logprobs"], b["rollout_logprobs"], b["action_mask"]),
+                     b["action_mask"], lo=0.5, hi=5.0, level="token")
+    assert torch.equal(got.weights, want.weights) and torch.equal(got.mask, want.mask)
+
+
+def test_the_new_objectives_run_through_policy_loss():
+    b = compute_advantages(random_batch(B=6, T=10, seed=3), "grpo")
+    lp = b["rollout_logprobs"] + 0.1
+    for name, kw in (("dppo_tv", {}), ("dppo_kl", {}), ("dro", {"beta": 0.1}), ("topr", {})):
+        out = policy_loss(b, lp, objective=name, **kw)
+        assert torch.isfinite(out.loss) and "loss_policy" in out.terms
