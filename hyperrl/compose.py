@@ -32,6 +32,7 @@ from hyperrl.loop.prepare import Forwards, Preparer
 from hyperrl.loop.publish import PolicyPublisher
 from hyperrl.loop.scoring import Scorer
 from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
+from hyperrl.models.head import fp32_lm_head
 from hyperrl.models.lora import MergedView, is_lora, trainable_parameters
 from hyperrl.models.policy import build_critic, build_policy, build_reference, build_tokenizer
 from hyperrl.rewards import build_rewards
@@ -57,6 +58,8 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     m, dtype = cfg.model, torch_dtype(cfg.model.dtype)
     policy = build_policy(cfg, tok, lora=False).to(device)
     policy.train()
+    if m.lm_head_fp32:  # before the engine and the reference copy it: both sides compute the head in fp32
+        fp32_lm_head(policy)
     eng = cfg.rollout.engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
                         tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None)

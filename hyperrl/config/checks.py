@@ -129,6 +129,12 @@ def check_combinations(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent "
                           f"number of model calls, which {world} FSDP ranks cannot keep in step; set "
                           "optim.pack_tokens=0 (or run one process; under run.cp each micro-batch is one packed call)")
+    if m.lm_head_fp32 and (eng.name != "transformers" or int(eng.args.get("tp", 1)) > 1 or cfg.run.tp > 1):
+        where = f"rollout.engine={eng.name}" if eng.name != "transformers" else "tensor parallelism"
+        raise ConfigError(f"model.lm_head_fp32 with {where}: the fp32 head is built for the transformers engine and "
+                          "trainer without tensor parallelism (the other side would still compute its head in "
+                          "model.dtype and the two would disagree); drop model.lm_head_fp32 or use "
+                          "rollout.engine=transformers")
     if cfg.run.tp > 1 and "values" in needs:
         raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
                           f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")

@@ -115,6 +115,10 @@ class ModelConfig(_Frozen):
                                "weights by default; bfloat16 halves their memory)")
     gradient_checkpointing: bool = Field(False, description="recompute decoder layers in backward (implies "
                                          "optim.shared_prefix=false: checkpointed layers drop the KV cache)")
+    lm_head_fp32: bool = Field(False, description="compute the LM head (last projection; the log-softmax is fp32 "
+                               "already) in fp32 while the rest runs in model.dtype — in the trainer's forwards and "
+                               "the transformers engine alike (prime-rl, NeMo-RL): a bf16 head rounds logits to 8 "
+                               "mantissa bits and the two sides drift apart; costs the [B, T, V] logits in fp32")
     compile: str = Field("", description="torch.compile backend for the trainer's policy forward ('' = off; "
                          "'inductor', or 'eager' / 'aot_eager' to check tracing)")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (PEFT) instead of every weight: "
