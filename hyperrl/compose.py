@@ -34,7 +34,7 @@ from hyperrl.loop.scoring import Scorer
 from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
 from hyperrl.models.head import fp32_lm_head
 from hyperrl.models.lora import MergedView, is_lora, trainable_parameters
-from hyperrl.models.policy import build_critic, build_policy, build_reference, build_tokenizer
+from hyperrl.models.policy import build_critic, build_policy, build_reference, build_teachers, build_tokenizer
 from hyperrl.rewards import build_rewards
 from hyperrl.rollout.engines import ENGINES, EngineContext
 from hyperrl.rollout.publisher import Publisher
@@ -251,7 +251,11 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
                     token_rewards="token_rewards" in pipeline.needs)
     evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
     forwards = Forwards(cfg, parallel, next(policy.parameters()).device)
-    preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic)
+    try:
+        teachers = build_teachers(cfg, tok, next(policy.parameters()).device)
+    except ValueError as e:  # a teacher whose tokenizer is not the student's
+        raise ConfigError(str(e)) from None
+    preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic, teachers=teachers)
     if workers is None:
         collector = SyncCollector(generator, scorer, pipeline, task, parallel, r)
     else:

@@ -52,6 +52,18 @@ def _check_files(cfg: TrainConfig) -> None:
                               "save one with model.save_pretrained(dir)")
     from hyperrl.tokenizer import TOKENIZER_FILES
 
+    d = cfg.algo.distill
+    if d is not None:
+        named = {"algo.distill.teacher": d.teacher} if d.teacher is not None else \
+            {f"algo.distill.teachers.{k}": v for k, v in d.teachers.items()}
+        for key, path in named.items():
+            if not (Path(path) / "config.json").is_file():
+                raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json); point it at "
+                                  "a teacher's directory, e.g. a run's hf/ export")
+            if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+                raise ConfigError(f"{key}: {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}); the teacher's "
+                                  "directory must hold its tokenizer (checked against the student's at build)")
+
     tok = m.tokenizer or m.checkpoint
     if tok is not None and not any((Path(tok) / f).is_file() for f in TOKENIZER_FILES):
         key = "model.tokenizer" if m.tokenizer else "model.checkpoint"
@@ -202,7 +214,8 @@ def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
     why = [w for w, bad in (("a mixture of experts (model.experts)", m.checkpoint is None and m.experts),
                             ("algo.routing_replay", cfg.algo.routing_replay != "none"),
                             ("a critic (values)", "values" in needs),
-                            ("model.gradient_checkpointing", m.gradient_checkpointing)) if bad]
+                            ("model.gradient_checkpointing", m.gradient_checkpointing),
+                            ("a distillation teacher (algo.distill)", cfg.algo.distill is not None)) if bad]
     if why:
         raise ConfigError(f"{said}: context parallelism trains a dense policy without {', '.join(why)} yet; set "
                           "run.cp=1 or drop them")

@@ -172,6 +172,26 @@ class CriticConfig(_Frozen):
     value_coef: float = Field(1.0, ge=0, description="weight of loss_value")
 
 
+class DistillConfig(_Frozen):
+    """``algo.distill``: on-policy distillation — on the student's own samples, the token advantage
+    ``−coef·(log π_student − log π_teacher)`` (sampled reverse KL), alone or added to the task's advantage."""
+
+    teacher: str | None = Field(None, description="the teacher: a Hugging Face model directory with the student's "
+                                "tokenizer (e.g. a run's hf/ export)")
+    teachers: dict[str, str] = Field(default_factory=dict, description="multi-teacher (NeMo-RL's MOPD): data_source "
+                                     "→ teacher directory; each row is distilled from its data source's teacher")
+    coef: float = Field(1.0, gt=0, description="β: the distillation advantage is −β·(log π_student − log π_teacher)")
+    task_coef: float = Field(0.0, ge=0, description="weight of the task reward's advantage added to it (0 = "
+                             "distillation alone; the rewards are still computed and logged)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.teacher is None) == (not self.teachers):
+            raise ValueError("algo.distill: set exactly one of teacher (a directory) or teachers ({data_source: "
+                             "directory})")
+        return self
+
+
 class AlgoConfig(_Frozen):
     """``algo``: the algorithm — a named recipe whose parts (advantage, objective, aggregation, KL, correction,
     shaping, filter) are variants overriding it."""
@@ -198,6 +218,8 @@ class AlgoConfig(_Frozen):
                                                           "version V; interpolate = A-3PO, log π_behav + α(log π_θ "
                                                           "− log π_behav), α = (V − v_t)/(V + 1 − v_t), no forward")
     critic: CriticConfig = Field(default_factory=CriticConfig)
+    distill: DistillConfig | None = Field(None, description="on-policy distillation from a teacher model "
+                                          "({teacher: dir, coef: β, task_coef: w}; docs/algorithms.md)")
     routing_replay: Literal["none", "r2", "r3"] = Field("none", description="mixture of experts (docs/moe.md): "
                                                         "r3 = every trainer forward (old, reference, update) "
                                                         "routes each token to the experts the rollout used "

@@ -36,6 +36,12 @@ class Sample:
     extra: dict
 
 
+def data_source(sample) -> str | None:
+    """A prompt's ``data_source`` (verl's column, kept in ``extra``); None for samples without one (tasks
+    generated in code)."""
+    return (getattr(sample, "extra", None) or {}).get("data_source")
+
+
 def render_chat(messages: list) -> str:
     """Plain template for chat prompts: ``role: content`` lines (tokenizers without a chat template)."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages)

@@ -55,10 +55,14 @@ def build_pipeline(algo) -> Pipeline:
     if algo.kl.coef > 0:
         needs.add("ref_logprobs")
     adv_fn = T.bind(T.compute_advantages, estimator=adv.build(**algo.advantage.args))
+    stages = [adv_fn]
+    if algo.distill is not None:  # on-policy distillation: the teacher's log-probs of the student's tokens
+        needs |= {"teacher_logprobs"}
+        stages.append(T.bind(T.add_distill_advantages, coef=algo.distill.coef, task_coef=algo.distill.task_coef))
     return Pipeline(
         shape=T.chain(*[f.build(**s.args) for f, s in zip(shaping, algo.shaping)]),
         filter=filt.build(**algo.filter.args) if filt else None,
-        transform=T.chain(adv_fn),
+        transform=T.chain(*stages),
         objective=obj.build(**algo.objective.args),
         agg=algo.agg.name,
         correction=corr.build(**algo.correction.args) if corr else None,

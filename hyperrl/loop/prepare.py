@@ -96,9 +96,12 @@ class Forwards:
 class Preparer:
     """Adds what the pipeline needs before its advantages (see :meth:`prepare`)."""
 
-    def __init__(self, forwards: Forwards, policy, pipeline, cfg, *, reference=None, critic=None):
+    def __init__(self, forwards: Forwards, policy, pipeline, cfg, *, reference=None, critic=None, teachers=None):
         self.forwards, self.policy, self.pipeline, self.cfg = forwards, policy, pipeline, cfg
         self.reference, self.critic = reference, critic
+        self.teachers = dict(teachers or {})  # on-policy distillation: data_source (None: every row) → model
+        if "teacher_logprobs" in pipeline.needs and not self.teachers:
+            raise ValueError("the pipeline needs teacher_logprobs but no teacher was built (algo.distill)")
         # a mixture of experts: its routers' replay / capture / agreement hooks (docs/moe.md)
         self.routing = Routing(policy) if is_moe(policy) else None
         self._ref_routing = Routing(reference) if reference is not None and is_moe(reference) else None
@@ -141,17 +144,39 @@ class Preparer:
         key = "routed_experts" if self.single_pass and "routed_experts" in batch.keys() else None
         return self.routing, key, False
 
+    def teacher_logprobs(self, batch: TensorDict, sources=None) -> torch.Tensor:
+        """The teachers' log-probs of the batch's tokens ``[B, T]`` (micro-batched like the reference's):
+        one teacher for every row, or — multi-teacher — each row's ``data_source``'s (``sources(batch)``:
+        one per row)."""
+        f = self.forwards
+        if None in self.teachers:
+            return f.no_grad(lambda rows: f.logprobs(self.teachers[None], rows), batch)[0]
+        src = list(sources(batch)) if sources is not None else [None] * batch.batch_size[0]
+        missing = sorted({str(s) for s in src if s not in self.teachers})
+        if missing:
+            raise ValueError(f"algo.distill.teachers: no teacher for data_source {', '.join(missing)} (configured: "
+                             f"{', '.join(sorted(self.teachers))}); add one, or a single algo.distill.teacher")
+        out = torch.zeros(batch["tokens"].shape, dtype=torch.float32, device=batch["tokens"].device)
+        for name in sorted(set(src)):  # the same order on every rank: FSDP-free teachers, no lockstep needed
+            idx = torch.tensor([i for i, s in enumerate(src) if s == name], device=out.device)
+            out[idx] = f.no_grad(lambda rows, t=self.teachers[name]: f.logprobs(t, rows), batch[idx])[0]
+        return out
+
     @torch.no_grad()
-    def prepare(self, batch: TensorDict, *, step: int, version: int, baseline=None) -> tuple[TensorDict, dict]:
+    def prepare(self, batch: TensorDict, *, step: int, version: int, baseline=None, sources=None
+                ) -> tuple[TensorDict, dict]:
         """A new batch with critic ``values``, the greedy ``baseline_reward`` (``baseline(batch)``),
-        behaviour ``old_logprobs`` (checked by the gate: :class:`GateError`) and ``ref_logprobs``, as
-        the pipeline needs; returns it and the mismatch metrics."""
+        the teachers' ``teacher_logprobs`` (``sources(batch)``: each row's data_source), behaviour
+        ``old_logprobs`` (checked by the gate: :class:`GateError`) and ``ref_logprobs``, as the pipeline
+        needs; returns it and the mismatch metrics."""
         f, out, needs = self.forwards, batch.copy(), self.pipeline.needs
         mode, key = self.cfg.algo.routing_replay, self.route_key(batch)  # routes checked at every batch
         if self.critic is not None:
             out.set("values", f.no_grad(lambda rows: f.values(self.critic, rows), batch))
         if "baseline_reward" in needs:
             out.set("baseline_reward", baseline(batch))
+        if "teacher_logprobs" in needs:
+            out.set("teacher_logprobs", self.teacher_logprobs(batch, sources))
         if self.single_pass or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in the loss)
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
         routes = None if self.routing is None else (self.routing, key, mode == "r3")

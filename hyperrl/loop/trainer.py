@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
+from hyperrl.data import data_source
 from hyperrl.loop.collect import Timer
 from hyperrl.loop.hooks import completion_rows
 from hyperrl.loop.prepare import GateError
@@ -95,7 +96,12 @@ class Trainer:
     def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
         """Critic values, the greedy baseline, old / reference log-probs and the gate
         (:class:`~hyperrl.loop.prepare.Preparer`)."""
-        return self.preparer.prepare(batch, step=self.step_idx, version=self.version, baseline=self.greedy_baseline)
+        return self.preparer.prepare(batch, step=self.step_idx, version=self.version, baseline=self.greedy_baseline,
+                                     sources=self.data_sources)
+
+    def data_sources(self, batch: TensorDict) -> list:
+        """Each row's ``data_source`` (its prompt's ``extra``; None when the task has none) ``[B]``."""
+        return [data_source(self.collector.samples[g]) for g in batch["group_id"].tolist()]
 
     def greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
         """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,

@@ -12,7 +12,7 @@ from hyperrl.models.lora import AdapterDisabled, apply_lora
 from hyperrl.models.tiny import tiny_qwen3, tiny_qwen3_moe
 from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer
 
-__all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic"]
+__all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer"]
 
 
 def _tiny(cfg, tok, seed: int):
@@ -73,3 +73,44 @@ def build_critic(cfg, tok, hidden: int) -> ValueModel:
     a tiny random one, with a zero-initialised value head, in ``model.param_dtype``."""
     backbone = build_policy(cfg, tok, seed_offset=1, lora=False).model
     return ValueModel(backbone, hidden).to(torch_dtype(cfg.model.param_dtype))
+
+
+def same_tokenizer(a, b) -> str | None:
+    """Why tokenizers ``a`` and ``b`` would map the same text to different ids (None when they agree): their
+    vocabularies (token → id) and their special ids (eos, pad, bos)."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        only_a, only_b = sorted(set(va) - set(vb))[:3], sorted(set(vb) - set(va))[:3]
+        moved = sorted(t for t in set(va) & set(vb) if va[t] != vb[t])[:3]
+        return (f"vocabularies differ ({len(va)} vs {len(vb)} tokens; only in the student: {only_a}, only in the "
+                f"teacher: {only_b}, other ids: {moved})")
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(a, name, None) != getattr(b, name, None):
+            return f"{name} differs ({getattr(a, name, None)} vs {getattr(b, name, None)})"
+    return None
+
+
+def build_teachers(cfg, tok, device) -> dict:
+    """``algo.distill``'s teachers: data_source → frozen causal LM in ``model.dtype`` on ``device`` (key None
+    for a single ``teacher``). Each is a Hugging Face directory whose tokenizer must equal the student's
+    (``tok``) — the teacher scores the student's own token ids, never re-tokenised text."""
+    from transformers import AutoModelForCausalLM
+
+    d = cfg.algo.distill
+    if d is None:
+        return {}
+    paths = {None: d.teacher} if d.teacher is not None else dict(d.teachers)
+    student = cfg.model.tokenizer or cfg.model.checkpoint or "the embedded character tokenizer"
+    out, loaded = {}, {}
+    for source, path in paths.items():
+        key = "algo.distill.teacher" if source is None else f"algo.distill.teachers.{source}"
+        why = same_tokenizer(tok, load_tokenizer(path))
+        if why is not None:
+            raise ValueError(f"{key}={path}: its tokenizer is not the student's ({student}): {why} — distillation "
+                             "scores the student's token ids with the teacher, so both must tokenize alike")
+        if path not in loaded:  # one model per directory, however many data sources share it
+            loaded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype)).to(
+                device).eval().requires_grad_(False)
+            check_vocab(tok, loaded[path].config.vocab_size, key)
+        out[source] = loaded[path]
+    return out

@@ -48,6 +48,7 @@ from hyperrl.transforms.correction import (
     rejection_mask,
     truncated_is,
 )
+from hyperrl.transforms.distill import add_distill_advantages, distill_advantages
 from hyperrl.transforms.filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
 from hyperrl.transforms.groups import GroupStats, dense_group_index, group_stats
 from hyperrl.transforms.kl import (
@@ -124,6 +125,8 @@ __all__ = [
     "reinforce_pp_baseline_advantages", "remax_advantages", "grpo_process_advantages", "discounted_returns",
     "masked_whiten",
     "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
+    # distillation
+    "distill_advantages", "add_distill_advantages",
     # objectives
     "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "dppo_tv", "dppo_kl", "dro", "topr",
     "clip_cov", "kl_cov", "value_loss",

@@ -1,0 +1,43 @@
+"""On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines' "on-policy distillation", 2025;
+verl, slime, NeMo-RL's MOPD, prime-rl, ROLL, SkyRL, TRL, AReaL): the student samples, a teacher scores the
+student's own tokens, and the per-token advantage is the negative sampled reverse KL
+
+    A_t = −β · (log π_student(y_t | y_<t) − log π_teacher(y_t | y_<t))
+
+— positive where the teacher likes the student's token more than the student does. Estimated on the
+sampled token only (one sample of ``KL(π_s ‖ π_t)``), with the *behaviour* log-probs of the student (the
+policy that sampled: ``old_logprobs``), detached: a policy-gradient objective then moves the student toward
+the teacher on the states it visits. Added to a task advantage with weight ``w`` when both are wanted.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+__all__ = ["distill_advantages", "add_distill_advantages"]
+
+
+def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                       coef: float = 1.0) -> torch.Tensor:
+    """``−coef·(student − teacher)`` on ``mask``, 0 elsewhere; ``[B, T]`` fp32, detached."""
+    if student_logprobs.shape != teacher_logprobs.shape or student_logprobs.shape != mask.shape:
+        raise ValueError(f"distill_advantages: shapes {tuple(student_logprobs.shape)} (student), "
+                         f"{tuple(teacher_logprobs.shape)} (teacher_logprobs), {tuple(mask.shape)} (mask) differ")
+    if coef <= 0:
+        raise ValueError(f"algo.distill.coef={coef}: must be > 0")
+    d = (student_logprobs.detach().float() - teacher_logprobs.detach().float())
+    return torch.where(mask.bool(), -coef * d, 0.0)
+
+
+def add_distill_advantages(batch: TensorDict, *, coef: float = 1.0, task_coef: float = 0.0) -> TensorDict:
+    """A new batch whose ``advantages`` are ``task_coef·advantages + distill_advantages(old_logprobs,
+    teacher_logprobs, action_mask, coef)`` (the task's advantages are dropped at ``task_coef = 0``; the
+    distillation term is logged as ``distill_advantages``)."""
+    for key in ("old_logprobs", "teacher_logprobs", "action_mask"):
+        if key not in batch.keys():
+            raise KeyError(f"add_distill_advantages: the batch has no {key!r}")
+    m = batch["action_mask"]
+    d = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"], m, coef=coef)
+    adv = d if task_coef == 0 or "advantages" not in batch.keys() else task_coef * batch["advantages"] + d
+    return batch.copy().set("advantages", torch.where(m.bool(), adv, 0.0)).set("distill_advantages", d)
