@@ -2,11 +2,12 @@
 
 The teacher is a run of ``hyperrl train`` (the embedded default, ``--teacher-seed``) — its ``hf/`` export, or
 ``--teacher DIR`` to reuse one. For each seed a fresh random student (the same architecture) trains with
-``algo.distill: {teacher: hf/}`` (the advantage −β·(log π_s − log π_t) alone, ``task_coef`` 0, entropy bonus
-off) and, side by side, RL from scratch (the default, nothing changed); both evaluate on the held-out problems
-every ``--eval-every`` steps and stop at the first evaluation ≥ ``--target`` (or ``--max-steps``). The table
-gives, per seed, the step and training seconds at which each first reached it and the step ratio; the curves
-(held-out exact at each evaluation) follow. Appends to RESULTS.md.
+``algo.distill: {teacher: hf/, task_coef: 1, whiten: true}`` (the whitened sampled reverse-KL advantage plus the
+task's GRPO advantage; ``--task-coef 0`` for distillation alone) and, side by side, RL from scratch (the default,
+nothing changed); both evaluate on the held-out problems every ``--eval-every`` steps and stop at the first
+evaluation ≥ ``--target`` (or ``--max-steps``). The table gives, per seed, the step and training seconds at which
+each first reached it and the step ratio; the curves (held-out exact at each evaluation) follow. Appends to
+RESULTS.md.
 
     python benchmarks/distill.py --seeds 0 1 2 3 4
 """
@@ -67,6 +68,8 @@ def main():
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--max-steps", type=int, default=4000)
     ap.add_argument("--coef", type=float, default=1.0)
+    ap.add_argument("--task-coef", type=float, default=1.0, help="algo.distill.task_coef (0 = distillation alone)")
+    ap.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -80,7 +83,8 @@ def main():
         res = {}
         for s in args.seeds:
             opd = [f"--run.out_dir={tmp}/opd{s}", f"--run.seed={s}", f"--algo.distill.teacher={teacher}",
-                   f"--algo.distill.coef={args.coef}", "--algo.entropy_coef=0"]
+                   f"--algo.distill.coef={args.coef}", f"--algo.distill.task_coef={args.task_coef}",
+                   f"--algo.distill.whiten={args.whiten}"]
             res[s] = {"opd": _until(opd, args.target, args.eval_every, args.max_steps),
                       "rl": _until([f"--run.out_dir={tmp}/rl{s}", f"--run.seed={s}"], args.target, args.eval_every,
                                    args.max_steps)}
@@ -98,7 +102,8 @@ def main():
         f"{args.teacher_seed}` ({teacher_s:.0f} s)"
     body = (f"Teacher: {src}, held-out exact {teacher_eval:.3f}. Students: fresh random tiny Qwen3s (the default "
             f"architecture), `--algo.distill.teacher=<its hf/> --algo.distill.coef={args.coef} "
-            "--algo.entropy_coef=0` (distillation alone) against RL from scratch (the default), the same seeds; "
+            f"--algo.distill.task_coef={args.task_coef} --algo.distill.whiten={args.whiten}` against RL from "
+            "scratch (the default), the same seeds; "
             f"held-out exact every {args.eval_every} steps, stopping at ≥ {args.target}:\n\n"
             + table(["seed", "OPD step", "OPD train s", "RL step", "RL train s", "step ratio OPD/RL"], rows)
             + (f"\n\nMean step ratio {sum(ratios) / len(ratios):.2f} over {len(ratios)} seeds." if ratios else "")

@@ -183,6 +183,10 @@ class DistillConfig(_Frozen):
     coef: float = Field(1.0, gt=0, description="β: the distillation advantage is −β·(log π_student − log π_teacher)")
     task_coef: float = Field(0.0, ge=0, description="weight of the task reward's advantage added to it (0 = "
                              "distillation alone; the rewards are still computed and logged)")
+    clip: float | None = Field(None, gt=0, description="clamp the log-ratio log π_s − log π_t to ±clip first "
+                               "(null = the raw sampled reverse KL, as the peers)")
+    whiten: bool = Field(False, description="centre and scale the distillation advantages over the batch's "
+                         "tokens (a baseline; helps a random student far from its teacher)")
 
     @model_validator(mode="after")
     def _one_source(self):

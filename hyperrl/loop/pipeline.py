@@ -58,7 +58,9 @@ def build_pipeline(algo) -> Pipeline:
     stages = [adv_fn]
     if algo.distill is not None:  # on-policy distillation: the teacher's log-probs of the student's tokens
         needs |= {"teacher_logprobs"}
-        stages.append(T.bind(T.add_distill_advantages, coef=algo.distill.coef, task_coef=algo.distill.task_coef))
+        d = algo.distill
+        stages.append(T.bind(T.add_distill_advantages, coef=d.coef, task_coef=d.task_coef, clip=d.clip,
+                             whiten=d.whiten))
     return Pipeline(
         shape=T.chain(*[f.build(**s.args) for f, s in zip(shaping, algo.shaping)]),
         filter=filt.build(**algo.filter.args) if filt else None,

@@ -19,18 +19,29 @@ __all__ = ["distill_advantages", "add_distill_advantages"]
 
 
 def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                       coef: float = 1.0) -> torch.Tensor:
-    """``−coef·(student − teacher)`` on ``mask``, 0 elsewhere; ``[B, T]`` fp32, detached."""
+                       coef: float = 1.0, clip: float | None = None, whiten: bool = False) -> torch.Tensor:
+    """``−coef·(student − teacher)`` on ``mask``, 0 elsewhere; ``[B, T]`` fp32, detached. ``clip``: the
+    log-ratio clamped to ``[−clip, clip]`` first; ``whiten``: the result centred and scaled over the batch's
+    masked tokens (a baseline: from a random student nearly every sampled token is far below the teacher, the
+    raw advantages share a large negative offset, and the policy gradient is mostly noise)."""
     if student_logprobs.shape != teacher_logprobs.shape or student_logprobs.shape != mask.shape:
         raise ValueError(f"distill_advantages: shapes {tuple(student_logprobs.shape)} (student), "
                          f"{tuple(teacher_logprobs.shape)} (teacher_logprobs), {tuple(mask.shape)} (mask) differ")
     if coef <= 0:
         raise ValueError(f"algo.distill.coef={coef}: must be > 0")
     d = (student_logprobs.detach().float() - teacher_logprobs.detach().float())
-    return torch.where(mask.bool(), -coef * d, 0.0)
+    if clip is not None:
+        d = d.clamp(-clip, clip)
+    a = -coef * d
+    m = mask.bool()
+    if whiten and bool(m.any()):
+        v = a[m]
+        a = (a - v.mean()) / (v.std(unbiased=False) + 1e-8)
+    return torch.where(m, a, 0.0)
 
 
-def add_distill_advantages(batch: TensorDict, *, coef: float = 1.0, task_coef: float = 0.0) -> TensorDict:
+def add_distill_advantages(batch: TensorDict, *, coef: float = 1.0, task_coef: float = 0.0,
+                           clip: float | None = None, whiten: bool = False) -> TensorDict:
     """A new batch whose ``advantages`` are ``task_coef·advantages + distill_advantages(old_logprobs,
     teacher_logprobs, action_mask, coef)`` (the task's advantages are dropped at ``task_coef = 0``; the
     distillation term is logged as ``distill_advantages``)."""
@@ -38,6 +49,6 @@ def add_distill_advantages(batch: TensorDict, *, coef: float = 1.0, task_coef: f
         if key not in batch.keys():
             raise KeyError(f"add_distill_advantages: the batch has no {key!r}")
     m = batch["action_mask"]
-    d = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"], m, coef=coef)
+    d = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"], m, coef=coef, clip=clip, whiten=whiten)
     adv = d if task_coef == 0 or "advantages" not in batch.keys() else task_coef * batch["advantages"] + d
     return batch.copy().set("advantages", torch.where(m.bool(), adv, 0.0)).set("distill_advantages", d)

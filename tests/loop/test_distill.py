@@ -120,3 +120,16 @@ def test_bad_teachers_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"algo.distill.teacher=.*other: its tokenizer is not the student's \(the "
                                           r"embedded character tokenizer\): vocabularies differ"):
         build_trainer(cfg)
+
+
+def test_clip_and_whiten_golden():
+    # log-ratios (student − teacher) 1, 8, −2 on the mask: clip 5 → 1, 5, −2 → A = −1, −5, 2 (coef 1);
+    # whitened: mean −4/3, population std sqrt(((1/3)² + (11/3)² + (10/3)²)/3) = sqrt(222/27) = sqrt(74/9) = 2.867442
+    s = torch.tensor([[0.0, -1.0, -1.0, -3.0, 0.0]])
+    t = torch.tensor([[0.0, -2.0, -9.0, -1.0, 0.0]])
+    m = torch.tensor([[False, True, True, True, False]])
+    torch.testing.assert_close(distill_advantages(s, t, m, clip=5.0), torch.tensor([[0.0, -1.0, -5.0, 2.0, 0.0]]))
+    w = distill_advantages(s, t, m, clip=5.0, whiten=True)
+    sd = math.sqrt(74 / 9)
+    torch.testing.assert_close(w, torch.tensor([[0.0, (-1 + 4 / 3) / sd, (-5 + 4 / 3) / sd, (2 + 4 / 3) / sd, 0.0]]))
+    assert abs(float(w[m].mean())) < 1e-6
