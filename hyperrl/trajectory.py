@@ -449,6 +449,7 @@ TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout
 
 # reward/reward_components: the task's rewards; old_logprobs: the learner's forward; values: a critic;
 # ref_logprobs: a reference model; baseline_reward: a greedy rollout per prompt; token_rewards: the
-# rewards' per-token split (RewardSet.token_rewards)
+# rewards' per-token split (RewardSet.token_rewards); teacher_logprobs: algo.distill's teachers; logprobs:
+# the update's own (detached) log-probs, which the loss hands a correction (OPSM)
 RUN_PRODUCES = frozenset({"reward", "reward_components", "old_logprobs", "values", "ref_logprobs",
-                          "baseline_reward", "token_rewards"})
+                          "baseline_reward", "token_rewards", "teacher_logprobs", "logprobs"})

@@ -57,6 +57,12 @@ _recipe("dppo", "DPPO-Binary-TV (arXiv 2602.04879) as verl 0.9 loss_mode=dppo_tv
 _recipe("topr", "TOPR (Le Roux et al. 2025; ROLL): −A·lp on positive samples, −sg(clip(π/μ, 0, 1))·A·lp on the "
         "rest (per-token ratio, as ROLL), R = s − μ_g (a group-mean baseline, no std), token-mean.",
         advantage="dr_grpo", objective="topr", agg="token-mean")
+_recipe("m2po", "M2PO (arXiv 2510.01161; AReaL gsm8k_m2po): GRPO advantages, PPO clip 0.2, token-mean, the tokens "
+        "with the largest (log π_behave − log π_prox)² dropped until their mean < 0.04 (m2_threshold).",
+        advantage="grpo", objective=_PPO, agg="token-mean", correction={"name": "m2po", "tau": 0.04})
+_recipe("opsm", "OPSM (DeepSeek-V3.2; slime --use-opsm): GRPO advantages, PPO clip 0.2, token-mean, sequences with "
+        "A < 0 and mean log(μ/π_θ) > 1e-4 dropped.",
+        advantage="grpo", objective=_PPO, agg="token-mean", correction={"name": "opsm", "delta": 1e-4})
 _recipe("rloo", "RLOO (Ahmadian et al. 2024): leave-one-out baseline, PPO clip 0.2, token-mean.",
         advantage="rloo", objective=_PPO, agg="token-mean")
 _recipe("reinforce_pp", "REINFORCE++ (Hu 2025): discounted return-to-go whitened over the batch, PPO clip 0.2.",

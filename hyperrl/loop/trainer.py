@@ -137,7 +137,8 @@ class Trainer:
         if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
             part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
                 part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
-        corr = p.correction(part) if p.correction is not None else None
+        # a correction may read the current policy's (detached) log-probs: OPSM's mean log-ratio
+        corr = p.correction(part.copy().set("logprobs", lp.detach())) if p.correction is not None else None
         out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
                             **p.loss_kwargs(self.kl_state.beta))
         if self.preparer.single_pass:

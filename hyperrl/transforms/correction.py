@@ -27,6 +27,10 @@ __all__ = [
     "masked_is",
     "rejection_mask",
     "mismatch_metrics",
+    "binary_kl",
+    "kpop_mask",
+    "opsm_mask",
+    "m2po_mask",
 ]
 
 
@@ -75,6 +79,55 @@ def rejection_mask(a, b, mask, *, estimator: str = "k3", threshold: Positive = 1
         seq = stat.sum(-1) / m.sum(-1).clamp_min(1)
         return m & (seq <= threshold)[:, None]
     raise ValueError(f"level={level!r}; choose 'token' or 'sequence'")
+
+
+def binary_kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``D_B(p‖q) = p·log(p/q) + (1−p)·log((1−p)/(1−q))`` — the KL between two Bernoullis (the sampled token
+    or not), both clamped to ``[1e-8, 1 − 1e-8]`` (AReaL's ``compute_binary_kl_divergence``)."""
+    p, q = p.clamp(1e-8, 1 - 1e-8), q.clamp(1e-8, 1 - 1e-8)
+    return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))
+
+
+def kpop_mask(prox_logprobs, behave_logprobs, mask, *, upper: float = 2.0) -> torch.Tensor:
+    """KPop (AReaL PR #1405): keep a token iff ``max(D_B(p‖q), D_B(q‖p)) ≤ upper``, ``p = π_prox(y_t)``,
+    ``q = π_behave(y_t)``. Bool ``[B, T]``."""
+    p, q = torch.exp(prox_logprobs.detach().float()), torch.exp(behave_logprobs.detach().float())
+    return mask.bool() & (torch.maximum(binary_kl(p, q), binary_kl(q, p)) <= upper)
+
+
+def opsm_mask(behave_logprobs, logprobs, advantages, mask, *, delta: float = 1e-4) -> torch.Tensor:
+    """OPSM, off-policy sequence masking (DeepSeek-V3.2; slime ``compute_opsm_mask``, TRL
+    ``get_off_policy_mask``): drop the tokens of a sequence whose advantage is negative and whose mean log-ratio
+    to the behaviour policy ``Σ_t m·(log μ − log π_θ) / Σ_t m`` exceeds ``delta`` (both strict; ``log π_θ`` the
+    current policy, detached). Bool keep-mask ``[B, T]``."""
+    m = mask.bool()
+    d = torch.where(m, behave_logprobs.detach().float() - logprobs.detach().float(), 0.0)
+    seq_kl = d.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp_min(1)
+    return m & ~((advantages < 0) & (seq_kl > delta))
+
+
+def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04) -> torch.Tensor:
+    """M2PO (arXiv 2510.01161; AReaL ``_get_m2po_loss_mask``): drop the tokens with the largest ``m2 = (log r)²``
+    until the mean of ``m2`` over the kept tokens is below ``tau`` (strict) — sorted descending, the first ``i``
+    whose tail mean ``mean(m2[i:]) < tau`` drops the ``i`` largest; none below: all but the smallest dropped.
+    Bool keep-mask ``[B, T]`` (no valid token: the mask unchanged)."""
+    if tau <= 0:
+        raise ValueError(f"algo.correction.tau={tau}: M2PO's second-moment bound must be > 0")
+    m = mask.bool()
+    n = int(m.sum())
+    if n == 0:
+        return m
+    m2 = log_ratio.detach().float()[m].square()
+    order = torch.argsort(m2, descending=True, stable=True)
+    s = m2[order]
+    tail = s.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=s.dtype, device=s.device)  # mean(s[i:])
+    below = (tail < tau).nonzero()
+    drop = int(below[0]) if len(below) else n - 1
+    keep = torch.ones(n, dtype=torch.bool, device=m.device)
+    keep[order[:drop]] = False
+    out = torch.zeros_like(m)
+    out[m] = keep
+    return out
 
 
 def mismatch_metrics(train_logprobs, rollout_logprobs, mask) -> dict:
@@ -128,4 +181,42 @@ def _rejection(batch, *, estimator: str = "k3", threshold: Positive = 1e-2, leve
     """Rejection sampling: drop tokens / sequences whose ``kX(old − rollout)`` exceeds ``threshold``; weight 1."""
     keep = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], batch["action_mask"],
                           estimator=estimator, threshold=threshold, level=level)
+    return Correction(keep.float(), keep)
+
+
+@register_correction("kpop", needs=("old_logprobs",))
+def _kpop(batch, *, upper: Positive = 2.0) -> Correction:
+    """KPop (AReaL ``rejection_sampling: {metric: binary_kl, action: mask, level: token}``): tokens whose
+    symmetric Bernoulli KL between the proximal (``old_logprobs``) and behaviour (``rollout_logprobs``)
+    probabilities exceeds ``upper`` are dropped; the rest keep the decoupled weight ``π_prox/π_behave``
+    (unclipped, as AReaL). ``upper``: AReaL's docs and ``gsm8k_kpop.yaml`` use 2.0 (its dataclass default is
+    5.0; the KPop blog quotes 0.1)."""
+    m = batch["action_mask"]
+    keep = kpop_mask(batch["old_logprobs"], batch["rollout_logprobs"], m, upper=upper)
+    w = importance_weights(_decoupled(batch), m)
+    return Correction(torch.where(keep, w, 0), keep)
+
+
+@register_correction("opsm", needs=("logprobs", "advantages"))
+def _opsm(batch, *, delta: Positive = 1e-4, behaviour: str = "rollout") -> Correction:
+    """OPSM (DeepSeek-V3.2): sequences with a negative advantage whose mean ``log μ − log π_θ`` exceeds
+    ``delta`` are dropped (weight 1 elsewhere). ``logprobs``: the current policy's, which the loss hands in;
+    ``behaviour``: ``"rollout"`` (the engine's, TRL's sampling log-probs and slime ``--use-rollout-logprobs``)
+    or ``"old"`` (the recomputed pre-update policy, slime's default). ``delta``: slime's ``--opsm-delta``
+    default 1e-4 (TRL's ``off_policy_mask_threshold`` is off by default; its docs suggest 0.5)."""
+    if behaviour not in ("rollout", "old"):
+        raise ValueError(f"algo.correction.behaviour={behaviour!r}; choose 'rollout' or 'old'")
+    key = "rollout_logprobs" if behaviour == "rollout" else "old_logprobs"
+    if key not in batch.keys():
+        raise KeyError(f"opsm: the batch has no {key!r} (behaviour log-probs); OPSM needs them")
+    keep = opsm_mask(batch[key], batch["logprobs"], batch["advantages"], batch["action_mask"], delta=delta)
+    return Correction(keep.float(), keep)
+
+
+@register_correction("m2po", needs=("old_logprobs",))
+def _m2po(batch, *, tau: Positive = 0.04) -> Correction:
+    """M2PO (AReaL): drop the tokens with the largest ``(log π_behave − log π_prox)²`` until their mean over the
+    kept tokens is below ``tau`` (AReaL's ``m2_threshold``; its gsm8k example 0.04), weight 1 on the rest.
+    Computed over the tokens the loss is called with (a micro-batch on this rank: AReaL's scope)."""
+    keep = m2po_mask(batch["rollout_logprobs"] - batch["old_logprobs"], batch["action_mask"], tau=tau)
     return Correction(keep.float(), keep)

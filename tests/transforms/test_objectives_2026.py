@@ -136,3 +136,67 @@ def test_the_new_objectives_run_through_policy_loss():
     for name, kw in (("dppo_tv", {}), ("dppo_kl", {}), ("dro", {"beta": 0.1}), ("topr", {})):
         out = policy_loss(b, lp, objective=name, **kw)
         assert torch.isfinite(out.loss) and "loss_policy" in out.terms
+
+
+def test_kpop_golden():
+    # p = 0.5 (proximal), q = 0.25 (behaviour): D_B(p‖q) = 0.5·ln 2 + 0.5·ln(0.5/0.75) = 0.143841,
+    # D_B(q‖p) = 0.25·ln 0.5 + 0.75·ln 1.5 = 0.130812; max 0.143841: upper 0.14 drops it, 0.15 keeps it with
+    # the decoupled weight 0.5 / 0.25 = 2
+    from hyperrl.transforms.correction import binary_kl
+
+    p, q = torch.tensor([0.5]), torch.tensor([0.25])
+    torch.testing.assert_close(binary_kl(p, q), torch.tensor([0.143841]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(binary_kl(q, p), torch.tensor([0.130812]), atol=1e-6, rtol=0)
+    from tensordict import TensorDict
+
+    m = torch.tensor([[False, True, False]])
+    b = TensorDict({"action_mask": m, "rollout_logprobs": _t(0.0, L(0.25), 0.0), "old_logprobs": _t(0.0, L(0.5), 0.0)},
+                   batch_size=[1])
+    tight, loose = CORRECTIONS.build("kpop", upper=0.14)(b), CORRECTIONS.build("kpop", upper=0.15)(b)
+    assert tight.mask.tolist() == [[False, False, False]] and float(tight.weights.sum()) == 0
+    assert loose.mask.tolist() == [[False, True, False]]
+    torch.testing.assert_close(loose.weights, _t(0.0, 2.0, 0.0))
+
+
+def test_opsm_golden():
+    # behaviour [−1, −1] vs current [−1.5, −1.5]: mean log-ratio 0.5 > δ. Row 0 (A = −1): dropped; row 1
+    # (A = +1): kept; row 2 (A = −1, on-policy: 0 ≤ δ): kept
+    from hyperrl.transforms.correction import opsm_mask
+
+    behave = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    cur = torch.tensor([[-1.5, -1.5], [-1.5, -1.5], [-1.0, -1.0]])
+    adv = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0]])
+    keep = opsm_mask(behave, cur, adv, torch.ones(3, 2, dtype=torch.bool), delta=1e-4)
+    assert keep.tolist() == [[False, False], [True, True], [True, True]]
+    assert opsm_mask(behave, cur, adv, torch.ones(3, 2, dtype=torch.bool), delta=0.6).all()
+
+
+def test_m2po_golden():
+    # log r = 3, 2, 1, 0.1 → m2 = 9, 4, 1, 0.01; tail means 3.5025, 1.67, 0.505, 0.01: τ = 2 drops the 9 only;
+    # τ = 1e-3 (nothing below): all but the smallest dropped
+    from hyperrl.transforms.correction import m2po_mask
+
+    lr, m = torch.tensor([[0.0, 3.0, 2.0], [1.0, 0.1, 7.0]]), torch.tensor([[False, True, True], [True, True, False]])
+    assert m2po_mask(lr, m, tau=2.0).tolist() == [[False, False, True], [True, True, False]]
+    assert m2po_mask(lr, m, tau=1e-3).tolist() == [[False, False, False], [False, True, False]]
+    with pytest.raises(ValueError, match=r"algo.correction.tau=0"):
+        m2po_mask(lr, m, tau=0)
+
+
+@given(seed=st.integers(0, 10_000), tau=st.floats(1e-3, 2.0))
+def test_m2po_drops_the_largest_until_the_kept_second_moment_is_below_tau(seed, tau):
+    from hyperrl.transforms.correction import m2po_mask
+
+    g = torch.Generator().manual_seed(seed)
+    lr = torch.randn(4, 9, generator=g)
+    m = torch.rand(4, 9, generator=g) > 0.3
+    keep = m2po_mask(lr, m, tau=tau)
+    assert not (keep & ~m).any()
+    m2 = lr.square()
+    kept, dropped = m2[keep], m2[m & ~keep]
+    if len(dropped):
+        assert float(dropped.min()) >= float(kept.max())  # only the largest are dropped
+    if len(kept) > 1:
+        assert float(kept.mean()) < tau  # the bound holds (else only the smallest one is left)
+    if len(dropped) and len(kept):  # minimal: keeping one more (the smallest dropped) would break it
+        assert float(torch.cat([kept, dropped.min()[None]]).mean()) >= tau
