@@ -292,8 +292,10 @@ def test_the_gated_schedule_generates_each_batch_at_one_version_and_reproduces_b
         assert all(m["partial_rows_frac"] == 0 for m in ms)
         runs.append((ms, {k: v.clone() for k, v in tr.policy.state_dict().items()}))
     (ma, wa), (mb, wb) = runs
+    # the buffer's occupancy when the step reports (rows still generating vs ready) is a snapshot of the
+    # workers' progress at that instant — wall-clock, not a result (seen to differ under a loaded machine)
     for a, b in zip(ma, mb):
-        same = {k: a[k] for k in a if not k.startswith("time_") and k != "tokens_per_s"}
+        same = {k: a[k] for k in a if not k.startswith("time_") and k not in _TIMING}
         assert same == {k: b[k] for k in same}
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
