@@ -86,3 +86,21 @@ def pin_actor(trainer, rollout: set[int]) -> None:
 
     ray.get(trainer.collector.workers[0].actor.__ray_call__.remote(pin))
     _pin_ray_system(rollout)
+
+
+def synthetic_update_batch(rows: int, response: int, prompt: int = 8, vocab: int = 20):
+    """A GRPO-ready rollout batch for one update: ``rows`` samples of one ``prompt``-token prompt, each with a
+    ``response``-token response (ids in ``[3, vocab)``, rollout log-probs −3, random rewards), advantages
+    computed — what the memory benchmarks feed ``trainer.prepare`` + ``trainer.update``."""
+    import hyperrl.transforms as T
+    from hyperrl.trajectory import make_trajectory
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.cat([torch.randint(3, vocab, (1, prompt), generator=g).repeat(rows, 1),
+                        torch.randint(3, vocab, (rows, response), generator=g)], 1)
+    act = torch.arange(prompt + response)[None, :].expand(rows, -1) >= prompt
+    batch = make_trajectory(tokens=tokens, attention_mask=torch.ones_like(act), action_mask=act,
+                            rollout_logprobs=torch.full((rows, prompt + response), -3.0) * act,
+                            group_id=torch.zeros(rows, dtype=torch.long),
+                            policy_version=torch.zeros(rows, dtype=torch.long), reward=torch.rand(rows, generator=g))
+    return T.compute_advantages(batch, "grpo")

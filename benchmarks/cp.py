@@ -33,10 +33,9 @@ _CHILD = r"""
 import json, resource, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
-import hyperrl.transforms as T
+from benchmarks._common import synthetic_update_batch
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
-from hyperrl.trajectory import make_trajectory
 out, cp, rows, R = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 extra = json.loads(sys.argv[6])
 from hyperrl.distributed import init_distributed
@@ -44,17 +43,7 @@ init_distributed()
 cfg = load_config(None, [f"--run.out_dir={out}", f"--run.cp={cp}", f"--rollout.n={rows}",
                          "--rollout.prompts_per_step=1", "--run.eval_every=0", "--optim.micro_batch_tokens=0", *extra])
 tr = build_trainer(cfg)
-V = tr.policy.config.vocab_size
-g = torch.Generator().manual_seed(0)
-P = 8
-tokens = torch.cat([torch.randint(3, 20, (1, P), generator=g).repeat(rows, 1),
-                    torch.randint(3, min(V, 20), (rows, R), generator=g)], 1)
-act = torch.arange(P + R)[None, :].expand(rows, -1) >= P
-batch = make_trajectory(tokens=tokens, attention_mask=torch.ones_like(act), action_mask=act,
-                        rollout_logprobs=torch.full((rows, P + R), -3.0) * act,
-                        group_id=torch.zeros(rows, dtype=torch.long),
-                        policy_version=torch.zeros(rows, dtype=torch.long), reward=torch.rand(rows, generator=g))
-batch = T.compute_advantages(batch, "grpo")
+batch = synthetic_update_batch(rows, R)
 built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 batch, _ = tr.prepare(batch)

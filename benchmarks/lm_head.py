@@ -33,25 +33,15 @@ _MEM = r"""
 import json, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-import hyperrl.transforms as T
+from benchmarks._common import synthetic_update_batch
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
-from hyperrl.trajectory import make_trajectory
 ckpt, out, fp32, rows, R = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
 tr = build_trainer(load_config(None, [f"--run.out_dir={out}", f"--model.checkpoint={ckpt}", "--model.dtype=bfloat16",
                                       f"--model.lm_head_fp32={fp32}", f"--rollout.n={rows}",
                                       "--rollout.prompts_per_step=1", "--run.eval_every=0",
                                       "--optim.micro_batch_tokens=0"]))
-g = torch.Generator().manual_seed(0)
-P = 8
-tokens = torch.cat([torch.randint(3, 20, (1, P), generator=g).repeat(rows, 1),
-                    torch.randint(3, 20, (rows, R), generator=g)], 1)
-act = torch.arange(P + R)[None, :].expand(rows, -1) >= P
-batch = make_trajectory(tokens=tokens, attention_mask=torch.ones_like(act), action_mask=act,
-                        rollout_logprobs=torch.full((rows, P + R), -3.0) * act,
-                        group_id=torch.zeros(rows, dtype=torch.long),
-                        policy_version=torch.zeros(rows, dtype=torch.long), reward=torch.rand(rows, generator=g))
-batch = T.compute_advantages(batch, "grpo")
+batch = synthetic_update_batch(rows, R)
 built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 batch, _ = tr.prepare(batch)
 tr.update(batch)

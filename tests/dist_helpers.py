@@ -48,3 +48,21 @@ def run_gloo(fn, world: int, *args, timeout: float = 240.0):
             if p.is_alive():
                 p.kill()
     return results
+
+
+def record_grads(tr):
+    """The trainer's policy gradients as its optimizer sees them (after the data-parallel sync), as full
+    tensors: filled on each ``clip_grad_norm`` call of ``tr.parallel``."""
+    seen, clip = {}, tr.parallel.clip_grad_norm
+    names = {id(p): n for n, p in tr.policy.named_parameters()}
+
+    def wrapped(params, max_norm):
+        params = list(params)
+        for p in params:
+            if p.grad is not None and id(p) in names:
+                g = p.grad
+                seen[names[id(p)]] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+        return clip(params, max_norm)
+
+    tr.parallel.clip_grad_norm = wrapped
+    return seen

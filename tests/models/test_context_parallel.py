@@ -6,7 +6,7 @@ the loss summed over the slices — the same gradient for every parameter."""
 import pytest
 import torch
 
-from tests.dist_helpers import run_gloo
+from tests.dist_helpers import record_grads, run_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -107,23 +107,6 @@ def test_cp_that_does_not_divide_the_heads_is_refused():
 ARGS = ["--rollout.prompts_per_step=8", "--rollout.n=8", "--run.eval_every=0", "--run.threads=1"]
 
 
-def _record_grads(tr):
-    """The policy's gradients as the optimizer sees them (after the data-parallel sync), full tensors."""
-    seen, clip = {}, tr.parallel.clip_grad_norm
-    names = {id(p): n for n, p in tr.policy.named_parameters()}
-
-    def wrapped(params, max_norm):
-        params = list(params)
-        for p in params:
-            if p.grad is not None and id(p) in names:
-                g = p.grad
-                seen[names[id(p)]] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-        return clip(params, max_norm)
-
-    tr.parallel.clip_grad_norm = wrapped
-    return seen
-
-
 def _trainer(out_dir, extra):
     from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
@@ -133,7 +116,7 @@ def _trainer(out_dir, extra):
 
 def _grad_worker(rank, world, out_dir, extra):
     tr = _trainer(out_dir, extra)
-    seen = _record_grads(tr)
+    seen = record_grads(tr)
     m = tr.step()
     return {"grads": {k: v.numpy() for k, v in seen.items()}, "reward": m["reward_mean"],
             "rows": tr.parallel.shard(list(range(8))), "loss": m["loss_policy"]}
@@ -148,7 +131,7 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
     rank — plain, packed, and with a reference model's KL and micro-batches."""
     res = run_gloo(_grad_worker, 4, str(tmp_path / "cp"), ["--run.cp=" + str(cp), *extra], timeout=600)
     tr = _trainer(str(tmp_path / "one"), extra)
-    one = _record_grads(tr)
+    one = record_grads(tr)
     m = tr.step()
     assert [res[r]["rows"] for r in range(4)] == ([list(range(8))] * 4 if cp == 4 else
                                                   [[0, 2, 4, 6]] * 2 + [[1, 3, 5, 7]] * 2)

@@ -7,7 +7,7 @@ one-process full-batch gradient. Tokens reach the experts and come back by all-t
 import pytest
 import torch
 
-from tests.dist_helpers import run_gloo
+from tests.dist_helpers import record_grads, run_gloo
 
 pytestmark = pytest.mark.dist
 
@@ -136,29 +136,12 @@ def test_an_ep_that_does_not_divide_is_refused():
 ARGS = ["--rollout.prompts_per_step=8", "--rollout.n=8", "--run.eval_every=0", "--run.threads=1"]
 
 
-def _record_grads(tr):
-    """The policy's gradients as the optimizer sees them (after the data-parallel sync), full tensors."""
-    seen, clip = {}, tr.parallel.clip_grad_norm
-    names = {id(p): n for n, p in tr.policy.named_parameters()}
-
-    def wrapped(params, max_norm):
-        params = list(params)
-        for p in params:
-            if p.grad is not None and id(p) in names:
-                g = p.grad
-                seen[names[id(p)]] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-        return clip(params, max_norm)
-
-    tr.parallel.clip_grad_norm = wrapped
-    return seen
-
-
 def _grad_worker(rank, world, out_dir, ep, extra):
     from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
 
     tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", f"--run.ep={ep}", *ARGS, *extra]))
-    seen = _record_grads(tr)
+    seen = record_grads(tr)
     m = tr.step()
     return {"grads": {k: v.numpy() for k, v in seen.items()}, "reward": m["reward_mean"]}
 
@@ -168,7 +151,7 @@ def _one_process_grads(out_dir, extra):
     from hyperrl.config import load_config
 
     tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", *ARGS, *extra]))
-    seen = _record_grads(tr)
+    seen = record_grads(tr)
     m = tr.step()
     return seen, m["reward_mean"]
 
