@@ -157,9 +157,14 @@ class Preparer:
             raise ValueError(f"algo.distill.teachers: no teacher for data_source {', '.join(missing)} (configured: "
                              f"{', '.join(sorted(self.teachers))}); add one, or a single algo.distill.teacher")
         out = torch.zeros(batch["tokens"].shape, dtype=torch.float32, device=batch["tokens"].device)
-        for name in sorted(set(src)):  # the same order on every rank: FSDP-free teachers, no lockstep needed
-            idx = torch.tensor([i for i, s in enumerate(src) if s == name], device=out.device)
-            out[idx] = f.no_grad(lambda rows, t=self.teachers[name]: f.logprobs(t, rows), batch[idx])[0]
+        # every configured teacher in one order on every rank, even one with no rows here: the micro-batching
+        # agrees its call count over ranks (a collective), so each rank must make the same sequence of calls
+        for name in sorted(self.teachers):
+            idx = torch.tensor([i for i, s in enumerate(src) if s == name], dtype=torch.long, device=out.device)
+            lp = f.no_grad(lambda rows, t=self.teachers[name]: f.logprobs(t, rows), batch[idx] if len(idx) else
+                           batch[:1])[0]
+            if len(idx):
+                out[idx] = lp
         return out
 
     @torch.no_grad()

@@ -101,6 +101,9 @@ def test_multi_teacher_routes_rows_by_data_source(tmp_path):
             "--run.threads=1"]
     tr = build_trainer(load_config(None, [*base, f"--algo.distill.teachers={{gsm8k: {teacher}}}"]))
     assert tr.step()["policy_version"] == 1 and set(tr.preparer.teachers) == {"gsm8k"}
+    # a configured teacher with no rows in the batch still runs (every rank makes the same calls)
+    tr = build_trainer(load_config(None, [*base, f"--algo.distill.teachers={{gsm8k: {teacher}, math: {teacher}}}"]))
+    assert tr.step()["policy_version"] == 1
     tr = build_trainer(load_config(None, [*base, f"--algo.distill.teachers={{math: {teacher}}}"]))
     with pytest.raises(ValueError, match=r"algo.distill.teachers: no teacher for data_source gsm8k \(configured: "
                                          r"math\)"):
