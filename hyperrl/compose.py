@@ -28,6 +28,7 @@ from hyperrl.loop.evaluate import Evaluator
 from hyperrl.loop.generation import Generator, stop_ids_of
 from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.loop.pipeline import build_pipeline
+from hyperrl.loop.preference import PairCollector, PreferenceTrainer
 from hyperrl.loop.prepare import Forwards, Preparer
 from hyperrl.loop.publish import PolicyPublisher
 from hyperrl.loop.scoring import Scorer
@@ -141,6 +142,11 @@ def _check_context(cfg: TrainConfig, task, policy) -> None:
     if not ctx:
         return
     r = cfg.rollout
+    pairs = getattr(task, "longest_sequence", 0)  # preference pairs: prompt + the longer completion
+    if pairs > ctx:
+        raise ConfigError(f"a preference pair of {pairs} tokens (prompt + completion) exceeds the model's context "
+                          f"(max_position_embeddings={ctx}); bound prompts with data.max_prompt_length, or shorten "
+                          "the completions")
     if cfg.env is not None:
         if r.max_episode_tokens > ctx:
             raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds the model's context "
@@ -194,7 +200,8 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     a = getattr(cfg, "async")
     asynchronous = a.max_staleness is not None
     if trainer is None:
-        trainer = AsyncTrainer if asynchronous else SyncTrainer
+        trainer = PreferenceTrainer if cfg.algo.preference is not None else AsyncTrainer if asynchronous else \
+            SyncTrainer
     if issubclass(trainer, AsyncTrainer) != asynchronous:
         raise ConfigError(f"async.max_staleness={a.max_staleness}: {trainer.__name__} needs " +
                           ("the staleness bound η ≥ 0 set (async.max_staleness)" if not asynchronous else
@@ -256,7 +263,9 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
     except ValueError as e:  # a teacher whose tokenizer is not the student's
         raise ConfigError(str(e)) from None
     preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic, teachers=teachers)
-    if workers is None:
+    if cfg.algo.preference is not None:  # pairs from the preference task, not rollouts
+        collector = PairCollector(task, parallel, r, o.micro_batch_tokens, tok.pad_token_id or 0)
+    elif workers is None:
         collector = SyncCollector(generator, scorer, pipeline, task, parallel, r)
     else:
         s = getattr(cfg, "async")

@@ -88,7 +88,43 @@ def _needs(cfg: TrainConfig) -> set[str]:
     fs += [T.CORRECTIONS.factory(a.correction.name)] if a.correction else []
     fs += [T.FILTERS.factory(a.filter.name)] if a.filter else []
     fs += [T.SHAPING.factory(s.name) for s in a.shaping]
-    return {n for f in fs for n in f.needs} | ({"ref_logprobs"} if a.kl.coef > 0 else set())
+    return {n for f in fs for n in f.needs} | ({"ref_logprobs"} if a.kl.coef > 0 or a.preference else set())
+
+
+def _check_preference(cfg: TrainConfig, needs) -> None:
+    """``algo.preference`` (DPO and kin) trains on the ``preference`` task's pairs, and that task only with it;
+    what a preference run has no use for (rollout-side machinery) or does not support yet is refused."""
+    a, name = cfg.algo, cfg.task.name
+    if a.preference is None:
+        if name == "preference":
+            raise ConfigError("task=preference holds preference pairs, which only a preference loss trains on; set "
+                              "algo.recipe=dpo (or algo.preference), or give prompts with answers (task files)")
+        return
+    said = f"algo.preference={a.preference.name}"
+    if name != "preference":
+        raise ConfigError(f"{said} trains on preference pairs, not on task {name!r}: set data.train_files to parquet / "
+                          "JSONL files of prompt / chosen / rejected rows (TRL's or verl's format)")
+    refused = [("env", cfg.env is not None, "a multi-turn environment"),
+               ("async.max_staleness", getattr(cfg, "async").max_staleness is not None, "asynchronous rollout"),
+               ("algo.distill", a.distill is not None, "distillation"),
+               ("algo.kl.coef", a.kl.coef > 0, "a KL term (the preference loss's β already weighs the reference)"),
+               ("algo.advantage", "values" in needs, "a critic"), ("algo.filter", a.filter is not None, "a filter"),
+               ("algo.correction", a.correction is not None, "a rollout correction"),
+               ("algo.shaping", bool(a.shaping), "reward shaping"),
+               ("algo.routing_replay", a.routing_replay != "none", "routing replay"),
+               ("model.experts", cfg.model.experts > 0, "a mixture-of-experts policy (not yet)"),
+               ("optim.mini_batches", cfg.optim.mini_batches > 1, "several optimizer steps per batch (a preference "
+                "step is one optimizer step over its pairs: rollout.prompts_per_step is the pairs per step)"),
+               ("algo.ppo_epochs", a.ppo_epochs > 1, "passes over one batch (a preference run's epochs are passes over "
+                                                   "the data: raise run.steps)"),
+               ("rollout.temperature", cfg.rollout.temperature != 1.0, "a sampling temperature (pairs are scored at "
+                                                                      "temperature 1, as TRL does)"),
+               *[(f"run.{k}", getattr(cfg.run, k) > 1, "tensor / expert / context parallelism (not yet: a preference "
+                                                       "run is data-parallel, FSDP2 under torchrun)")
+                 for k in ("tp", "ep", "cp")]]
+    for key, on, what in refused:
+        if on:
+            raise ConfigError(f"{said} with {key}: {what} has no place in a preference run; unset {key}")
 
 
 def _check_agent(cfg: TrainConfig) -> None:
@@ -134,6 +170,7 @@ def check_combinations(cfg: TrainConfig) -> None:
                           "(env) does not produce; use an outcome advantage (grpo, rloo, …)")
     _check_groups(cfg)
     _check_agent(cfg)
+    _check_preference(cfg, needs)
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")

@@ -213,18 +213,25 @@ def validate_config(data: dict) -> TrainConfig:
 
 
 def _data_task(d: dict, *, explicit_task: bool) -> dict:
-    """``data.train_files`` set → the task is ``files`` built from the data section."""
+    """``data.train_files`` set → the task is ``files`` built from the data section (``preference`` —
+    pairs — when ``algo.preference`` is set, as the recipes ``dpo`` / ``ipo`` do)."""
     data = d.get("data") or {}
     if not isinstance(data, dict) or not data.get("train_files"):
         if isinstance(data, dict) and data.get("val_files"):
             raise ConfigError("data.val_files: set data.train_files too (validation data belongs to a files task)")
         return d
+    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "apply_chat_template")
+    if (d.get("algo") or {}).get("preference"):  # pairs, not prompts: DPO and kin
+        task = {"name": "preference", **{k: data[k] for k in keys + ("chosen_key", "rejected_key") if k in data}}
+    else:
+        task = {"name": "files", **{k: data[k] for k in keys + ("rewards",) if k in data}}
     if explicit_task:
-        raise ConfigError("data.train_files and task are both set: data.train_files builds the task (files); "
+        given = d.get("task") if isinstance(d.get("task"), dict) else {}
+        if given.get("name") == task["name"] and list(given.get("train_files") or []) == list(data["train_files"]):
+            return d  # the task these files build, written out (a run's config.json reloads to itself)
+        raise ConfigError(f"data.train_files and task are both set: data.train_files builds the task ({task['name']}); "
                           "remove task, or drop data.train_files and use the task's own arguments")
-    keys = ("train_files", "val_files", "prompt_key", "max_prompt_length", "overlong_prompts", "apply_chat_template",
-            "rewards")
-    return {**d, "task": {"name": "files", **{k: data[k] for k in keys if k in data}}}
+    return {**d, "task": task}
 
 
 def describe() -> str:

@@ -63,6 +63,11 @@ _recipe("m2po", "M2PO (arXiv 2510.01161; AReaL gsm8k_m2po): GRPO advantages, PPO
 _recipe("opsm", "OPSM (DeepSeek-V3.2; slime --use-opsm): GRPO advantages, PPO clip 0.2, token-mean, sequences with "
         "A < 0 and mean log(μ/π_θ) > 1e-4 dropped.",
         advantage="grpo", objective=_PPO, agg="token-mean", correction={"name": "opsm", "delta": 1e-4})
+_recipe("dpo", "DPO (Rafailov et al. 2023) on preference pairs (data.train_files: prompt / chosen / rejected) "
+        "against a frozen reference, β 0.1 (TRL DPOConfig loss_type=sigmoid; label_smoothing: conservative DPO as "
+        "OpenRLHF).", preference={"name": "dpo"})
+_recipe("ipo", "IPO (Azar et al. 2023) on preference pairs: (Δ/|y| − 1/(2β))², log-ratios averaged per token "
+        "(TRL loss_type=ipo), β 0.1.", preference={"name": "ipo"})
 _recipe("rloo", "RLOO (Ahmadian et al. 2024): leave-one-out baseline, PPO clip 0.2, token-mean.",
         advantage="rloo", objective=_PPO, agg="token-mean")
 _recipe("reinforce_pp", "REINFORCE++ (Hu 2025): discounted return-to-go whitened over the batch, PPO clip 0.2.",

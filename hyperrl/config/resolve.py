@@ -25,8 +25,8 @@ def registries() -> dict[str, Registry]:
             "algo.advantage": T.ADVANTAGES,
             "algo.objective": T.OBJECTIVES, "algo.agg": T.AGGREGATIONS, "algo.kl.estimator": T.KL_ESTIMATORS,
             "algo.kl.controller": T.KL_CONTROLLERS, "algo.correction": T.CORRECTIONS, "algo.shaping": T.SHAPING,
-            "algo.filter": T.FILTERS, "optim.schedule": LR_SCHEDULES, "rewards[].fn": REWARDS,
-            "tools": TOOLS}
+            "algo.filter": T.FILTERS, "algo.preference": T.PREFERENCE_LOSSES, "optim.schedule": LR_SCHEDULES,
+            "rewards[].fn": REWARDS, "tools": TOOLS}
 
 
 def _err(msg: str) -> ConfigError:
@@ -72,6 +72,7 @@ def resolve(cfg):
     ctx = {"max_len": cfg.rollout.max_new_tokens}
     shaping = [_check(regs["algo.shaping"], s, f"algo.shaping[{i}]", ctx) for i, s in enumerate(a.shaping)]
     filt = _check(regs["algo.filter"], a.filter, "algo.filter") if a.filter else (None, None)
+    pref = _check(regs["algo.preference"], a.preference, "algo.preference")[0] if a.preference else None
     if cfg.optim.schedule not in regs["optim.schedule"]:
         raise _err(f"optim.schedule: unknown lr schedule {cfg.optim.schedule!r}; registered: "
                    f"{regs['optim.schedule'].names()}")
@@ -94,7 +95,7 @@ def resolve(cfg):
     d["async"]["executor"] = executor.spec()
     d["algo"].update(advantage=adv.spec(), objective=obj.spec(), agg=agg.spec(),
                      correction=corr[0].spec() if corr[0] else None, shaping=[s[0].spec() for s in shaping],
-                     filter=filt[0].spec() if filt[0] else None)
+                     filter=filt[0].spec() if filt[0] else None, preference=pref.spec() if pref else None)
     d["algo"]["kl"]["controller"] = ctrl.spec()
     if cfg.rewards and "reward_components" in fadv.needs and "weights" in fadv.params and \
             d["algo"]["advantage"].get("weights") is None:  # GDPO: the rewards' weights, per component

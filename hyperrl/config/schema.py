@@ -224,6 +224,10 @@ class AlgoConfig(_Frozen):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     distill: DistillConfig | None = Field(None, description="on-policy distillation from a teacher model "
                                           "({teacher: dir, coef: β, task_coef: w}; docs/algorithms.md)")
+    preference: Variant | None = Field(None, description="train on preference pairs against a frozen reference "
+                                       "(transforms.PREFERENCE_LOSSES: dpo | robust | ipo; recipes dpo, ipo): "
+                                       "data.train_files of prompt / chosen / rejected rows (TRL's or verl's format) "
+                                       "instead of rollouts")
     routing_replay: Literal["none", "r2", "r3"] = Field("none", description="mixture of experts (docs/moe.md): "
                                                         "r3 = every trainer forward (old, reference, update) "
                                                         "routes each token to the experts the rollout used "
@@ -262,6 +266,10 @@ class DataConfig(_Frozen):
     val_files: list[str] = Field(default_factory=list, description="validation prompts (evaluation runs on these, "
                                  "never on training rows)")
     prompt_key: str = Field("prompt", description="the prompt column (a string or chat messages)")
+    chosen_key: str = Field("chosen", description="preference pairs (algo.preference): the preferred completion's "
+                            "column")
+    rejected_key: str = Field("rejected", description="preference pairs (algo.preference): the other completion's "
+                              "column")
     max_prompt_length: int = Field(0, ge=0, description="prompt token limit (0 = none)")
     overlong_prompts: Literal["error", "filter", "truncate"] = Field("error", description="a prompt over "
                                                                      "max_prompt_length: error | filter | truncate")

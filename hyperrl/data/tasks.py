@@ -28,7 +28,7 @@ from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
 
 __all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems", "FileTask",
-           "ParquetTask", "make_task"]
+           "ParquetTask", "PreferenceTask", "make_task"]
 
 
 TASKS: Registry = Registry("task")
@@ -406,6 +406,67 @@ def files(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tupl
     return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, seed=seed, prompt_key=prompt_key,
                     max_prompt_length=max_prompt_length, overlong_prompts=overlong_prompts,
                     apply_chat_template=apply_chat_template)
+
+
+class PreferenceTask:
+    """Preference pairs for DPO and kin (``algo.preference``): training pairs from ``train`` through a
+    resumable shuffled cursor, validation pairs from ``val`` (:mod:`hyperrl.data.preference`: TRL's and
+    verl's formats, encoded once when read). No rewards: the pairs are the signal."""
+
+    rewards: tuple = ()
+
+    def __init__(self, tokenizer, train, val=None, *, seed: int = 0, prompt_key: str = "prompt",
+                 chosen_key: str = "chosen", rejected_key: str = "rejected", max_prompt_length: int = 0,
+                 overlong_prompts: str = "error", apply_chat_template: str = "auto"):
+        from hyperrl.data.preference import PairDataset
+
+        kw = dict(prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key,
+                  apply_chat_template=apply_chat_template, max_prompt_length=max_prompt_length,
+                  overlong_prompts=overlong_prompts)
+        self.tokenizer = tokenizer
+        self.dataset = PairDataset.from_files(train, tokenizer, **kw)
+        self.val = PairDataset.from_files(val, tokenizer, **kw) if val else None
+        self.loader = PromptLoader(self.dataset, 1, seed=seed)
+        self.longest_sequence = max(self.dataset.longest, self.val.longest if self.val else 0)
+
+    def sample(self, k: int, step: int, attempt: int = 0) -> list:
+        """The next ``k`` pairs of the resumable cursor."""
+        return self.loader.next_batch(k)
+
+    def held_out(self, k: int) -> list:
+        """The first ``k`` validation pairs (all when fewer) — never training pairs."""
+        if self.val is None:
+            raise DataError("evaluation needs validation pairs: set data.val_files, or run.eval_every=0")
+        return self.val.pairs[: min(k, len(self.val))]
+
+    def encode_pair(self, pair):
+        """The pair's :class:`~hyperrl.data.preference.EncodedPair` (prompt, chosen and rejected ids)."""
+        ds = self.dataset if pair.source in self.dataset.encoded else self.val
+        return ds.encode(pair)
+
+    def encode(self, pair) -> list[int]:
+        """The pair's prompt ids."""
+        return list(self.encode_pair(pair).prompt)
+
+    state, load_state = FileTask.state, FileTask.load_state
+
+
+PREFERENCE_TASK_SETTINGS = {"rollout.prompts_per_step": 8, "run.steps": 500, "run.eval_prompts": 64,
+                            "run.ckpt_every": 50, "run.keep_last_k": 3}
+
+
+@register_task("preference", settings=PREFERENCE_TASK_SETTINGS)
+def preference(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
+               prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
+               max_prompt_length: int = 0, overlong_prompts: Literal["error", "filter", "truncate"] = "error",
+               apply_chat_template: Literal["auto", "always", "never"] = "auto") -> PreferenceTask:
+    """Preference pairs from parquet / JSONL / JSON files in TRL's or verl's format (``prompt``,
+    ``chosen``, ``rejected``; conversational or plain; implicit prompts), validation pairs from
+    ``val_files``; what ``data.train_files`` builds for ``algo.preference`` (``algo.recipe=dpo``).
+    ``rollout.prompts_per_step`` is the pairs per step (over all ranks)."""
+    return PreferenceTask(tokenizer, list(train_files), list(val_files) or None, seed=seed, prompt_key=prompt_key,
+                          chosen_key=chosen_key, rejected_key=rejected_key, max_prompt_length=max_prompt_length,
+                          overlong_prompts=overlong_prompts, apply_chat_template=apply_chat_template)
 
 
 def make_task(spec, tokenizer, seed: int):

@@ -52,7 +52,7 @@ def build_pipeline(algo) -> Pipeline:
     filt = T.FILTERS.factory(algo.filter.name) if algo.filter else None
     needs = set(adv.needs) | set(obj.needs) | set(corr.needs if corr else ()) | set(filt.needs if filt else ())
     needs |= {n for s in shaping for n in s.needs}
-    if algo.kl.coef > 0:
+    if algo.kl.coef > 0 or algo.preference is not None:  # a preference loss compares with the reference
         needs.add("ref_logprobs")
     adv_fn = T.bind(T.compute_advantages, estimator=adv.build(**algo.advantage.args))
     stages = [adv_fn]

@@ -92,7 +92,7 @@ from hyperrl.transforms.objectives import (
     topr,
     value_loss,
 )
-from hyperrl.transforms.preference import DPOLoss, dpo_loss
+from hyperrl.transforms.preference import PREFERENCE_LOSSES, DPOLoss, dpo_loss, preference_loss
 from hyperrl.transforms.schedules import LR_SCHEDULES, lr_multiplier
 from hyperrl.transforms.shaping import (
     SHAPING,
@@ -145,7 +145,7 @@ __all__ = [
     # shaping, filters, preference, batching, stats
     "overlong_penalty", "clip_rewards", "kl_in_reward", "mask_truncated",
     "informative_groups", "dynamic_sampling_filter",
-    "dpo_loss", "DPOLoss",
+    "dpo_loss", "DPOLoss", "PREFERENCE_LOSSES", "preference_loss",
     "micro_batches_by_token_budget", "micro_batches_by_padded_budget", "padded_cost", "balanced_partition",
     "partition_spread",
     "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",

@@ -1,5 +1,7 @@
 """Regenerate the tiny fixtures shipped with the tests (no downloads):
-gsm8k_tiny.parquet (verl's column layout) and corpus.jsonl (for BM25 search)."""
+gsm8k_tiny.parquet (verl's column layout), pairs_tiny.parquet (preference pairs: prompt / chosen / rejected,
+TRL's and verl's explicit plain format, arithmetic the character tokenizer encodes) and corpus.jsonl (for BM25
+search)."""
 
 import json
 from pathlib import Path
@@ -25,6 +27,10 @@ def main():
         "extra_info": [{"index": i, "answer": a} for i, (_, a) in enumerate(ROWS)],
     })
     pq.write_table(table, HERE / "gsm8k_tiny.parquet")
+    pairs = [(12, 30, 17), (7, 25, 23), (40, 9, 94), (3, 3, 9), (21, 21, 24), (5, 38, 34), (16, 27, 34), (8, 0, 80)]
+    pq.write_table(pa.table({"prompt": [f"{a:02d}+{b:02d}=" for a, b, _ in pairs],
+                             "chosen": [f"{a + b:02d}" for a, b, _ in pairs],
+                             "rejected": [f"{w:02d}" for _, _, w in pairs]}), HERE / "pairs_tiny.parquet")
     docs = [
         {"id": 0, "text": "Paris is the capital and largest city of France."},
         {"id": 1, "text": "Berlin is the capital of Germany."},

@@ -10,7 +10,7 @@ import torch
 
 from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
-from hyperrl.config.recipes import RECIPES
+from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries
 from hyperrl.envs import TOOLS, Tool
 from hyperrl.rewards import is_factory
@@ -20,6 +20,7 @@ _TINY = ["--task=modsum", "--run.threads=1", "--rollout.prompts_per_step=4", "--
          "--model.hidden=32", "--model.layers=1", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
          "--model.intermediate=64", "--run.eval_prompts=4"]
 _REG = registries()
+PAIRS_TASK = "--task={name: preference, train_files: [tests/data/pairs_tiny.parquet]}"
 
 # kind → (config key template, extra overrides a name of that kind needs to run)
 _KINDS = {
@@ -32,6 +33,7 @@ _KINDS = {
     "algo.shaping": ("--algo.shaping=[{}]", []),
     "algo.filter": ("--algo.filter={}", ["--rollout.max_generation_batches=2"]),
     "optim.schedule": ("--optim.schedule={}", ["--optim.warmup_steps=1"]),
+    "algo.preference": ("--algo.preference={}", [PAIRS_TASK]),
     # one registry: a reward function runs as the task's reward, a reward factory from the rewards: list
     "rewards[].fn": (lambda name: f"--rewards=[{{fn: {name}}}]" if is_factory(name) else f"--task.rewards=[{name}]",
                      []),
@@ -46,6 +48,7 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
     ("env", "agent"): ["--env.program={agent}:solve", "--env.tool_format=none", "--env.isolate=false"],
     ("env", "tool_chat"): ["--tools=[{{name: calculator}}]", "--rewards=[{{fn: exact_answer}}]"],
     ("task", "files"): ["--task.train_files=[tests/data/gsm8k_tiny.parquet]"],
+    ("task", "preference"): ["--task.train_files=[tests/data/pairs_tiny.parquet]", "--algo.recipe=dpo"],
     ("algo.objective", "dro"): ["--algo.objective={{name: dro, beta: 0.1}}"],  # verl requires dro_beta too
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
@@ -128,7 +131,10 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
 
 @pytest.mark.parametrize("recipe", RECIPES.names())
 def test_every_recipe_runs_one_step(tmp_path, recipe):
-    tr, m = _step(tmp_path, [f"--algo.recipe={recipe}"])
+    pairs = "preference" in recipe_config(recipe)  # DPO and kin train on pairs
+    tr, m = _step(tmp_path, [f"--algo.recipe={recipe}", *([PAIRS_TASK] if pairs else [])])
+    if pairs:
+        assert "loss_dpo" in m and tr.reference is not None
     assert tr.cfg.algo.recipe == recipe
     if recipe == "ppo":
         assert tr.critic is not None and "loss_value" in m
