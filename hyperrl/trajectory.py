@@ -21,6 +21,8 @@ optional: ``token_rewards``,  ``[B, T]``   float32   per-token reward / critic v
 ``values``, ``old_logprobs``,                        reference log-probs, advantages, returns
 ``ref_logprobs``,
 ``advantages``, ``returns``
+optional: ``sum_pi_squared``  ``[B, T]``   float32   Σ_v π_v² of the behaviour policy's distribution at each
+                                                     action token (the optimal token baseline's variance proxy)
 optional: ``tool_calls``      ``[B]``      int64     tool calls the environment ran in the episode
 optional: ``token_version``   ``[B, T]``   int64     weight version that sampled each action token;
                                                      ``NO_VERSION`` (−1) on prompt / observation
@@ -111,6 +113,7 @@ FIELDS: dict[str, _Field] = {
     "values": _Field(_F32, True, False, finite=True),
     "old_logprobs": _Field(_F32, True, False, finite=True),
     "ref_logprobs": _Field(_F32, True, False, finite=True),
+    "sum_pi_squared": _Field(_F32, True, False, finite=True),
     "advantages": _Field(_F32, True, False, finite=True),
     "returns": _Field(_F32, True, False, finite=True),
     "tool_calls": _Field(torch.int64, False, False),
@@ -452,4 +455,5 @@ TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout
 # rewards' per-token split (RewardSet.token_rewards); teacher_logprobs: algo.distill's teachers; logprobs:
 # the update's own (detached) log-probs, which the loss hands a correction (OPSM)
 RUN_PRODUCES = frozenset({"reward", "reward_components", "old_logprobs", "values", "ref_logprobs",
-                          "baseline_reward", "token_rewards", "teacher_logprobs", "logprobs"})
+                          "baseline_reward", "token_rewards", "teacher_logprobs", "logprobs",
+                          "sum_pi_squared"})

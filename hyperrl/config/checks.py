@@ -171,6 +171,9 @@ def check_combinations(cfg: TrainConfig) -> None:
     _check_groups(cfg)
     _check_agent(cfg)
     _check_preference(cfg, needs)
+    if "sum_pi_squared" in needs and cfg.run.cp > 1:
+        raise ConfigError(f"algo.advantage={a.advantage.name!r} reads Σπ² from a plain forward of whole sequences, "
+                          f"which run.cp={cfg.run.cp} slices over ranks; set run.cp=1")
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")

@@ -79,6 +79,19 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     return pad(lp, (a, 0)), pad(ent, (a, 0))
 
 
+def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.Tensor:
+    """``Σ_v π(v | tokens[b, :t])²`` at temperature ``temperature``, token-aligned ``[B, T]`` like the
+    log-probs (0 at position 0): ``exp(logsumexp(2z) − 2·logsumexp(z))`` of the logits ``z`` — the
+    optimal token baseline's variance proxy, from one plain forward."""
+    tokens = batch["tokens"]
+    if tokens.shape[1] < 2:
+        return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long()).logits
+    z = logits.float() / temperature
+    s = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+    return torch.nn.functional.pad(s, (1, 0))
+
+
 def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0,
                                 replay: RouteReplay | None = None):
     """As :func:`plain_logprobs_and_entropy` on action positions, padding-free (MindSpeed-RL's

@@ -21,6 +21,7 @@ from hyperrl.loop.forward import (
     RouteReplay,
     context_parallel_logprobs_and_entropy,
     packed_logprobs_and_entropy,
+    plain_sum_pi_squared,
     policy_logprobs,
 )
 from hyperrl.loop.learner import map_micro_batches
@@ -79,6 +80,11 @@ class Forwards:
                 out = policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
                                       agree=self.parallel.agree_forward(), replay=replay)
         return out if replay is None else (*out, replay.captured.to(out[0].device))
+
+    def sum_pi_squared(self, model, batch: TensorDict) -> torch.Tensor:
+        """``Σ_v π_v²`` of ``model``'s distribution at every token ``[B, T]`` (at the sampling temperature)."""
+        with self.amp():
+            return plain_sum_pi_squared(model, batch, self.cfg.rollout.temperature)
 
     def values(self, critic, batch: TensorDict) -> torch.Tensor:
         """The critic's token-aligned values ``[B, T]`` in fp32."""
@@ -182,6 +188,9 @@ class Preparer:
             out.set("baseline_reward", baseline(batch))
         if "teacher_logprobs" in needs:
             out.set("teacher_logprobs", self.teacher_logprobs(batch, sources))
+        if "sum_pi_squared" in needs:  # the optimal token baseline: the old policy's Σπ² (verl: the old forward's)
+            with _eval_mode(self.policy):
+                out.set("sum_pi_squared", f.no_grad(lambda rows: f.sum_pi_squared(self.policy, rows), batch))
         if self.single_pass or self.cfg.algo.proximal == "interpolate":  # (A-3PO: old_logprobs set in the loss)
             return out.set("old_logprobs", batch["rollout_logprobs"]), {}
         routes = None if self.routing is None else (self.routing, key, mode == "r3")

@@ -35,6 +35,7 @@ __all__ = [
     "reinforce_pp_returns",
     "reinforce_pp_baseline_advantages",
     "remax_advantages",
+    "optimal_token_baseline_advantages",
     "grpo_process_advantages",
     "discounted_returns",
     "masked_whiten",
@@ -294,6 +295,53 @@ def remax_advantages(
     return torch.where(mask.bool(), G - baseline.float()[:, None], 0), G
 
 
+def optimal_token_baseline_advantages(
+    token_rewards: torch.Tensor, old_logprobs: torch.Tensor, sum_pi_squared: torch.Tensor, mask: torch.Tensor,
+    group_ids: torch.Tensor, *, handle_zero_tail: bool = True, eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (verl 0.9 ``adv_estimator=optimal_token_baseline``): a baseline per
+    group and per response position ``t`` weighted by the path's cumulative score variance,
+
+        ``w_t = 1 − 2·π_t + Σ_v π_v²``  (π_t = exp(old_logprobs), Σπ² of the old policy at t),
+        ``W_t = Σ_{j ≤ t} m_j·w_j``,    ``B_t = Σ_i G_{i,t}·W_{i,t}·m_{i,t} / (Σ_i W_{i,t}·m_{i,t} + eps)``,
+        ``A_{i,t} = (G_{i,t} − B_t)·m_{i,t}``,
+
+    ``G`` the undiscounted reward-to-go ``[B, T]``. A group of one has no baseline (A = G);
+    ``handle_zero_tail``: the baseline of a group's single longest row is 0 past its second-longest
+    row's length (verl's default). Positions are response positions — every row of a group must start
+    its response at one column (a group's rows share its prompt). Returns (advantages, returns)."""
+    m = mask.bool()
+    if not (token_rewards.shape == old_logprobs.shape == sum_pi_squared.shape == m.shape):
+        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
+                         f"sum_pi_squared {tuple(sum_pi_squared.shape)} and mask {tuple(m.shape)} must share [B, T]")
+    mf = m.to(torch.float32)
+    G = discounted_returns(token_rewards.float(), mask, gamma=1.0)
+    W = ((1 - 2 * old_logprobs.float().exp() + sum_pi_squared.float()) * mf).cumsum(-1)
+    idx = dense_group_index(group_ids)
+    B = m.shape[0]
+    first = torch.where(m.any(-1), m.int().argmax(-1), -1)
+    starts = torch.full((B,), -2, dtype=torch.long, device=m.device).scatter_reduce(0, idx, first, "amax")
+    if bool((first[m.any(-1)] != starts[idx][m.any(-1)]).any()):
+        bad = int(group_ids[(first != starts[idx]) & m.any(-1)][0])
+        raise ValueError(f"group_id {bad}: its rows start their responses at different columns; the optimal token "
+                         "baseline aligns a group's rows by response position (rows of one prompt)")
+    num = torch.zeros_like(G).index_add_(0, idx, G * W * mf)
+    den = torch.zeros_like(G).index_add_(0, idx, W * mf)
+    count = torch.zeros(B, device=m.device).index_add_(0, idx, torch.ones(B, device=m.device))
+    base = torch.where(count[idx][:, None] > 1, num[idx] / (den[idx] + eps), torch.zeros_like(G))
+    if handle_zero_tail:
+        lengths = m.sum(-1)
+        for g in torch.unique(idx).tolist():
+            rows = torch.nonzero(idx == g).flatten()
+            if rows.numel() < 2:
+                continue
+            ls = torch.sort(lengths[rows]).values
+            longest = rows[lengths[rows] == ls[-1]]
+            if longest.numel() == 1 and ls[-1] > ls[-2]:
+                base[longest[0], int(starts[g]) + int(ls[-2]):] = 0.0
+    return torch.where(m, G - base, 0.0), G
+
+
 def grpo_process_advantages(
     token_rewards: torch.Tensor, step_mask: torch.Tensor, group_ids: torch.Tensor, action_mask: torch.Tensor, *,
     eps: float = 1e-6,
@@ -420,6 +468,15 @@ def _remax(batch, *, baseline_key="baseline_reward"):
     return {"advantages": adv, "returns": ret}
 
 
+@register_advantage("optimal_token_baseline", needs=("reward", "group_id", "old_logprobs", "sum_pi_squared"),
+                    produces=("advantages", "returns"))
+def _otb(batch, *, handle_zero_tail: bool = True, eps: Positive = 1e-8):
+    adv, ret = optimal_token_baseline_advantages(_token_rewards(batch), batch["old_logprobs"], batch["sum_pi_squared"],
+                                                 batch["action_mask"], batch["group_id"],
+                                                 handle_zero_tail=handle_zero_tail, eps=eps)
+    return {"advantages": adv, "returns": ret}
+
+
 @register_advantage("grpo_process", needs=("token_rewards", "group_id"), produces=("advantages",))
 def _grpo_process(batch, *, eps: NonNegative = 1e-6, step_key="step_mask"):
     if "token_rewards" not in batch.keys():
@@ -436,7 +493,9 @@ _INPUTS = {"reward": (1, "[B] float, one scalar reward per row"),
            "baseline_reward": (1, "[B] float, the greedy rollout's reward of each row's group"),
            "reward_components": (2, "[B, K] float, one column per reward"),
            "token_rewards": (2, "[B, T] float, per-token step rewards"),
-           "values": (2, "[B, T] float, the critic's values")}
+           "values": (2, "[B, T] float, the critic's values"),
+           "old_logprobs": (2, "[B, T] float, the behaviour policy's log-probs"),
+           "sum_pi_squared": (2, "[B, T] float, Σ_v π_v² of the old policy at each token (Forwards.sum_pi_squared)")}
 
 
 def _check_inputs(batch: TensorDict, needs, where: str) -> None:

@@ -200,3 +200,81 @@ def test_m2po_drops_the_largest_until_the_kept_second_moment_is_below_tau(seed, 
         assert float(kept.mean()) < tau  # the bound holds (else only the smallest one is left)
     if len(dropped) and len(kept):  # minimal: keeping one more (the smallest dropped) would break it
         assert float(torch.cat([kept, dropped.min()[None]]).mean()) >= tau
+
+
+# ---------------------------------------------------------------- the optimal token baseline (verl 0.9)
+
+
+def _otb(token_rewards, old, spp, mask, gid, **kw):
+    from hyperrl.transforms.advantages import optimal_token_baseline_advantages
+
+    return optimal_token_baseline_advantages(token_rewards, old, spp, mask, gid, **kw)
+
+
+def test_optimal_token_baseline_golden():
+    # one prompt token, then responses. Group 0: row 0 (2 tokens, reward 1), row 1 (3 tokens, reward 2);
+    # group 1: row 2 alone (2 tokens, reward 3). Σπ² = 0.5 everywhere; π = 0.5 except row 1's first (0.25):
+    # w = 1 − 2π + Σπ² = 0.5, but 1.0 there. W: row 0 [0.5, 1.0]; row 1 [1.0, 1.5, 2.0].
+    # B_0 = (1·0.5 + 2·1.0)/(0.5 + 1.0) = 5/3; B_1 = (1·1.0 + 2·1.5)/(1.0 + 1.5) = 1.6;
+    # B_2 = 2·2.0/2.0 = 2, zeroed (row 1 alone is the longest: past the second-longest's 2 tokens).
+    # A row 0 = [1 − 5/3, 1 − 1.6] = [−2/3, −0.6]; row 1 = [1/3, 0.4, 2]; row 2 (a group of one) = G = [3, 3].
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    rewards = torch.zeros(3, 4)
+    rewards[0, 2], rewards[1, 3], rewards[2, 2] = 1.0, 2.0, 3.0
+    pi = torch.full((3, 4), 0.5)
+    pi[1, 1] = 0.25
+    adv, ret = _otb(rewards, pi.log() * mask, torch.full((3, 4), 0.5), mask, torch.tensor([0, 0, 1]))
+    want = torch.tensor([[0, -2 / 3, -0.6, 0], [0, 1 / 3, 0.4, 2.0], [0, 3.0, 3.0, 0]])
+    assert torch.allclose(adv, want, atol=1e-6)
+    assert torch.equal(ret[mask], torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0]))
+    adv, _ = _otb(rewards, pi.log() * mask, torch.full((3, 4), 0.5), mask, torch.tensor([0, 0, 1]),
+                  handle_zero_tail=False)
+    assert adv[1, 3] == pytest.approx(0.0, abs=1e-6)  # B_2 = 2 kept: G − B = 0
+
+
+@given(st.lists(st.floats(-3, 3), min_size=8, max_size=8), st.floats(-5, 5), st.integers(1, 6))
+def test_optimal_token_baseline_properties(scores, shift, length):
+    """Equal lengths and a constant w: B_t is the group mean (A = s − μ_g, Dr. GRPO's advantage on every token);
+    and a constant added to a group's rewards moves only its baseline (the advantages do not change)."""
+    B, P = 8, 2
+    mask = torch.zeros(B, P + length, dtype=torch.bool)
+    mask[:, P:] = True
+    s = torch.tensor(scores)
+    gid = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    rewards = torch.zeros(B, P + length)
+    rewards[:, -1] = s
+    old = torch.full_like(rewards, math.log(0.3)) * mask
+    spp = torch.full_like(rewards, 0.4)
+    adv, _ = _otb(rewards, old, spp, mask, gid)
+    mean = torch.stack([s[:4].mean()] * 4 + [s[4:].mean()] * 4)
+    assert torch.allclose(adv[:, P:], (s - mean)[:, None].expand(B, length), atol=1e-5)
+    shifted = rewards.clone()
+    shifted[:4, -1] += shift
+    spp_varied = spp + 0.3 * torch.rand(spp.shape)
+    a1, _ = _otb(rewards, old, spp_varied, mask, gid)
+    a2, _ = _otb(shifted, old, spp_varied, mask, gid)
+    assert torch.allclose(a1, a2, atol=1e-4)
+
+
+def test_optimal_token_baseline_refuses_rows_of_a_group_that_start_apart():
+    mask = torch.tensor([[0, 1, 1], [0, 0, 1]], dtype=torch.bool)
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"group_id 7: its rows start their responses at different columns"):
+        _otb(z, z, z, mask, torch.tensor([7, 7]))
+
+
+def test_sum_pi_squared_is_the_distributions_collision_probability():
+    from hyperrl.loop.forward import plain_sum_pi_squared
+    from hyperrl.models import tiny_qwen3
+
+    model = tiny_qwen3(20, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, seed=0)
+    tokens = torch.randint(3, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones(2, 6, dtype=torch.bool)
+    from tensordict import TensorDict
+
+    batch = TensorDict({"tokens": tokens, "attention_mask": attn}, batch_size=[2])
+    got = plain_sum_pi_squared(model, batch, 0.7)
+    p = torch.softmax(model(input_ids=tokens).logits[:, :-1].float() / 0.7, -1)
+    assert got.shape == (2, 6) and torch.equal(got[:, 0], torch.zeros(2))
+    assert torch.allclose(got[:, 1:], p.square().sum(-1), atol=1e-6)
+    assert bool(((got[:, 1:] > 1 / 20 - 1e-6) & (got[:, 1:] <= 1)).all())  # between uniform (1/V) and one-hot
