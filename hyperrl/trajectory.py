@@ -23,6 +23,7 @@ optional: ``token_rewards``,  ``[B, T]``   float32   per-token reward / critic v
 ``advantages``, ``returns``
 optional: ``sum_pi_squared``  ``[B, T]``   float32   Σ_v π_v² of the behaviour policy's distribution at each
                                                      action token (the optimal token baseline's variance proxy)
+optional: ``m2po_keep``       ``[B, T]``   bool      M2PO's step-wide keep-mask (set when the batch is prepared)
 optional: ``tool_calls``      ``[B]``      int64     tool calls the environment ran in the episode
 optional: ``token_version``   ``[B, T]``   int64     weight version that sampled each action token;
                                                      ``NO_VERSION`` (−1) on prompt / observation
@@ -114,6 +115,7 @@ FIELDS: dict[str, _Field] = {
     "old_logprobs": _Field(_F32, True, False, finite=True),
     "ref_logprobs": _Field(_F32, True, False, finite=True),
     "sum_pi_squared": _Field(_F32, True, False, finite=True),
+    "m2po_keep": _Field(torch.bool, True, False),
     "advantages": _Field(_F32, True, False, finite=True),
     "returns": _Field(_F32, True, False, finite=True),
     "tool_calls": _Field(torch.int64, False, False),
@@ -456,4 +458,4 @@ TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout
 # the update's own (detached) log-probs, which the loss hands a correction (OPSM)
 RUN_PRODUCES = frozenset({"reward", "reward_components", "old_logprobs", "values", "ref_logprobs",
                           "baseline_reward", "token_rewards", "teacher_logprobs", "logprobs",
-                          "sum_pi_squared"})
+                          "sum_pi_squared", "m2po_keep"})

@@ -58,7 +58,8 @@ _recipe("topr", "TOPR (Le Roux et al. 2025; ROLL): −A·lp on positive samples,
         "rest (per-token ratio, as ROLL), R = s − μ_g (a group-mean baseline, no std), token-mean.",
         advantage="dr_grpo", objective="topr", agg="token-mean")
 _recipe("m2po", "M2PO (arXiv 2510.01161; AReaL gsm8k_m2po): GRPO advantages, PPO clip 0.2, token-mean, the tokens "
-        "with the largest (log π_behave − log π_prox)² dropped until their mean < 0.04 (m2_threshold).",
+        "with the largest (log π_behave − log π_prox)² over the whole step dropped until their mean < 0.04 "
+        "(m2_threshold; correction m2po_local: AReaL's per-micro-batch scope).",
         advantage="grpo", objective=_PPO, agg="token-mean", correction={"name": "m2po", "tau": 0.04})
 _recipe("opsm", "OPSM (DeepSeek-V3.2; slime --use-opsm): GRPO advantages, PPO clip 0.2, token-mean, sequences with "
         "A < 0 and mean log(μ/π_θ) > 1e-4 dropped.",

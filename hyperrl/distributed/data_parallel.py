@@ -87,6 +87,11 @@ class LocalParallel:
         """``micros`` padded with ``None`` (zero-weight passes) to the largest count over ranks."""
         return micros
 
+    def gather_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's 1-D ``values`` concatenated in rank order (a batch-global statistic
+        that a sum cannot give: M2PO's sorted second moments)."""
+        return values
+
     def agree_forward(self):
         """A function ``(use_shared, S) -> (use_shared, S)`` agreeing the forward path, or None."""
         return None
@@ -190,6 +195,16 @@ class TorchDataParallel(LocalParallel):
     def pad_micro_batches(self, micros: list) -> list:
         most = int(self._reduce([len(micros)], self._dist.ReduceOp.MAX)[0])
         return micros + [None] * (most - len(micros))
+
+    def gather_values(self, values: torch.Tensor) -> torch.Tensor:
+        n = len(values)
+        most = int(self._reduce([n], self._dist.ReduceOp.MAX, data=True)[0])
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.data_world)]
+        self._dist.all_gather(sizes, torch.tensor([n]), group=self._dp_group)
+        padded = torch.nn.functional.pad(values.detach().float().cpu(), (0, most - n))
+        parts = [torch.zeros(most) for _ in range(self.data_world)]
+        self._dist.all_gather(parts, padded, group=self._dp_group)
+        return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)]).to(values.device)
 
     def agree_forward(self):
         def agree(use: bool, S: int) -> tuple[bool, int]:

@@ -211,6 +211,10 @@ class Preparer:
                             f" > gate {thr:.3e} (mean {float(mm['mismatch_mean_abs']):.3e}); update and publish "
                             f"refused, still serving version {version}")
         out.set("old_logprobs", lp)
+        if "m2po_keep" in needs:  # M2PO's second moment over the whole step, every data-parallel rank's tokens
+            tau = float(self.cfg.algo.correction.args["tau"])
+            out.set("m2po_keep", T.m2po_global_mask(batch["rollout_logprobs"] - lp, batch["action_mask"], tau=tau,
+                                                    gather=f.parallel.gather_values))
         if self.reference is not None:
             ref = (self._ref_routing, key, True) if mode == "r3" and self._ref_routing is not None else None
             with _eval_mode(self.policy):

@@ -41,6 +41,9 @@ from hyperrl.transforms.correction import (
     CORRECTIONS,
     Correction,
     importance_weights,
+    m2po_global_mask,
+    m2po_mask,
+    m2po_threshold,
     masked_is,
     mismatch_log_ratio,
     mismatch_metrics,
@@ -139,7 +142,7 @@ __all__ = [
     "token_logprobs", "entropy", "logprobs_and_entropy", "sequence_logprobs", "naive_token_logprobs",
     # correction
     "Correction", "mismatch_log_ratio", "importance_weights", "truncated_is", "masked_is", "rejection_mask",
-    "mismatch_metrics",
+    "mismatch_metrics", "m2po_mask", "m2po_threshold", "m2po_global_mask",
     # mixture of experts
     "load_balancing_loss", "router_metrics", "router_loss",
     # shaping, filters, preference, batching, stats

@@ -31,6 +31,8 @@ __all__ = [
     "kpop_mask",
     "opsm_mask",
     "m2po_mask",
+    "m2po_threshold",
+    "m2po_global_mask",
 ]
 
 
@@ -130,6 +132,35 @@ def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04)
     return out
 
 
+def m2po_threshold(m2: torch.Tensor, *, tau: float = 0.04) -> float:
+    """The smallest second moment M2PO drops from the 1-D values ``m2`` (all the step's tokens): sorted
+    descending, the first ``i`` with ``mean(m2[i:]) < tau`` drops ``m2[:i]`` → ``m2[i − 1]``; nothing dropped →
+    ``inf``; none below ``tau`` → all but the smallest dropped."""
+    if tau <= 0:
+        raise ValueError(f"algo.correction.tau={tau}: M2PO's second-moment bound must be > 0")
+    n = m2.numel()
+    if n == 0:
+        return float("inf")
+    s = torch.sort(m2.float(), descending=True).values
+    tail = s.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=s.dtype, device=s.device)
+    below = (tail < tau).nonzero()
+    drop = int(below[0]) if len(below) else n - 1
+    return float(s[drop - 1]) if drop else float("inf")
+
+
+def m2po_global_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04, gather=None) -> torch.Tensor:
+    """M2PO over the whole step (the paper's batch statistic; ``gather``: the data-parallel strategy's
+    :meth:`gather_values`, so every rank cuts at the one threshold of all ranks' tokens): keep a token when its
+    ``(log r)²`` is below :func:`m2po_threshold` of every token's — ties with the smallest dropped value are
+    dropped too (a rule of the values alone, so the mask does not depend on how rows are sharded or
+    micro-batched). Bool keep-mask ``[B, T]``."""
+    m = mask.bool()
+    m2 = log_ratio.detach().float().square()
+    values = m2[m]
+    theta = m2po_threshold(gather(values) if gather is not None else values, tau=tau)
+    return m & (m2 < theta)
+
+
 def mismatch_metrics(train_logprobs, rollout_logprobs, mask) -> dict:
     """Detached diagnostics: max/mean |Δ| and mean k3 over action tokens."""
     m = mask.bool()
@@ -213,10 +244,23 @@ def _opsm(batch, *, delta: Positive = 1e-4, behaviour: str = "rollout") -> Corre
     return Correction(keep.float(), keep)
 
 
-@register_correction("m2po", needs=("old_logprobs",))
+@register_correction("m2po", needs=("old_logprobs", "m2po_keep"))
 def _m2po(batch, *, tau: Positive = 0.04) -> Correction:
-    """M2PO (AReaL): drop the tokens with the largest ``(log π_behave − log π_prox)²`` until their mean over the
-    kept tokens is below ``tau`` (AReaL's ``m2_threshold``; its gsm8k example 0.04), weight 1 on the rest.
-    Computed over the tokens the loss is called with (a micro-batch on this rank: AReaL's scope)."""
+    """M2PO (arXiv 2510.01161) over the whole step: drop the tokens with the largest
+    ``(log π_behave − log π_prox)²`` until their mean over the kept tokens is below ``tau`` (AReaL's
+    ``m2_threshold``; its gsm8k example 0.04), weight 1 on the rest — the second moment of every token of the
+    step on every data-parallel rank (:func:`m2po_global_mask`, computed once when the batch is prepared into
+    ``m2po_keep``), so the mask is the same however the step is sharded or micro-batched."""
+    if "m2po_keep" not in batch.keys():
+        raise KeyError("m2po_keep: M2PO's step-wide mask is computed when the batch is prepared (the loop does it; "
+                       "in Python call m2po_global_mask over the step's tokens)")
+    keep = batch["m2po_keep"].bool() & batch["action_mask"].bool()
+    return Correction(keep.float(), keep)
+
+
+@register_correction("m2po_local", needs=("old_logprobs",))
+def _m2po_local(batch, *, tau: Positive = 0.04) -> Correction:
+    """M2PO as AReaL computes it: over the tokens the loss is called with (a micro-batch on this rank), the
+    largest dropped by count (:func:`m2po_mask`)."""
     keep = m2po_mask(batch["rollout_logprobs"] - batch["old_logprobs"], batch["action_mask"], tau=tau)
     return Correction(keep.float(), keep)

@@ -278,3 +278,68 @@ def test_sum_pi_squared_is_the_distributions_collision_probability():
     assert got.shape == (2, 6) and torch.equal(got[:, 0], torch.zeros(2))
     assert torch.allclose(got[:, 1:], p.square().sum(-1), atol=1e-6)
     assert bool(((got[:, 1:] > 1 / 20 - 1e-6) & (got[:, 1:] <= 1)).all())  # between uniform (1/V) and one-hot
+
+
+# ---------------------------------------------------------------- M2PO over the whole step
+
+
+def _lr_batch(seed, B=6, T=9):
+    g = torch.Generator().manual_seed(seed)
+    lr = torch.randn(B, T, generator=g) * 0.4
+    m = torch.rand(B, T, generator=g) < 0.7
+    return lr, m
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tau", [1e-3, 0.04, 0.1, 10.0])
+def test_m2po_global_is_the_count_rule_without_ties_and_does_not_depend_on_sharding(seed, tau):
+    from hyperrl.transforms.correction import m2po_global_mask, m2po_mask
+
+    lr, m = _lr_batch(seed)
+    whole = m2po_global_mask(lr, m, tau=tau)
+    assert torch.equal(whole, m2po_mask(lr, m, tau=tau))  # distinct float values: the threshold drops the same
+    # two "ranks" (rows round-robin), each cutting at the threshold of both ranks' values
+    shards = [torch.arange(6)[r::2] for r in range(2)]
+
+    def gather(_):
+        return torch.cat([lr[i].square()[m[i]] for i in shards])
+
+    for i in shards:
+        assert torch.equal(m2po_global_mask(lr[i], m[i], tau=tau, gather=gather), whole[i])
+
+
+def test_m2po_global_drops_ties_with_the_threshold_alike():
+    from hyperrl.transforms.correction import m2po_global_mask, m2po_mask, m2po_threshold
+
+    # m2 = [4, 4, 0.01, 0.01]; τ = 1: tail means 2.005, 1.34, 0.01 → drop the first 2 (both 4s: θ = 4)
+    lr = torch.tensor([[2.0, -2.0, 0.1, -0.1]])
+    assert m2po_threshold(lr.square().flatten(), tau=1.0) == pytest.approx(4.0)
+    assert m2po_global_mask(lr, torch.ones(1, 4, dtype=torch.bool), tau=1.0).tolist() == [[False, False, True, True]]
+    # τ = 1.5: 2.005 ≥ 1.5 but the tail from the second 4 is 1.34 < 1.5 → the count rule drops one 4 (which one
+    # depends on the order); the value rule drops both, whatever the order or sharding
+    assert m2po_mask(lr, torch.ones(1, 4, dtype=torch.bool), tau=1.5).sum() == 3
+    assert m2po_global_mask(lr, torch.ones(1, 4, dtype=torch.bool), tau=1.5).tolist() == [[False, False, True, True]]
+    assert m2po_threshold(torch.tensor([0.01, 0.02]), tau=1.0) == math.inf  # under τ already: nothing dropped
+
+
+def _m2po_dist_worker(rank, world, seed):
+    from hyperrl.distributed import ParallelDims, make_parallel
+    from hyperrl.transforms.correction import m2po_global_mask
+
+    par = make_parallel(ParallelDims.from_env())
+    lr, m = _lr_batch(seed, B=8)
+    rows = torch.tensor(par.shard(list(range(8))))
+    return m2po_global_mask(lr[rows], m[rows], tau=0.04, gather=par.gather_values).numpy()
+
+
+@pytest.mark.dist
+def test_m2po_global_on_two_gloo_ranks_is_the_one_process_mask():
+    from hyperrl.transforms.correction import m2po_global_mask
+    from tests.dist_helpers import run_gloo
+
+    res = run_gloo(_m2po_dist_worker, 2, 3, timeout=120)
+    lr, m = _lr_batch(3, B=8)
+    whole = m2po_global_mask(lr, m, tau=0.04)
+    assert not bool(whole[m].all())  # some tokens dropped: the case is not vacuous
+    for r in range(2):
+        assert (torch.from_numpy(res[r]) == whole[r::2]).all()
