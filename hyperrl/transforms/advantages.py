@@ -216,6 +216,8 @@ def discounted_returns(
         raise ValueError(f"masked={masked!r}; choose 'skip' or 'discount'")
     m = mask.bool()
     r = torch.where(m, token_rewards.float(), 0)
+    if gamma == 1.0:  # undiscounted: a reversed cumulative sum, right to left as the loop adds (no masked carry)
+        return torch.where(m, r.flip(-1).cumsum(-1).flip(-1), 0)
     G = torch.zeros_like(r[:, 0])
     out = torch.zeros_like(r)
     for t in range(r.shape[1] - 1, -1, -1):
@@ -315,30 +317,31 @@ def optimal_token_baseline_advantages(
         raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
                          f"sum_pi_squared {tuple(sum_pi_squared.shape)} and mask {tuple(m.shape)} must share [B, T]")
     mf = m.to(torch.float32)
-    G = discounted_returns(token_rewards.float(), mask, gamma=1.0)
-    W = ((1 - 2 * old_logprobs.float().exp() + sum_pi_squared.float()) * mf).cumsum(-1)
-    idx = dense_group_index(group_ids)
-    B = m.shape[0]
-    first = torch.where(m.any(-1), m.int().argmax(-1), -1)
-    starts = torch.full((B,), -2, dtype=torch.long, device=m.device).scatter_reduce(0, idx, first, "amax")
-    if bool((first[m.any(-1)] != starts[idx][m.any(-1)]).any()):
-        bad = int(group_ids[(first != starts[idx]) & m.any(-1)][0])
-        raise ValueError(f"group_id {bad}: its rows start their responses at different columns; the optimal token "
-                         "baseline aligns a group's rows by response position (rows of one prompt)")
-    num = torch.zeros_like(G).index_add_(0, idx, G * W * mf)
-    den = torch.zeros_like(G).index_add_(0, idx, W * mf)
-    count = torch.zeros(B, device=m.device).index_add_(0, idx, torch.ones(B, device=m.device))
-    base = torch.where(count[idx][:, None] > 1, num[idx] / (den[idx] + eps), torch.zeros_like(G))
+    G = discounted_returns(token_rewards, mask, gamma=1.0)
+    Wm = old_logprobs.float().exp().mul_(-2).add_(1).add_(sum_pi_squared.float()).mul_(mf).cumsum_(-1).mul_(mf)
+    uniq, inv, count = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    has = m.any(-1)
+    first = torch.where(has, m.int().argmax(-1), -1)
+    starts = torch.full((len(uniq),), -1, dtype=torch.long, device=m.device).scatter_reduce(0, inv, first, "amax")
+    off = has & (first != starts[inv])
+    if bool(off.any()):
+        raise ValueError(f"group_id {int(group_ids[off][0])}: its rows start their responses at different columns; the "
+                         "optimal token baseline aligns a group's rows by response position (rows of one prompt)")
+    Tn = m.shape[1]
+    num = torch.zeros(len(uniq), Tn, device=m.device).index_add_(0, inv, G * Wm)
+    den = torch.zeros(len(uniq), Tn, device=m.device).index_add_(0, inv, Wm).add_(eps)
+    base = num.div_(den)[inv]
+    base[count[inv] < 2] = 0.0  # a group of one: no baseline
     if handle_zero_tail:
         lengths = m.sum(-1)
-        for g in torch.unique(idx).tolist():
-            rows = torch.nonzero(idx == g).flatten()
-            if rows.numel() < 2:
-                continue
-            ls = torch.sort(lengths[rows]).values
-            longest = rows[lengths[rows] == ls[-1]]
-            if longest.numel() == 1 and ls[-1] > ls[-2]:
-                base[longest[0], int(starts[g]) + int(ls[-2]):] = 0.0
+        top2 = torch.full((len(uniq),), -1, dtype=lengths.dtype, device=m.device).scatter_reduce(0, inv, lengths,
+                                                                                                 "amax")
+        longest = lengths == top2[inv]
+        n_longest = torch.zeros(len(uniq), dtype=torch.long, device=m.device).index_add_(0, inv, longest.long())
+        second = torch.full_like(top2, -1).scatter_reduce(0, inv, torch.where(longest, -1, lengths), "amax")
+        lone = longest & (n_longest[inv] == 1) & (count[inv] > 1) & (second[inv] >= 0)
+        for row in torch.nonzero(lone).flatten().tolist():  # at most one row per group
+            base[row, int(starts[inv[row]]) + int(second[inv[row]]):] = 0.0
     return torch.where(m, G - base, 0.0), G
 
 

@@ -223,6 +223,8 @@ def test_every_estimator_runs_through_adapter(name):
     b["baseline_reward"] = torch.rand(8)
     b["reward_components"] = torch.rand(8, 2)
     b["token_rewards"] = torch.where(b["action_mask"], torch.rand(8, 12), 0.0)
+    b["old_logprobs"] = torch.where(b["action_mask"], -torch.rand(8, 12), 0.0)
+    b["sum_pi_squared"] = torch.rand(8, 12)
     if name == "grpo_passk":
         b["reward"] = torch.arange(8).float()
     out = compute_advantages(b, name)
