@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
     p.add_argument("--latency", default="0", help="per-message latency for the time model, e.g. 5us (default 0)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--compare", choices=["vllm-m2n"], help="also the bytes each rollout rank receives from vLLM "
+                   "0.32's own many-to-many resharder (nccl_m2n: fused and stacked tensors whole to every rank)")
 
 
 def _check_axes(kind: str, got: dict, allowed: set) -> None:
@@ -89,6 +91,12 @@ def run(args) -> int:
         pred = predict(plan, links)
         info |= {"predicted_s": pred.seconds, "predicted_phase_s": list(pred.phase_seconds),
                  "slowest_rank": pred.slowest_rank}
+    if args.compare == "vllm-m2n":
+        from hyperrl.sharding.m2n import m2n_received_bytes
+
+        m2n = m2n_received_bytes(cfg, tp=ro.get("tp", 1), dtype=dtype)
+        info |= {"m2n_in_per_rank": m2n.per_rank, "m2n_fallback_bytes": m2n.fallback,
+                 "m2n_fallback_tensors": m2n.fallback_tensors, "hyperrl_over_m2n": stats.max_in / max(m2n.per_rank, 1)}
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -98,4 +106,9 @@ def run(args) -> int:
         print(stats.table())
         if links is not None:
             print(pred)
+        if args.compare == "vllm-m2n":
+            gib = 2**30
+            print(f"vLLM nccl_m2n: {m2n.per_rank / gib:.3f} GiB to every rollout rank ({m2n.fallback_tensors:,} of "
+                  f"{m2n.tensors:,} tensors whole: {m2n.fallback / gib:.3f} GiB); hyperrl's busiest rank "
+                  f"{stats.max_in / gib:.3f} GiB = {info['hyperrl_over_m2n']:.3f} × m2n")
     return 0

@@ -56,6 +56,7 @@ class ModelShape:
 MODELS = {
     "qwen3-4b": ModelShape("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, True),
     "qwen3-0.6b": ModelShape("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, True),
+    "qwen3-8b": ModelShape("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, False),
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, False, 128, 768),
     "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 128, 128, 18432, 129280, False, 256, 2048, 3, 1,
                                (1536, 512, 128, 64, 128)),
