@@ -147,6 +147,10 @@ class RolloutConfig(_Frozen):
                                     "episode stops when they are spent)")
     max_concurrent_episodes: int = Field(64, ge=1, description="multi-turn (env): episodes running "
                                          "at once — agent programs, environments' steps (a tool's wait)")
+    delta_publication: bool = Field(False, description="publish only the elements whose bits changed since the "
+                                    "engine's version (indices + values per tensor, checksummed; a full publication "
+                                    "when the engine holds another version) — one process into the transformers "
+                                    "engine; metrics delta_frac, publish_bytes")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 

@@ -12,13 +12,19 @@ class PolicyPublisher:
     version). ``published``: what full-weight publication reads (a LoRA policy's merged view);
     ``publisher``: the :class:`~hyperrl.rollout.publisher.Publisher` into the engine's layout."""
 
-    def __init__(self, engine, policy, published, publisher, *, adapters_only: bool):
+    def __init__(self, engine, policy, published, publisher, *, adapters_only: bool, delta: bool = False):
         self.engine, self.policy, self.published, self.publisher = engine, policy, published, publisher
-        self.adapters_only = adapters_only
+        self.adapters_only, self.delta = adapters_only, delta
 
     def publish(self, version: int) -> None:
         """Publish the policy as ``version`` (see the class doc)."""
         if self.adapters_only:
             self.engine.load_lora(self.policy, version)
         else:
-            self.publisher.publish(self.published, version)
+            self.publisher.publish(self.published, version, delta=self.delta)
+
+    def stats(self) -> dict:
+        """The last publication's numbers with ``rollout.delta_publication``: ``delta_frac`` (the fraction of
+        the engine's elements whose bits changed), ``publish_bytes`` against ``publish_full_bytes``."""
+        last = getattr(self.publisher, "last", None) or {}
+        return {k: v for k, v in last.items() if isinstance(v, int | float)}

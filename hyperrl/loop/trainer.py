@@ -77,6 +77,7 @@ class Trainer:
                 losses = self.update(batch)
             with timer("publish"):
                 self.publish()
+            losses = {**losses, **self.publisher.stats()}  # delta publication: delta_frac, bytes
         if self.cfg.run.log_completions and self.parallel.rank == 0:
             rows = completion_rows(batch, self.tok, self.scorer.names, self.cfg.run.log_completions)
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})

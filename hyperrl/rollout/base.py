@@ -35,12 +35,17 @@ from tensordict import TensorDict
 
 from hyperrl.sampling import SamplingParams
 
-__all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "WeightTransaction",
+__all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "DeltaError", "WeightTransaction",
            "TransactionalEngine"]
 
 
 class WeightPublishError(RuntimeError):
     """A publication was refused or failed; the engine still serves the previous version."""
+
+
+class DeltaError(WeightPublishError):
+    """A delta publication that cannot be applied: another base version, a wrong size, or a checksum mismatch
+    (the message names the tensor); :mod:`hyperrl.rollout.delta`."""
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,25 @@ class TransactionalEngine:
     _aliases: Mapping[str, str] = {}
     capabilities: Capabilities = Capabilities()
 
-    def begin(self, version: int, *, partial: bool = False) -> None:
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        """Open the publication of ``version``; ``base``: it is a delta against that version (refused unless the
+        engine serves exactly it — the publisher then falls back to a full publication)."""
         if self._txn is not None:
             raise WeightPublishError(f"version {self._txn.version} is still being staged; commit or abort it first")
+        if base is not None and base != self.policy_version:
+            raise DeltaError(f"a delta against version {base}, but this engine serves version {self.policy_version}; "
+                             f"refusing version {version}")
         self._txn = WeightTransaction(self._expected(), version, self.policy_version, partial=partial,
                                       aliases=self._aliases)
+
+    def stage_deltas(self, deltas) -> None:
+        """Stage ``name → TensorDelta`` pieces (:mod:`hyperrl.rollout.delta`): each applied to the weight this
+        engine serves now and its checksum verified before it is staged; a failure aborts the transaction."""
+        if self._txn is None:
+            raise WeightPublishError("stage_deltas() without begin(version, base=...)")
+        current = self._expected()
+        items = deltas.items() if hasattr(deltas, "items") else deltas
+        self.stage((name, d.apply(current[name], name)) if name in current else (name, d.values) for name, d in items)
 
     def stage(self, pieces) -> None:
         if self._txn is None:

@@ -178,16 +178,50 @@ class Publisher:
         extra = {} if into is None else {"into": into}  # executors ``(plan, rank, shards)`` stay valid
         return self.executor(self.plan, self.rank, self.shards(model), **extra)
 
-    def publish(self, model: torch.nn.Module, version: int) -> None:
+    def publish(self, model: torch.nn.Module, version: int, *, delta: bool = False) -> None:
         """Publish ``model`` as ``version`` through the engine's transaction (all-or-nothing: a
         refused or failed publication raises ``WeightPublishError`` and the engine keeps serving
-        its version)."""
-        self.engine.begin(version)
+        its version). ``delta``: carry only the elements whose bits changed since the last publication
+        (:mod:`hyperrl.rollout.delta`; one process), naming that publication's version as the base — an
+        engine serving another version refuses it (as does a checksum that does not verify) and the full
+        weights follow in a fresh transaction. ``last`` reports what was sent."""
         try:
             pieces = self.gather(model)
         except Exception as e:
-            self.engine.abort()
             raise WeightPublishError(f"publication of version {version} failed in {type(self.executor).__name__}: "
                                      f"{e!r}; still serving version {self.engine.policy_version}") from e
+        self.last = {}
+        if not delta:
+            self._base = None
+            self.engine.begin(version)
+            self.engine.stage(pieces)
+            self.engine.commit()
+            return
+        pieces = {k: v.detach().clone() for k, v in pieces.items()}  # the next base (pieces may be live weights)
+        full = sum(v.numel() * v.element_size() for v in pieces.values())
+        base = getattr(self, "_base", None)
+        if base is not None:
+            try:
+                self._publish_delta(pieces, version, base, full)
+                self._base = (version, pieces)
+                return
+            except WeightPublishError as e:  # a base the engine does not hold, a checksum: the full weights instead
+                self.last = {"delta_fallback": str(e)}
+        self.engine.begin(version)
         self.engine.stage(pieces)
         self.engine.commit()
+        self.last |= {"publish_bytes": full, "publish_full_bytes": full, "delta_frac": 1.0}
+        self._base = (version, pieces)
+
+    def _publish_delta(self, pieces: dict, version: int, base, full: int) -> None:
+        """One delta publication of ``pieces`` against ``base = (version, pieces)``, the last published."""
+        from hyperrl.rollout.delta import encode_delta
+
+        deltas = {k: encode_delta(v, base[1][k]) for k, v in pieces.items()}
+        self.engine.begin(version, base=base[0])
+        self.engine.stage_deltas(deltas)
+        self.engine.commit()
+        numel = sum(d.numel for d in deltas.values())
+        self.last = {"publish_bytes": sum(d.nbytes for d in deltas.values()), "publish_full_bytes": full,
+                     "delta_frac": sum(d.changed for d in deltas.values()) / max(numel, 1),
+                     "delta_dense_tensors": sum(d.kind == "dense" for d in deltas.values())}
