@@ -91,17 +91,18 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
 def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, parallel, reference, critic):
     """``run.ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks (DTensors on the
     ``("replica", "ep")`` mesh; tokens dispatched by all-to-all), FSDP2 over every rank for the rest,
-    the experts' gradients summed over their replicas by the data-parallel strategy."""
+    the experts' gradients summed over their replicas by the data-parallel strategy. A reference model (KL)
+    stays a whole frozen copy on every rank (built before the split: every expert, no all-to-all), scoring
+    this rank's rows locally."""
     from hyperrl.distributed.expert_parallel import expert_params, shard_experts
     from hyperrl.routing import is_moe
 
     why = [w for w, bad in (("the policy is dense (model.experts=0)", not is_moe(policy)),
                             ("model.lora", cfg.model.lora is not None), ("a critic", critic is not None),
-                            ("a reference model (KL)", reference is not None),
                             ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if bad]
     if why:
-        raise ConfigError(f"run.ep={dims.ep}: expert parallelism here trains an MoE policy alone — not with "
-                          f"{', '.join(why)}; set run.ep=1")
+        raise ConfigError(f"run.ep={dims.ep}: expert parallelism here trains an MoE policy (and a reference) — not "
+                          f"with {', '.join(why)}; set run.ep=1")
     mesh = dims.expert_mesh(device.type)
     experts = shard_experts(policy, mesh.get_group("ep"), mesh.get_local_rank("ep"), dims.ep, mesh)
     params = expert_params(experts)

@@ -143,7 +143,7 @@ def _grad_worker(rank, world, out_dir, ep, extra):
     tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", f"--run.ep={ep}", *ARGS, *extra]))
     seen = record_grads(tr)
     m = tr.step()
-    return {"grads": {k: v.numpy() for k, v in seen.items()}, "reward": m["reward_mean"]}
+    return {"grads": {k: v.numpy() for k, v in seen.items()}, "reward": m["reward_mean"], "kl": m.get("kl", 0.0)}
 
 
 def _one_process_grads(out_dir, extra):
@@ -156,16 +156,20 @@ def _one_process_grads(out_dir, extra):
     return seen, m["reward_mean"]
 
 
-@pytest.mark.parametrize("ep", [4, 2])
-def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, ep):
+@pytest.mark.parametrize("ep, kl", [(4, []), (2, []), (2, ["--algo.kl.coef=0.05", "--algo.ppo_epochs=2"])],
+                         ids=["ep4", "ep2xdp2", "ep2xdp2-reference"])
+def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, ep, kl):
     """4 processes, experts over ep (4, or 2 × 2 replicas), FSDP2 over the rest, each rank its own rows: the
     synced gradient equals one process's over the same 64 rows (the same prompts and samples: keyed sampling),
-    on every rank. The load-balancing term is off here: computed per forward, as the family does, its
-    token-weighted mean over ranks differs from the full batch's (f·P is not linear) — next test."""
-    extra = ["--model.router_aux_loss_coef=0"]
+    on every rank — and with a reference model's KL (a whole copy on every rank; two epochs, so the second
+    gradient, recorded last, is taken away from the reference: the KL term's gradient is not 0). The
+    load-balancing term is off here: computed per forward, as the family does, its token-weighted mean over ranks
+    differs from the full batch's (f·P is not linear) — next test."""
+    extra = ["--model.router_aux_loss_coef=0", *kl]
     res = run_gloo(_grad_worker, 4, str(tmp_path / "ep"), ep, extra, timeout=600)
     one, reward = _one_process_grads(str(tmp_path / "one"), extra)
     assert res[0]["reward"] == reward  # the same batch
+    assert (res[0]["kl"] > 0) == bool(kl)  # the second epoch has moved away from the reference
     assert set(res[0]["grads"]) == set(one) and len(one) == 24
     gap = max(float((torch.from_numpy(res[0]["grads"][k]) - v).abs().max()) / float(v.abs().max())
               for k, v in one.items())
