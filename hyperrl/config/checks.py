@@ -53,6 +53,14 @@ def _check_files(cfg: TrainConfig) -> None:
     from hyperrl.tokenizer import TOKENIZER_FILES
 
     d = cfg.algo.distill
+    if d is not None and d.full_vocab:
+        why = [w for w, bad in (("algo.distill.teachers (one teacher: algo.distill.teacher)", bool(d.teachers)),
+                                ("optim.pack_tokens", cfg.optim.pack_tokens > 0), ("run.cp", cfg.run.cp > 1),
+                                ("run.tp", cfg.run.tp > 1), ("run.ep", cfg.run.ep > 1)) if bad]
+        if why:
+            raise ConfigError(f"algo.distill.full_vocab with {', '.join(why)}: the full-vocabulary term runs one plain "
+                              "forward of the student and of one teacher per micro-batch; drop those or set "
+                              "algo.distill.full_vocab=false")
     if d is not None:
         named = {"algo.distill.teacher": d.teacher} if d.teacher is not None else \
             {f"algo.distill.teachers.{k}": v for k, v in d.teachers.items()}

@@ -191,6 +191,11 @@ class DistillConfig(_Frozen):
                                "(null = the raw sampled reverse KL, as the peers)")
     whiten: bool = Field(False, description="centre and scale the distillation advantages over the batch's "
                          "tokens (a baseline; helps a random student far from its teacher)")
+    full_vocab: bool = Field(False, description="the reverse KL over the whole next-token distribution, "
+                             "KL(π_student(·|s) ‖ π_teacher(·|s)) at every action position, as a loss term "
+                             "loss_distill weighted by coef (on-policy GKD, Agarwal et al. 2024) instead of the "
+                             "sampled per-token advantage; the task advantage still weighs task_coef. One teacher; "
+                             "not with packing or run.cp")
 
     @model_validator(mode="after")
     def _one_source(self):

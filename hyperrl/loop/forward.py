@@ -79,6 +79,17 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     return pad(lp, (a, 0)), pad(ent, (a, 0))
 
 
+def plain_log_softmax(model, batch: TensorDict, temperature: float) -> tuple[int, torch.Tensor]:
+    """The next-token log-distribution at every position from the batch's first action position ``a`` on:
+    ``(a, logp [B, T − a, V])`` in fp32, ``logp[:, j]`` the distribution token ``a + j`` was drawn from (at
+    ``temperature``) — one plain forward (full-vocabulary distillation)."""
+    tokens, act = batch["tokens"], batch["action_mask"]
+    a = max(int(act.int().argmax(-1)[act.any(-1)].min()), 1) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
+    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                   logits_to_keep=tokens.shape[1] - a).logits
+    return a, torch.log_softmax(logits.float() / temperature, -1)
+
+
 def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.Tensor:
     """``Σ_v π(v | tokens[b, :t])²`` at temperature ``temperature``, token-aligned ``[B, T]`` like the
     log-probs (0 at position 0): ``exp(logsumexp(2z) − 2·logsumexp(z))`` of the logits ``z`` — the

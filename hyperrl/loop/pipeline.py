@@ -56,9 +56,11 @@ def build_pipeline(algo) -> Pipeline:
         needs.add("ref_logprobs")
     adv_fn = T.bind(T.compute_advantages, estimator=adv.build(**algo.advantage.args))
     stages = [adv_fn]
-    if algo.distill is not None:  # on-policy distillation: the teacher's log-probs of the student's tokens
+    d = algo.distill
+    if d is not None and d.full_vocab:  # the teacher's whole distribution enters the loss (Trainer.loss)
+        stages.append(T.bind(T.scale_advantages, coef=d.task_coef))
+    elif d is not None:  # on-policy distillation: the teacher's log-probs of the student's tokens
         needs |= {"teacher_logprobs"}
-        d = algo.distill
         stages.append(T.bind(T.add_distill_advantages, coef=d.coef, task_coef=d.task_coef, clip=d.clip,
                              whiten=d.whiten))
     return Pipeline(

@@ -21,6 +21,7 @@ from hyperrl.loop.forward import (
     RouteReplay,
     context_parallel_logprobs_and_entropy,
     packed_logprobs_and_entropy,
+    plain_log_softmax,
     plain_sum_pi_squared,
     policy_logprobs,
 )
@@ -80,6 +81,11 @@ class Forwards:
                 out = policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
                                       agree=self.parallel.agree_forward(), replay=replay)
         return out if replay is None else (*out, replay.captured.to(out[0].device))
+
+    def log_softmax(self, model, batch: TensorDict) -> tuple[int, torch.Tensor]:
+        """``(a, log π(·|s) [B, T − a, V])`` of ``model`` from the batch's first action position (fp32)."""
+        with self.amp():
+            return plain_log_softmax(model, batch, self.cfg.rollout.temperature)
 
     def sum_pi_squared(self, model, batch: TensorDict) -> torch.Tensor:
         """``Σ_v π_v²`` of ``model``'s distribution at every token ``[B, T]`` (at the sampling temperature)."""

@@ -144,11 +144,27 @@ class Trainer:
                             **p.loss_kwargs(self.kl_state.beta))
         if self.preparer.single_pass:
             out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
+        d = self.cfg.algo.distill
+        if d is not None and d.full_vocab:  # on-policy GKD: the whole next-token distribution toward the teacher's
+            out = out + self._full_vocab_distill(part, norm, d.coef)
         if self.critic is not None:
             c = self.cfg.algo.critic
             values = self.forwards.values(self.critic, part)
             out = out + T.critic_loss(part, values, clip=c.value_clip, agg=p.agg, normalizer=norm, coef=c.value_coef)
         return out if router is None else out + router
+
+    def _full_vocab_distill(self, part: TensorDict, norm: T.Normalizer, coef: float) -> T.LossOutput:
+        """``loss_distill = coef · agg(KL(π_s(·|s_t) ‖ π_t(·|s_t)))`` over the action tokens, the teacher's
+        distribution from a no-grad forward of the same micro-batch."""
+        a, s = self.forwards.log_softmax(self.policy, part)
+        with torch.no_grad():
+            _, t = self.forwards.log_softmax(self.preparer.teachers[None], part)
+        kl = T.full_vocab_reverse_kl(s, t)  # [b, T − a]
+        m = part["action_mask"][:, a:]
+        loss = coef * T.aggregate(kl, m, self.pipeline.agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs,
+                                  length_const=norm.length_const)
+        return T.LossOutput({"loss_distill": loss}, {"distill_kl": kl.detach()[m].mean() if bool(m.any())
+                                                     else torch.zeros(())})
 
     def update(self, batch: TensorDict) -> dict:
         """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""

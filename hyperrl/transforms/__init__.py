@@ -51,7 +51,12 @@ from hyperrl.transforms.correction import (
     rejection_mask,
     truncated_is,
 )
-from hyperrl.transforms.distill import add_distill_advantages, distill_advantages
+from hyperrl.transforms.distill import (
+    add_distill_advantages,
+    distill_advantages,
+    full_vocab_reverse_kl,
+    scale_advantages,
+)
 from hyperrl.transforms.filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
 from hyperrl.transforms.groups import GroupStats, dense_group_index, group_stats
 from hyperrl.transforms.kl import (
@@ -129,7 +134,7 @@ __all__ = [
     "masked_whiten",
     "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
     # distillation
-    "distill_advantages", "add_distill_advantages",
+    "distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl",
     # objectives
     "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "dppo_tv", "dppo_kl", "dro", "topr",
     "clip_cov", "kl_cov", "value_loss",

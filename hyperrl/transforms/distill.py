@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-__all__ = ["distill_advantages", "add_distill_advantages"]
+__all__ = ["distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl"]
 
 
 def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, *,
@@ -52,3 +52,20 @@ def add_distill_advantages(batch: TensorDict, *, coef: float = 1.0, task_coef: f
     d = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"], m, coef=coef, clip=clip, whiten=whiten)
     adv = d if task_coef == 0 or "advantages" not in batch.keys() else task_coef * batch["advantages"] + d
     return batch.copy().set("advantages", torch.where(m.bool(), adv, 0.0)).set("distill_advantages", d)
+
+
+def scale_advantages(batch: TensorDict, *, coef: float = 1.0) -> TensorDict:
+    """A new batch whose ``advantages`` are ``coef ·`` the batch's (the task term of full-vocabulary distillation,
+    whose distillation signal is a loss term, not an advantage)."""
+    return batch.copy().set("advantages", coef * batch["advantages"])
+
+
+def full_vocab_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """``KL(π_s ‖ π_t) = Σ_v π_s(v)·(log π_s(v) − log π_t(v))`` per position ``[..., V] → [...]`` in fp32: the
+    reverse KL over the whole next-token distribution (on-policy GKD, Agarwal et al. 2024, with the student's
+    own samples as the states); its gradient flows through the student's log-probabilities only."""
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"full_vocab_reverse_kl: student {tuple(student_logp.shape)} and teacher "
+                         f"{tuple(teacher_logp.shape)} distributions differ in shape (one vocabulary is required)")
+    s, t = student_logp.float(), teacher_logp.detach().float()
+    return (s.exp() * (s - t)).sum(-1)

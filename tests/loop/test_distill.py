@@ -136,3 +136,66 @@ def test_clip_and_whiten_golden():
     sd = math.sqrt(74 / 9)
     torch.testing.assert_close(w, torch.tensor([[0.0, (-1 + 4 / 3) / sd, (-5 + 4 / 3) / sd, (2 + 4 / 3) / sd, 0.0]]))
     assert abs(float(w[m].mean())) < 1e-6
+
+
+# ---------------------------------------------------------------- full-vocabulary distillation (on-policy GKD)
+
+
+def test_full_vocab_reverse_kl_golden():
+    from hyperrl.transforms import full_vocab_reverse_kl
+
+    # π_s = (0.5, 0.5), π_t = (0.25, 0.75): KL = 0.5·log(0.5/0.25) + 0.5·log(0.5/0.75)
+    #                                          = 0.5·0.693147 + 0.5·(−0.405465) = 0.143841
+    s = torch.tensor([[0.5, 0.5]]).log()
+    t = torch.tensor([[0.25, 0.75]]).log()
+    torch.testing.assert_close(full_vocab_reverse_kl(s, t), torch.tensor([0.143841]))
+    assert float(full_vocab_reverse_kl(s, s)) == 0.0
+    with pytest.raises(ValueError, match="one vocabulary"):
+        full_vocab_reverse_kl(s, torch.zeros(1, 3))
+
+
+def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path):
+    """loss_distill = coef · token-mean of KL(π_s(·|s_t) ‖ π_t(·|s_t)) over the action tokens (computed by hand
+    from the two models' logits here); 0 for a teacher equal to the student; the advantages are the task's
+    scaled by task_coef (no sampled distillation term, no teacher_logprobs)."""
+    from hyperrl.loop.collect import Timer
+
+    teacher = _teacher(tmp_path / "t", seed=7, sharp=2.0)
+    tr = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run'}", *FAST, "--algo.distill.coef=2.0",
+                                          "--algo.distill.task_coef=0.5", "--algo.distill.full_vocab=true",
+                                          f"--algo.distill.teacher={teacher}"]))
+    assert "teacher_logprobs" not in tr.pipeline.needs
+    batch, _ = tr.collect(Timer())
+    prepared, _ = tr.prepare(batch)
+    out = tr.pipeline.transform(prepared)
+    m = out["action_mask"]
+    assert "distill_advantages" not in out.keys()
+    norm = __import__("hyperrl.transforms", fromlist=["Normalizer"]).Normalizer.from_mask(m)
+    got = tr.loss(out, norm)
+    with torch.no_grad():
+        tok = out["tokens"]
+        ls = torch.log_softmax(tr.policy(input_ids=tok, attention_mask=out["attention_mask"].long()).logits[:, :-1]
+                               .float(), -1)
+        lt = torch.log_softmax(tr.preparer.teachers[None](input_ids=tok, attention_mask=out["attention_mask"].long())
+                               .logits[:, :-1].float(), -1)
+        kl = (ls.exp() * (ls - lt)).sum(-1)
+        want = 2.0 * float(kl[m[:, 1:]].sum() / m.sum())
+    assert float(got.terms["loss_distill"]) == pytest.approx(want, rel=1e-4)
+    assert float(got.metrics["distill_kl"]) == pytest.approx(float(kl[m[:, 1:]].mean()), rel=1e-4)
+    got.loss.backward()  # the gradient reaches the student
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in tr.policy.parameters())
+    same = _teacher(tmp_path / "s")  # the student's own initial weights: KL 0
+    tr2 = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run2'}", *FAST,
+                                           "--algo.distill.full_vocab=true", f"--algo.distill.teacher={same}"]))
+    b2, _ = tr2.collect(Timer())
+    p2 = tr2.pipeline.transform(tr2.prepare(b2)[0])
+    assert abs(float(tr2.loss(p2, norm.from_mask(p2["action_mask"])).terms["loss_distill"])) < 1e-5
+
+
+def test_full_vocab_refusals(tmp_path):
+    teacher = _teacher(tmp_path / "t")
+    with pytest.raises(ConfigError, match=r"algo.distill.full_vocab with optim.pack_tokens"):
+        load_config(None, [f"--algo.distill.teacher={teacher}", "--algo.distill.full_vocab=true",
+                           "--optim.pack_tokens=256"])
+    with pytest.raises(ConfigError, match=r"algo.distill.full_vocab with algo.distill.teachers"):
+        load_config(None, [f"--algo.distill.teachers={{a: {teacher}}}", "--algo.distill.full_vocab=true"])
