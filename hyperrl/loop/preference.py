@@ -17,13 +17,11 @@ prefers the chosen completion). Training metrics are TRL's: ``loss_dpo``, ``rewa
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
-from hyperrl.loop.collect import Timer
+from hyperrl.loop.collect import SyncCollector, Timer
 from hyperrl.loop.prepare import _eval_mode
 from hyperrl.loop.trainer import SyncTrainer
 
@@ -51,10 +49,11 @@ def pairs_batch(encoded, group_ids, pad_id: int) -> TensorDict:
                        "chosen": chosen}, batch_size=[B])
 
 
-class PairCollector:
+class PairCollector(SyncCollector):
     """This rank's share of ``rollout.prompts_per_step`` pairs each step (the task's resumable cursor
     advances the same on every rank), as :func:`pairs_batch` rows; a pair whose two rows exceed the
-    micro-batch budget together is refused (the loss needs both in one micro-batch)."""
+    micro-batch budget together is refused (the loss needs both in one micro-batch). Pausing, state and closing
+    are the synchronous collector's (nothing runs between steps)."""
 
     def __init__(self, task, parallel, rollout, micro_batch_tokens: int, pad_id: int):
         self.task, self.parallel, self.rollout = task, parallel, rollout
@@ -81,21 +80,10 @@ class PairCollector:
             self.samples = dict(zip(ids, mine))
             return self.batch(mine, ids), {}
 
-    @contextmanager
-    def paused(self, what: str, *, drain: bool = True):
-        """Nothing runs between steps."""
-        yield
-
-    def state(self) -> dict:
-        return {}
-
     def load_state(self, state: dict) -> None:
         if "async" in state:
             raise ValueError("resume: the checkpoint was written by an asynchronous RL run; a preference run cannot "
                              "continue it — choose another run.out_dir")
-
-    def close(self) -> None:
-        pass
 
 
 class PreferenceTrainer(SyncTrainer):

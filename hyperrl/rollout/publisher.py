@@ -185,19 +185,20 @@ class Publisher:
         (:mod:`hyperrl.rollout.delta`; one process), naming that publication's version as the base — an
         engine serving another version refuses it (as does a checksum that does not verify) and the full
         weights follow in a fresh transaction. ``last`` reports what was sent."""
-        try:
-            pieces = self.gather(model)
-        except Exception as e:
-            raise WeightPublishError(f"publication of version {version} failed in {type(self.executor).__name__}: "
-                                     f"{e!r}; still serving version {self.engine.policy_version}") from e
         self.last = {}
         if not delta:
             self._base = None
-            self.engine.begin(version)
+            self.engine.begin(version)  # before gathering: an in-place engine's buffers belong to the transaction
+            try:
+                pieces = self._gather(model, version)
+            except WeightPublishError:
+                self.engine.abort()
+                raise
             self.engine.stage(pieces)
             self.engine.commit()
             return
-        pieces = {k: v.detach().clone() for k, v in pieces.items()}  # the next base (pieces may be live weights)
+        # the next base is a copy: pieces may be views of the live weights
+        pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
         full = sum(v.numel() * v.element_size() for v in pieces.values())
         base = getattr(self, "_base", None)
         if base is not None:
@@ -212,6 +213,14 @@ class Publisher:
         self.engine.commit()
         self.last |= {"publish_bytes": full, "publish_full_bytes": full, "delta_frac": 1.0}
         self._base = (version, pieces)
+
+    def _gather(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
+        """:meth:`gather`, an executor's failure reported as a ``WeightPublishError`` naming the version."""
+        try:
+            return self.gather(model)
+        except Exception as e:
+            raise WeightPublishError(f"publication of version {version} failed in {type(self.executor).__name__}: "
+                                     f"{e!r}; still serving version {self.engine.policy_version}") from e
 
     def _publish_delta(self, pieces: dict, version: int, base, full: int) -> None:
         """One delta publication of ``pieces`` against ``base = (version, pieces)``, the last published."""

@@ -121,10 +121,7 @@ def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04)
         return m
     m2 = log_ratio.detach().float()[m].square()
     order = torch.argsort(m2, descending=True, stable=True)
-    s = m2[order]
-    tail = s.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=s.dtype, device=s.device)  # mean(s[i:])
-    below = (tail < tau).nonzero()
-    drop = int(below[0]) if len(below) else n - 1
+    drop = _m2po_drop(m2[order], tau)
     keep = torch.ones(n, dtype=torch.bool, device=m.device)
     keep[order[:drop]] = False
     out = torch.zeros_like(m)
@@ -142,10 +139,17 @@ def m2po_threshold(m2: torch.Tensor, *, tau: float = 0.04) -> float:
     if n == 0:
         return float("inf")
     s = torch.sort(m2.float(), descending=True).values
-    tail = s.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=s.dtype, device=s.device)
-    below = (tail < tau).nonzero()
-    drop = int(below[0]) if len(below) else n - 1
+    drop = _m2po_drop(s, tau)
     return float(s[drop - 1]) if drop else float("inf")
+
+
+def _m2po_drop(s: torch.Tensor, tau: float) -> int:
+    """How many of the descending second moments ``s`` (non-empty) M2PO drops: the first ``i`` whose tail mean
+    ``mean(s[i:]) < tau``; none below: all but the smallest."""
+    n = s.numel()
+    tail = s.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=s.dtype, device=s.device)  # mean(s[i:])
+    below = (tail < tau).nonzero()
+    return int(below[0]) if len(below) else n - 1
 
 
 def m2po_global_mask(log_ratio: torch.Tensor, mask: torch.Tensor, *, tau: float = 0.04, gather=None) -> torch.Tensor:
