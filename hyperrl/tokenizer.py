@@ -21,6 +21,7 @@ import string
 from pathlib import Path
 
 __all__ = ["TOKENIZER_FILES", "DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer",
+           "read_chat_template",
            "encode_prompt", "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
@@ -73,6 +74,28 @@ def load_tokenizer(path: str | Path):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def read_chat_template(spec: str) -> str:
+    """``model.chat_template``: Jinja text, or a path to a ``.jinja`` file (read) → the template text,
+    parsed once so a syntax error is reported at config load (``ValueError`` naming the key and line),
+    not at the first rendering."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = spec
+    if spec.endswith(".jinja"):
+        p = Path(spec)
+        if not p.is_file():
+            raise ValueError(f"model.chat_template: {spec} does not exist (a path ending .jinja is read as a file)")
+        text = p.read_text()
+    try:  # transformers renders templates in this environment (trim_blocks, lstrip_blocks, loop controls)
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[jinja2.ext.loopcontrols]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"model.chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
 
 
 def _ids(out) -> list[int]:

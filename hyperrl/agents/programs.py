@@ -38,7 +38,7 @@ from pydantic import AfterValidator
 
 from hyperrl.agents.gateway import Gateway
 from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
-from hyperrl.agents.worker import AgentWorker
+from hyperrl.agents.worker import AgentPool
 from hyperrl.envs.base import register_environment
 from hyperrl.envs.tools import _known_format
 from hyperrl.rewards.styles import load_function
@@ -75,15 +75,18 @@ class AgentEnvironment:
     """An agent that owns its loop, behind the gateway (see the module doc). Hyperparameters:
     ``program`` (``"file.py:function"``) or ``command`` (an argv list); ``reward`` (a command's
     ``"file.py:function"`` judge); ``timeout_s`` per episode; ``tool_format`` the model's tool-call
-    format (``hermes``, ``hyperrl``, ``qmark`` or ``none``); ``model_name`` what the client asks for."""
+    format (``hermes``, ``hyperrl``, ``qmark`` or ``none``); ``model_name`` what the client asks for;
+    ``isolate`` runs a program in agent processes (not the trainer's), ``workers`` of them (each round's
+    episodes split among them: the SDK's per-call CPU on more than one core)."""
 
     owns_loop = True
     reports_success = False
 
     def __init__(self, *, program: str | None = None, command: list[str] | None = None, reward: str | None = None,
                  timeout_s: float = 300.0, tool_format: Annotated[str | None, AfterValidator(_format)] = "hermes",
-                 model_name: str = "hyperrl-policy", isolate: bool = True):
-        self.check({"program": program, "command": command, "timeout_s": timeout_s})
+                 model_name: str = "hyperrl-policy", isolate: bool = True, workers: int = 1):
+        self.check({"program": program, "command": command, "timeout_s": timeout_s, "workers": workers,
+                    "isolate": isolate})
         self.isolate = isolate and program is not None
         # the program by its absolute path: an agent process loads it again from there
         self.program = (str(Path(program.rpartition(":")[0]).resolve()) + ":" + program.rpartition(":")[2]
@@ -91,6 +94,7 @@ class AgentEnvironment:
         self.command = list(command) if command is not None else None
         self.judge = load_function(reward, "env.reward") if reward is not None else None
         self.timeout_s, self.tool_format, self.model_name = timeout_s, tool_format, model_name
+        self.workers = workers
         self.runner = self.worker = None
         self.gateway: Gateway | None = None
         self.stats: dict[str, float] = {}
@@ -107,6 +111,12 @@ class AgentEnvironment:
                              "env.command (an argv list) — exactly one")
         if args.get("timeout_s", 1.0) <= 0:
             raise ValueError(f"env.timeout_s={args['timeout_s']}: must be > 0")
+        workers = args.get("workers", 1)
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"env.workers={workers!r}: the number of agent processes, an integer ≥ 1")
+        if workers > 1 and (command is not None or args.get("isolate") is False):
+            raise ValueError(f"env.workers={workers}: agent processes run a program (env.program) with "
+                             "env.isolate true; a CLI agent is already a process per episode — leave env.workers 1")
         if command is not None and (not isinstance(command, list) or not command
                                     or not all(isinstance(a, str) for a in command)):
             raise ValueError(f"env.command={command!r}: a non-empty list of strings (argv; no shell)")
@@ -136,8 +146,8 @@ class AgentEnvironment:
         self.gateway = Gateway(engine, tokenizer, sampling, tool_format=self.tool_format, model_name=self.model_name,
                                max_model_len=max_model_len, max_episode_tokens=max_episode_tokens)
         if self.isolate:
-            self.worker = AgentWorker(self.program, timeout_s=self.timeout_s, max_concurrent=max_concurrent,
-                                      tool_sources=self.tool_sources)
+            self.worker = AgentPool(self.program, processes=self.workers, timeout_s=self.timeout_s,
+                                    max_concurrent=max_concurrent, tool_sources=self.tool_sources)
         elif self.program is not None:
             self.runner = ProgramRunner(self.program, timeout_s=self.timeout_s, max_concurrent=max_concurrent,
                                         toolbox=toolbox)

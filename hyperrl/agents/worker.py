@@ -21,8 +21,9 @@ import multiprocessing as mp
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["AgentWorker"]
+__all__ = ["AgentWorker", "AgentPool"]
 
 
 class AgentWorker:
@@ -121,6 +122,46 @@ class AgentWorker:
     def close(self) -> None:
         with self._lock:
             self._stop()
+
+
+class AgentPool:
+    """``processes`` :class:`AgentWorker` processes sharing the rounds: each round's episodes are split
+    into contiguous slices, one per process, run at once (the SDK's request building and parsing — most
+    of an agent episode's CPU — then runs on every core the trainer leaves idle); rounds smaller than the
+    pool (an asynchronous run's prompt groups) start at the next process in turn."""
+
+    def __init__(self, program: str, *, processes: int, timeout_s: float, max_concurrent: int,
+                 tool_sources: list | None = None):
+        if processes < 1:
+            raise ValueError(f"env.workers={processes}: at least one agent process")
+        per = max(1, -(-max_concurrent // processes))  # the bound on episodes at once, shared out
+        self.workers = [AgentWorker(program, timeout_s=timeout_s, max_concurrent=per, tool_sources=tool_sources)
+                        for _ in range(processes)]
+        self._turn = itertools.count()  # which process a round's first slice goes to
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self.workers)
+
+    def run(self, episodes: list[tuple], on_done=None, *, lane: str = "rounds") -> list:
+        """As :meth:`AgentWorker.run`: the outcomes of ``episodes`` in order (``on_done(k)`` with ``k``
+        the index in ``episodes``)."""
+        k, first = min(len(self.workers), len(episodes)), next(self._turn)
+        if k <= 1:
+            return self.workers[first % len(self.workers)].run(episodes, on_done, lane=lane)
+        cuts = [len(episodes) * i // k for i in range(k + 1)]
+
+        def part(i: int) -> list:
+            a = cuts[i]
+            done = None if on_done is None else (lambda j: on_done(a + j))
+            return self.workers[(first + i) % len(self.workers)].run(episodes[a:cuts[i + 1]], done, lane=lane)
+
+        with ThreadPoolExecutor(k, thread_name_prefix="hyperrl-agent-pool") as pool:
+            return [o for out in pool.map(part, range(k)) for o in out]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
 
 
 def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sources: list) -> None:

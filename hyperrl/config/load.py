@@ -129,9 +129,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     merged = _data_task(merged, explicit_task="task" in data or "task" in over)
     user = set(flatten(data)) | set(flatten(over))
     merged = _settings(merged, user)
-    for key in ("checkpoint", "tokenizer"):  # recorded absolute: `hyperrl export` and resume from any directory
-        if merged["model"].get(key):
-            merged["model"] = {**merged["model"], key: str(Path(merged["model"][key]).resolve())}
+    for key in ("checkpoint", "tokenizer", "chat_template"):  # paths recorded absolute: `hyperrl export` and
+        if merged["model"].get(key) and (key != "chat_template" or merged["model"][key].endswith(".jinja")):
+            merged["model"] = {**merged["model"], key: str(Path(merged["model"][key]).resolve())}  # resume anywhere
     if "run.out_dir" not in user:
         default = _merge(TrainConfig, TrainConfig().to_dict(), {"algo": recipe_config(AlgoConfig().recipe)})
         merged["run"]["out_dir"] = _out_dir(merged, default, p.stem if path is not None else None)

@@ -109,6 +109,19 @@ class ModelConfig(_Frozen):
     checkpoint: str | None = Field(None, description="a local HF checkpoint directory instead of a random init")
     tokenizer: str | None = Field(None, description="tokenizer directory (AutoTokenizer); default: the checkpoint's "
                                   "own, or the embedded character tokenizer without a checkpoint")
+    chat_template: str | None = Field(None, description="the chat template (Jinja text, or a path to a .jinja file) "
+                                      "replacing the tokenizer's own — what rollout, the gateway and export use "
+                                      "(verl's model.custom_chat_template, TRL's chat_template_path)")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v):
+        if v is None:
+            return v
+        from hyperrl.tokenizer import read_chat_template  # checked at load: a missing file or a Jinja error
+
+        read_chat_template(v)
+        return v
     dtype: DType = Field("float32", description="compute dtype: activations (autocast / FSDP2 param_dtype), the "
                          "rollout engine's and the reference's weights; log-probs and losses stay fp32")
     param_dtype: DType = Field("float32", description="trainable parameters and optimizer state (fp32 master "

@@ -58,6 +58,11 @@ def _call(replay: RouteReplay | None, src: torch.Tensor, n: int):
     return contextlib.nullcontext() if replay is None else replay.call(src, n)
 
 
+def _first_action(act: torch.Tensor) -> int:
+    """The batch's first action position (≥ 1: position 0 predicts nothing); ``act`` has an action."""
+    return max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)
+
+
 def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, replay: RouteReplay | None = None):
     """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 before the
     first action position of the batch, ``a``). Logits are computed only on the action window —
@@ -68,7 +73,7 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     if tokens.shape[1] < 2 or not bool(act[:, 1:].any()):
         z = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
         return z, z.clone()
-    a = max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)  # the batch's first action position
+    a = _first_action(act)
     B, W = tokens.shape[0], tokens.shape[1] - 1
     src = torch.nn.functional.pad(torch.arange(B * W, device=tokens.device).view(B, W), (0, 1), value=-1)
     with _call(replay, torch.where(batch["attention_mask"].bool(), src, -1), B * W):
@@ -84,7 +89,7 @@ def plain_log_softmax(model, batch: TensorDict, temperature: float) -> tuple[int
     ``(a, logp [B, T − a, V])`` in fp32, ``logp[:, j]`` the distribution token ``a + j`` was drawn from (at
     ``temperature``) — one plain forward (full-vocabulary distillation)."""
     tokens, act = batch["tokens"], batch["action_mask"]
-    a = max(int(act.int().argmax(-1)[act.any(-1)].min()), 1) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
+    a = _first_action(act) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
     logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
                    logits_to_keep=tokens.shape[1] - a).logits
     return a, torch.log_softmax(logits.float() / temperature, -1)
@@ -92,15 +97,18 @@ def plain_log_softmax(model, batch: TensorDict, temperature: float) -> tuple[int
 
 def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.Tensor:
     """``Σ_v π(v | tokens[b, :t])²`` at temperature ``temperature``, token-aligned ``[B, T]`` like the
-    log-probs (0 at position 0): ``exp(logsumexp(2z) − 2·logsumexp(z))`` of the logits ``z`` — the
-    optimal token baseline's variance proxy, from one plain forward."""
-    tokens = batch["tokens"]
-    if tokens.shape[1] < 2:
+    log-probs: ``exp(logsumexp(2z) − 2·logsumexp(z))`` of the logits ``z`` — the optimal token baseline's
+    variance proxy, from one plain forward, on the action window only (0 before the batch's first action
+    position ``a``, as :func:`plain_logprobs_and_entropy`)."""
+    tokens, act = batch["tokens"], batch["action_mask"]
+    if tokens.shape[1] < 2 or not bool(act[:, 1:].any()):
         return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long()).logits
+    a = _first_action(act)
+    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                   logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
     z = logits.float() / temperature
     s = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
-    return torch.nn.functional.pad(s, (1, 0))
+    return torch.nn.functional.pad(s, (a, 0))
 
 
 def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0,

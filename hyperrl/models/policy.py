@@ -10,7 +10,7 @@ from hyperrl.device import torch_dtype
 from hyperrl.models.critic import ValueModel
 from hyperrl.models.lora import AdapterDisabled, apply_lora
 from hyperrl.models.tiny import tiny_qwen3, tiny_qwen3_moe
-from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer
+from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer, read_chat_template
 
 __all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer"]
 
@@ -32,9 +32,13 @@ def _tiny(cfg, tok, seed: int):
 
 def build_tokenizer(cfg):
     """The model's own tokenizer (``model.tokenizer``, else the checkpoint's directory), or the
-    embedded character tokenizer for the random-init default."""
+    embedded character tokenizer for the random-init default; ``model.chat_template`` replaces its
+    template."""
     src = cfg.model.tokenizer or cfg.model.checkpoint
-    return load_tokenizer(src) if src else char_tokenizer()
+    tok = load_tokenizer(src) if src else char_tokenizer()
+    if cfg.model.chat_template is not None:
+        tok.chat_template = read_chat_template(cfg.model.chat_template)
+    return tok
 
 
 def build_policy(cfg, tok, *, seed_offset: int = 0, lora: bool = True):

@@ -36,6 +36,12 @@ def _trainer(tmp_path, eta, *extra, trainer=_Updating):
     return build_trainer(cfg, trainer=trainer, max_staleness=eta)
 
 
+def _isolate(isolate: bool) -> list[str]:
+    """The program in the config's agent processes (two: a prompt group's episodes split between them), or in
+    the trainer's process (one runner: ``env.workers`` counts agent processes)."""
+    return ["--env.isolate=true"] if isolate else ["--env.isolate=false", "--env.workers=1"]
+
+
 SLOW_AGENT = """
 import asyncio
 
@@ -55,7 +61,7 @@ async def solve(sample, client):
 @pytest.mark.parametrize("isolate", [True, False])
 def test_agent_episodes_train_within_eta_once_and_calls_resume_across_publications(tmp_path, isolate):
     (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
-    tr = _trainer(tmp_path, 2, f"--env.isolate={str(isolate).lower()}", f"--env.program={tmp_path}/slow_agent.py:solve",
+    tr = _trainer(tmp_path, 2, *_isolate(isolate), f"--env.program={tmp_path}/slow_agent.py:solve",
                   "--env.tool_format=none", "--rollout.max_episode_tokens=128")
     # the first call at version ≥ 1 that starts while the learner trains (its publication comes next) is held before
     # its 2nd decode step until that publication interrupts it (an agent's call may be one request: held early, it
@@ -75,7 +81,7 @@ def test_agent_episodes_train_within_eta_once_and_calls_resume_across_publicatio
 
 
 def test_agents_whose_every_episode_fails_fail_the_step_naming_the_failure(tmp_path, monkeypatch):
-    tr = _trainer(tmp_path, 1, "--env.isolate=false", trainer=AsyncTrainer)
+    tr = _trainer(tmp_path, 1, *_isolate(False), trainer=AsyncTrainer)
     runner = tr.generator.agent.runner
 
     async def broken(sample, client):
@@ -94,7 +100,7 @@ def test_agents_whose_every_episode_fails_fail_the_step_naming_the_failure(tmp_p
 def test_an_evaluation_never_waits_for_the_paused_units_slots_or_connections(tmp_path, isolate):
     # 4 units of 8 episodes fill the bound (32) and one HTTP pool (32 connections) with calls the evaluation's pause
     # holds: sharing them, the evaluation's episodes would wait for those calls' timeout (env.timeout_s) and fail
-    tr = _trainer(tmp_path, 1, f"--env.isolate={str(isolate).lower()}", "--rollout.n=8",
+    tr = _trainer(tmp_path, 1, *_isolate(isolate), "--rollout.n=8",
                   "--rollout.max_concurrent_episodes=32", "--env.timeout_s=20", "--run.eval_prompts=8",
                   trainer=AsyncTrainer)
     try:

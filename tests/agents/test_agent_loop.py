@@ -3,12 +3,14 @@ gateway, the agent process and the official ``openai`` client end to end."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
-from hyperrl.tokenizer import char_tokenizer
+from hyperrl.tokenizer import CHAR_CHAT_TEMPLATE, char_tokenizer
 from tests.loop.test_tool_task import logit_grads
 
 CFG = "configs/calculator_agent.yaml"
@@ -21,14 +23,21 @@ def _trainer(tmp_path, *extra):
     return build_trainer(cfg)
 
 
-def test_observation_tokens_never_enter_the_loss(tmp_path):
+@pytest.mark.parametrize("template", ["config", "default"])
+def test_observation_tokens_never_enter_the_loss(tmp_path, template):
     """A real round of 512 agent episodes (a random policy calls with p ≈ 1/95: seeded, several do):
-    the observation — the template's ``\\ntool: [09716]\\nassistant: `` the gateway appended — has
-    action mask 0 and the loss's gradient at the logits predicting it is exactly 0, nonzero at the
-    sampled tokens."""
+    the observation the gateway appended has action mask 0 and the loss's gradient at the logits
+    predicting it is exactly 0, nonzero at the sampled tokens. With the config's compact template the
+    observation is the tool result alone (the built-in environment's sequence); with the character
+    tokenizer's default template (``model.chat_template`` as a ``.jinja`` file) it is the template's
+    ``\ntool: [09716]\nassistant: ``."""
     from hyperrl.loop.collect import Timer
 
-    tr = _trainer(tmp_path)
+    extra = []
+    if template == "default":
+        (tmp_path / "char.jinja").write_text(CHAR_CHAT_TEMPLATE)
+        extra = [f"--model.chat_template={tmp_path / 'char.jinja'}"]
+    tr = _trainer(tmp_path, *extra)
     try:
         batch, info = tr.collect(Timer())
         called = batch["tool_calls"] > 0
@@ -41,9 +50,14 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
         assert bool(obs[called].any()) and not bool(obs[~called].any())
         row = int(called.nonzero()[0])
         text = CHAR.decode(batch["tokens"][row][obs[row]].tolist())
-        # the template's closing of the call turn (all of "<eos>\n" when the response ran into max_new_tokens),
-        # the tool turn, the next generation prompt
-        assert text.removeprefix("<eos>").startswith("\ntool: [") and text.endswith("]\nassistant: ")
+        # the template's closing of the call turn (the <eos> when the response ran into max_new_tokens), the
+        # tool turn, the next generation prompt
+        if template == "default":
+            assert text.removeprefix("<eos>").startswith("\ntool: [") and text.endswith("]\nassistant: ")
+        else:
+            assert re.fullmatch(r"(<eos>)?\[\d{5}\]", text), text
+            whole = CHAR.decode(batch["tokens"][row][attn[row]].tolist())
+            assert re.fullmatch(r"<bos>\d{3}\*\d{2}=\?.*<eos>\[\d{5}\].+", whole), whole
         g, a = logit_grads(tr, batch)
         assert float(g[obs[:, a:]].abs().max()) == 0.0
         assert float(g[act[:, a:]].abs().max()) > 0.0

@@ -117,14 +117,17 @@ def _agent(has_rewards=False, **kw) -> AgentEnvironment:
                                        max_concurrent=4, has_rewards=has_rewards)
 
 
-@pytest.mark.parametrize("isolate", [False, True])
-def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate):
+@pytest.mark.parametrize("isolate,workers", [(False, 1), (True, 1), (True, 2)])
+def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate, workers):
     """``solve(sample, client)``: a tool loop through the official client; each episode is one row
     (prompt, the sampled call, the tool turn as context, the sampled answer), its reward and success
-    the program's, its group id its prompt's — in this process, or in an agent process."""
-    agent = _agent(program=f"{files}/agent.py:solve", isolate=isolate)
+    the program's, its group id its prompt's — in this process, in an agent process, or split over two."""
+    agent = _agent(program=f"{files}/agent.py:solve", isolate=isolate, workers=workers)
     try:
         batch = agent.run(SAMPLES, agent.gateway.sampling, 2, group_offset=10)
+        if workers > 1:  # both processes ran a slice of the round (each started on its first slice)
+            pids = {w._proc.pid for w in agent.worker.workers if w._proc is not None and w._proc.is_alive()}
+            assert len(pids) == workers
     finally:
         agent.close()
     assert batch["group_id"].tolist() == [10, 10, 11, 11]
@@ -233,6 +236,10 @@ def test_agent_config_errors_at_load(files, tmp_path):
         load("{name: agent, command: [python, x.py]}")
     with pytest.raises(ConfigError, match="tool_format"):
         load(f"{{name: agent, program: '{files}/agent.py:solve', tool_format: xml}}")
+    with pytest.raises(ConfigError, match=r"env.workers=0: the number of agent processes"):
+        load(f"{{name: agent, program: '{files}/agent.py:solve', workers: 0}}")
+    with pytest.raises(ConfigError, match=r"env.workers=2: agent processes run a program"):
+        load("{name: agent, command: [python, x.py], reward: x.py:f, workers: 2}")
     cfg = load(f"{{name: agent, program: '{files}/agent.py:solve'}}")
     assert cfg.env.args["tool_format"] == "hermes" and cfg.rollout.max_concurrent_episodes == 64
 

