@@ -34,6 +34,7 @@ class AgentWorker:
         self.tool_sources = list(tool_sources or [])
         self._proc = self._conn = None
         self._lost = False  # a round lost the process: the next start is a restart
+        self._closed = False  # closed: no process is started again (a round arriving late fails instead)
         self.restarts = 0
         self._lock = threading.Lock()  # the process, the pipe's sending end, the rounds
         self._rounds: dict[int, tuple[queue.Queue, object]] = {}  # round id → (its messages, its process)
@@ -74,6 +75,9 @@ class AgentWorker:
         from hyperrl.agents.runner import EpisodeOutcome
 
         with self._lock:
+            if self._closed:  # the run is ending: a round still arriving must not start a process nobody stops
+                return [EpisodeOutcome(error="the agent processes were closed (the run is ending)")
+                        for _ in episodes]
             if self._proc is None or not self._proc.is_alive():
                 if self._proc is not None or self._lost:
                     self.restarts += 1
@@ -121,6 +125,7 @@ class AgentWorker:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._stop()
 
 

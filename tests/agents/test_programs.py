@@ -3,6 +3,7 @@ subprocess reading ``OPENAI_BASE_URL``, behind a real gateway over a real engine
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
@@ -123,6 +124,7 @@ def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate,
     (prompt, the sampled call, the tool turn as context, the sampled answer), its reward and success
     the program's, its group id its prompt's — in this process, in an agent process, or split over two."""
     agent = _agent(program=f"{files}/agent.py:solve", isolate=isolate, workers=workers)
+    pool = agent.worker
     try:
         batch = agent.run(SAMPLES, agent.gateway.sampling, 2, group_offset=10)
         if workers > 1:  # both processes ran a slice of the round (each started on its first slice)
@@ -130,6 +132,10 @@ def test_a_program_with_the_openai_client_trains_on_its_episodes(files, isolate,
             assert len(pids) == workers
     finally:
         agent.close()
+    if isolate:  # a round arriving after close (an asynchronous run's last unit) fails; no process is started again
+        late = pool.run([(SAMPLES[0], "http://127.0.0.1:9/v1", "k")] * 3)
+        assert [o.error for o in late] == ["the agent processes were closed (the run is ending)"] * 3
+        assert not [p for p in multiprocessing.active_children() if p.name == "hyperrl-agent"]
     assert batch["group_id"].tolist() == [10, 10, 11, 11]
     assert batch["reward"].tolist() == [1.0, 1.0, 0.0, 0.0]  # the scripted model answers 56 to both
     assert batch["success"].tolist() == [1.0, 1.0, 0.0, 0.0] and batch["tool_calls"].tolist() == [1] * 4
