@@ -21,7 +21,7 @@ import string
 from pathlib import Path
 
 __all__ = ["TOKENIZER_FILES", "DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer",
-           "read_chat_template",
+           "read_chat_template", "is_template_file",
            "encode_prompt", "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
@@ -76,6 +76,11 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
+def is_template_file(spec: str) -> bool:
+    """``model.chat_template`` names a file (a path ending ``.jinja``) rather than holding the Jinja text."""
+    return spec.endswith(".jinja")
+
+
 def read_chat_template(spec: str) -> str:
     """``model.chat_template``: Jinja text, or a path to a ``.jinja`` file (read) → the template text,
     parsed once so a syntax error is reported at config load (``ValueError`` naming the key and line),
@@ -85,7 +90,7 @@ def read_chat_template(spec: str) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     text = spec
-    if spec.endswith(".jinja"):
+    if is_template_file(spec):
         p = Path(spec)
         if not p.is_file():
             raise ValueError(f"model.chat_template: {spec} does not exist (a path ending .jinja is read as a file)")

@@ -22,6 +22,7 @@ from hyperrl.config.compare import BOOKKEEPING, flatten
 from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries, resolve
 from hyperrl.config.schema import AlgoConfig, ConfigError, TrainConfig, Variant, _plain
+from hyperrl.tokenizer import is_template_file
 
 __all__ = ["load_config", "validate_config", "describe", "CHECKPOINT_SETTINGS"]
 
@@ -130,7 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     user = set(flatten(data)) | set(flatten(over))
     merged = _settings(merged, user)
     for key in ("checkpoint", "tokenizer", "chat_template"):  # paths recorded absolute: `hyperrl export` and
-        if merged["model"].get(key) and (key != "chat_template" or merged["model"][key].endswith(".jinja")):
+        if merged["model"].get(key) and (key != "chat_template" or is_template_file(merged["model"][key])):
             merged["model"] = {**merged["model"], key: str(Path(merged["model"][key]).resolve())}  # resume anywhere
     if "run.out_dir" not in user:
         default = _merge(TrainConfig, TrainConfig().to_dict(), {"algo": recipe_config(AlgoConfig().recipe)})
