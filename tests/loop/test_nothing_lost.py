@@ -228,7 +228,9 @@ def _intact(p) -> bool:
 
 @pytest.mark.slow
 def test_an_asynchronous_runs_worker_error_exits_1_with_one_line_never_sigabrt(tmp_path):
-    res = _train(tmp_path / "a", "--task=modsum", "--rollout.max_new_tokens=1", "--run.steps=3",
+    # 64 new tokens: a group's generation is tens of forwards (far beyond 1 ms on any CPU), so the learner's
+    # wait times out with the worker inside torch — with 1 token a fast machine finished before the deadline
+    res = _train(tmp_path / "a", "--task=modsum", "--rollout.max_new_tokens=64", "--run.steps=3",
                  "--async.max_staleness=1", "--async.timeout_s=0.001")
     assert res.returncode == 1, (res.returncode, res.stderr[-2000:])  # not 134 (SIGABRT)
     err = res.stderr.replace("\r", "\n")
