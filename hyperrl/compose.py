@@ -91,7 +91,9 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
 def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, parallel, reference, critic):
     """``run.ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks (DTensors on the
     ``("replica", "ep")`` mesh; tokens dispatched by all-to-all), FSDP2 over every rank for the rest,
-    the experts' gradients summed over their replicas by the data-parallel strategy. A reference model (KL)
+    the experts' gradients summed over their replicas by the data-parallel strategy. With ``run.tp > 1``
+    an ``ep`` group is ``ep`` data-parallel ranks at one TP coordinate (the ``("replica", "ep", "tp")``
+    mesh); attention is tensor-parallel by the family's plan, FSDP2 over ``dp`` for the rest. A reference model (KL)
     stays a whole frozen copy on every rank (built before the split: every expert, no all-to-all), scoring
     this rank's rows locally."""
     from hyperrl.distributed.expert_parallel import expert_params, shard_experts
@@ -106,7 +108,11 @@ def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, paralle
     mesh = dims.expert_mesh(device.type)
     experts = shard_experts(policy, mesh.get_group("ep"), mesh.get_local_rank("ep"), dims.ep, mesh)
     params = expert_params(experts)
-    policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
+    if dims.tp > 1:
+        policy = tensor_parallel_model(policy, dims, device, dtype, ignored=params)
+        parallel.sum_over_tp(tp_partial_params(policy))
+    else:
+        policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
     parallel.experts_over(params, mesh.get_group("replica"))
     return policy
 

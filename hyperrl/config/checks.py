@@ -235,22 +235,22 @@ def check_combinations(cfg: TrainConfig) -> None:
 
 
 def _check_ep(cfg: TrainConfig, world: int) -> None:
-    """``run.ep``: it splits a mixture's experts — a whole number per rank — over ranks of this world,
-    without tensor parallelism (not composed yet)."""
+    """``run.ep``: it splits a mixture's experts — a whole number per rank — over the data-parallel ranks
+    of this world (``world / run.tp``; with tensor parallelism, at each TP coordinate)."""
     ep, m = cfg.run.ep, cfg.model
     if ep == 1:
         return
-    if cfg.run.tp > 1:
-        raise ConfigError(f"run.ep={ep} with run.tp={cfg.run.tp}: expert and tensor parallelism are not composed yet; "
-                          "use one of them")
     if m.checkpoint is None and not m.experts:
         raise ConfigError(f"run.ep={ep}: the policy is dense (model.experts=0); expert parallelism splits a mixture "
                           "of experts — set model.experts or run.ep=1")
     if m.checkpoint is None and m.experts % ep:
         raise ConfigError(f"run.ep={ep} does not divide model.experts={m.experts}; each rank holds a whole number of "
                           "every layer's experts")
-    if world % ep:
-        raise ConfigError(f"run.ep={ep} does not divide the world size {world} (torchrun --nproc-per-node)")
+    dp = world // cfg.run.tp if world % cfg.run.tp == 0 else world
+    if dp % ep:
+        within = f"the data-parallel size {dp} (world {world} / run.tp={cfg.run.tp})" if cfg.run.tp > 1 else \
+            f"the world size {world}"
+        raise ConfigError(f"run.ep={ep} does not divide {within} (torchrun --nproc-per-node)")
 
 
 def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
@@ -293,7 +293,7 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
         hint = " — set rollout.engine.routed_experts=true (vLLM's capture: GPU)" if cfg.rollout.engine.name == "vllm" \
             else ""
         raise ConfigError(f"{said}: rollout.engine={cfg.rollout.engine.name} does not record the experts it routed "
-                          f"each token to (routed_experts){hint}; or use rollout.engine=transformers (tp=1)")
+                          f"each token to (routed_experts){hint}; or use rollout.engine=transformers")
     if m.gradient_checkpointing:
         raise ConfigError(f"{said} with model.gradient_checkpointing: the backward's recompute would route by "
                           "itself, not replay; set gradient_checkpointing: false")

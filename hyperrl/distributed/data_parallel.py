@@ -159,9 +159,10 @@ class TorchDataParallel(LocalParallel):
                         self.cp_group = g
 
     def experts_over(self, params, replica_group) -> None:
-        """Expert-parallel parameters (DTensors on the ``("replica", "ep")`` mesh): :meth:`sync_grads`
-        sums their gradients over ``replica_group`` (the ranks holding the same experts) ÷ world — the
-        all-to-all's backward already summed the tokens of their ``ep`` group."""
+        """Expert-parallel parameters (DTensors on the ``("replica", "ep"[, "tp"])`` mesh): :meth:`sync_grads`
+        sums their gradients over ``replica_group`` (the ranks holding the same experts, one TP coordinate)
+        ÷ the data-parallel size (each loss carries ``loss_scale``) — the all-to-all's backward already summed
+        the tokens of their ``ep`` group; a TP group's ranks computed the same gradient from the same tokens."""
         self._experts, self._replicas = list(params), replica_group
 
     def sum_over_tp(self, params) -> None:
@@ -236,7 +237,7 @@ class TorchDataParallel(LocalParallel):
         if experts:
             from hyperrl.distributed.expert_parallel import sync_expert_grads
 
-            sync_expert_grads(experts, self._replicas, 1.0 / self.world)
+            sync_expert_grads(experts, self._replicas, 1.0 / self.data_world)
         ps = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
         if not ps:
             return

@@ -31,7 +31,8 @@ def world_size() -> int:
 @dataclass(frozen=True)
 class ParallelDims:
     """How the world's ranks are split: ``world = dp · tp · cp``; ``ep`` splits a mixture's experts over
-    groups of ``ep`` consecutive ranks (with ``tp = 1``; :meth:`expert_mesh`). ``tp`` consecutive ranks
+    groups of ``ep`` data-parallel ranks at one TP coordinate (``ep`` consecutive ranks when ``tp = 1``;
+    :meth:`expert_mesh`). ``tp`` consecutive ranks
     form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
     every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`; with ``tp = ep = 1``);
     ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
@@ -53,13 +54,11 @@ class ParallelDims:
                              "expert parallelism yet; use one of them")
         if self.world % self.cp:
             raise ValueError(f"run.cp={self.cp} must divide the world size {self.world} (torchrun --nproc-per-node)")
-        if self.ep > 1 and self.tp > 1:
-            raise ValueError(f"run.ep={self.ep} with run.tp={self.tp}: expert and tensor parallelism are not composed "
-                             "yet; use one of them")
         if self.world % self.tp:
             raise ValueError(f"run.tp={self.tp} must divide the world size {self.world}")
-        if self.world % self.ep:
-            raise ValueError(f"run.ep={self.ep} must divide the world size {self.world} (torchrun --nproc-per-node)")
+        if (self.world // self.tp) % self.ep:
+            raise ValueError(f"run.ep={self.ep} must divide the data-parallel size {self.world // self.tp} (world "
+                             f"{self.world} / run.tp={self.tp}; torchrun --nproc-per-node)")
         object.__setattr__(self, "_meshes", {})
 
     @property
@@ -75,14 +74,19 @@ class ParallelDims:
         return cls(world=world_size(), tp=tp, ep=ep, cp=cp)
 
     def expert_mesh(self, device_type: str):
-        """The experts' ``("replica", "ep")`` device mesh (``world / ep × ep``): ``ep`` consecutive
-        ranks share a layer's experts; the ranks at one ``ep`` position hold the same ones."""
+        """The experts' device mesh: ``("replica", "ep")`` (``world / ep × ep``; ``ep`` consecutive ranks
+        share a layer's experts; the ranks at one ``ep`` position hold the same ones), and with tensor
+        parallelism ``("replica", "ep", "tp")`` (``dp / ep × ep × tp``: rank ``(g·ep + j)·tp + t`` — an
+        ``ep`` group is ``ep`` data-parallel ranks at one TP coordinate ``t``; a TP group's ranks see the
+        same tokens, so they hold the same experts)."""
         key = ("experts", device_type)
         if key not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._meshes[key] = init_device_mesh(device_type, (self.world // self.ep, self.ep),
-                                                 mesh_dim_names=("replica", "ep"))
+            shape, names = (self.dp // self.ep, self.ep), ("replica", "ep")
+            if self.tp > 1:
+                shape, names = (*shape, self.tp), (*names, "tp")
+            self._meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
         return self._meshes[key]
 
     def mesh(self, device_type: str):

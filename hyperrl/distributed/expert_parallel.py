@@ -71,11 +71,11 @@ class ExpertParallelExperts(torch.nn.Module):
         lo = ep_rank * self.local
         gate_up = experts.gate_up_proj.detach()[lo:lo + self.local].clone()
         down = experts.down_proj.detach()[lo:lo + self.local].clone()
-        if mesh is not None:  # DTensors on the ("replica", "ep") mesh: checkpoints and publication read the layout
+        if mesh is not None:  # DTensors on the ("replica", "ep"[, "tp"]) mesh: checkpoints and publication read it
             from torch.distributed.tensor import DTensor, Replicate, Shard
 
-            gate_up, down = (DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
-                             for t in (gate_up, down))
+            placements = [Replicate(), Shard(0)] + [Replicate()] * (mesh.ndim - 2)
+            gate_up, down = (DTensor.from_local(t, mesh, placements, run_check=False) for t in (gate_up, down))
         self.gate_up_proj = torch.nn.Parameter(gate_up)
         self.down_proj = torch.nn.Parameter(down)
         self.act_fn = experts.act_fn
@@ -130,7 +130,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def shard_experts(model: torch.nn.Module, group, ep_rank: int, ep: int, mesh=None) -> list[ExpertParallelExperts]:
     """Replace every sparse layer's ``mlp.experts`` (stacked experts) of ``model`` by its
     :class:`ExpertParallelExperts` slice, in place; returns the new modules. ``mesh``: the
-    ``("replica", "ep")`` device mesh — the slices become DTensors on it (``Shard(0)`` over ``ep``)."""
+    ``("replica", "ep"[, "tp"])`` device mesh — the slices become DTensors on it (``Shard(0)`` over ``ep``,
+    replicated over the rest)."""
     out = []
     for layer in model.model.layers:
         mlp = getattr(layer, "mlp", None)

@@ -39,40 +39,49 @@ def tp_partial_params(model: torch.nn.Module) -> list:
 
 
 @register_parallelize_plan("qwen3")
-def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
+def parallelize_qwen3(model: torch.nn.Module, mesh, *, mp_policy=None, ignored=None) -> torch.nn.Module:
     """Apply TP over ``mesh["tp"]`` and FSDP2 over ``mesh["dp"]`` in place (see the module doc).
-    Head counts must divide by the TP degree (error names them)."""
+    Head counts must divide by the TP degree (error names them). A mixture's sparse layers (Qwen3-MoE:
+    ``mlp.gate`` + ``mlp.experts``) have no ``mlp.gate_proj``: their MLP stays whole over ``tp`` (each
+    rank of a TP group sees the group's tokens) — FSDP-sharded over ``dp``, or expert-parallel
+    (``ignored``: parameters FSDP leaves alone, :mod:`hyperrl.distributed.expert_parallel`)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     cfg, tp = model.config, mesh["tp"].size()
+    dense_mlp = any(hasattr(layer.mlp, "gate_proj") for layer in model.model.layers)
     for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+                    ("intermediate_size", cfg.intermediate_size if dense_mlp else 0)):
         if n % tp:
             raise ValueError(f"tensor parallelism tp={tp} must divide the model's {what} ({n})")
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    if ignored:
+        kw["ignored_params"] = set(ignored)
     for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], {k: styles[v]() for k, v in QWEN3_TP_PLAN.items()})
+        names = {n for n, _ in layer.named_modules()}
+        parallelize_module(layer, mesh["tp"], {k: styles[v]() for k, v in QWEN3_TP_PLAN.items() if k in names})
         fully_shard(layer, mesh=mesh["dp"], **kw)
     fully_shard(model, mesh=mesh["dp"], **kw)
     return model
 
 
 # Qwen2 (its q/k/v biases shard with their rows), Llama and Mistral share Qwen3's module names and
-# head arithmetic, so one plan serves the four families.
-for _family in ("qwen2", "llama", "mistral"):
+# head arithmetic, so one plan serves the four families — and Qwen3-MoE, whose sparse layers keep their MLP
+# whole over tp (above).
+for _family in ("qwen2", "llama", "mistral", "qwen3_moe"):
     PARALLELIZE_PLANS.add(_family, parallelize_qwen3)
 
 
-def parallelize(model: torch.nn.Module, mesh, *, mp_policy=None) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, mesh, *, mp_policy=None, ignored=None) -> torch.nn.Module:
     """TP × FSDP2 by the model family's function (``model.config.model_type``); an unmodelled
-    family is an error naming the ones there are."""
+    family is an error naming the ones there are. ``ignored``: parameters FSDP leaves alone."""
     kind = getattr(model.config, "model_type", None)
     if kind not in PARALLELIZE_PLANS:
         raise ValueError(f"run.tp > 1: no tensor-parallel plan for model_type {kind!r} (have: "
                          f"{', '.join(PARALLELIZE_PLANS.names())}); use run.tp=1 (FSDP2 over every rank)")
-    return PARALLELIZE_PLANS.get(kind)(model, mesh, mp_policy=mp_policy)
+    kw = {"ignored": ignored} if ignored else {}
+    return PARALLELIZE_PLANS.get(kind)(model, mesh, mp_policy=mp_policy, **kw)
 
 
 def fully_shard_model(module, layers, dims, device: torch.device, dtype: torch.dtype, ignored=None):
@@ -95,11 +104,11 @@ def fully_shard_model(module, layers, dims, device: torch.device, dtype: torch.d
     return module
 
 
-def tensor_parallel_model(module, dims, device: torch.device, dtype: torch.dtype):
+def tensor_parallel_model(module, dims, device: torch.device, dtype: torch.dtype, ignored=None):
     """TP over groups of ``dims.tp`` consecutive ranks and FSDP2 over the ``dims.dp`` data-parallel
     groups, on the run's ``(dp, tp)`` device mesh — the model family's plan (:data:`PARALLELIZE_PLANS`),
-    mixed precision as in :func:`fully_shard_model`."""
+    mixed precision as in :func:`fully_shard_model`; ``ignored`` as there."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    return parallelize(module, dims.mesh(device.type), mp_policy=mp)
+    return parallelize(module, dims.mesh(device.type), mp_policy=mp, ignored=ignored)

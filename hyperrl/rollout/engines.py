@@ -128,7 +128,7 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
 # before any engine exists; tests hold each built engine's ``capabilities`` to these.
 _DECLARED = {
     "transformers": lambda share_weights=False, tp=1, dtype=None: Capabilities(keyed=True, resumable=True,
-                                                                   shared_weights=share_weights, routes=tp == 1),
+                                                                   shared_weights=share_weights, routes=True),
     "vllm": lambda lora_adapters=False, routed_experts=False, **_: Capabilities(
         resumable=True, lora_adapters=lora_adapters, buffers=Path("/dev/shm").is_dir(), routes=routed_experts),
 }

@@ -1,14 +1,18 @@
 """A tensor-parallel transformers engine: vLLM's parameter layout, served by HF modules.
 
-:class:`TPTransformersEngine` splits a dense decoder (Qwen3 / Qwen2 / Llama / Mistral) over TP
+:class:`TPTransformersEngine` splits a dense decoder (Qwen3 / Qwen2 / Llama / Mistral) or a mixture (Qwen3-MoE) over TP
 groups of ``tp`` consecutive ranks the way vLLM does, and its publication layout *is* vLLM's
 (:func:`hyperrl.sharding.models.rollout_layout`): fused ``qkv_proj`` (kv heads replicated when
 ``tp > n_kv``), fused ``gate_up_proj``, row-parallel ``o_proj`` / ``down_proj``, the vocabulary
 padded to a multiple of 64 and split. A publisher therefore sends each rank only its local fused
 shards. Each rank runs an HF model built with its *local* head and MLP counts — as vLLM builds
 its modules — whose q / k / v and gate / up weights are cut out of the fused shards at commit;
-the TP collectives are forward hooks (all-reduce after the row-parallel layers and the
-vocab-parallel embedding, all-gather of the vocab-parallel logits). Every rank of a group samples
+a mixture of experts' layers keep their router whole and hold ``E / tp`` whole experts per rank
+(:class:`GroupExperts`: every rank of a group sees every token, so each runs its own experts on the
+tokens routed to them and the group's all-reduce sums the contributions — vLLM's expert-parallel
+layout when one group serves, ``rollout_layout(ep=tp)``); the TP collectives are forward hooks
+(all-reduce after the row-parallel layers, the experts and the vocab-parallel embedding, all-gather of
+the vocab-parallel logits). Every rank of a group samples
 the same tokens (the group's first rank's draw is broadcast: no drift, no hang).
 
 Publication stays all-or-nothing *across the group*: a piece refused on one rank (NaN, wrong
@@ -26,7 +30,7 @@ import torch.distributed as dist
 from hyperrl.rollout.base import WeightPublishError
 from hyperrl.rollout.hf import TransformersEngine
 
-__all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead"]
+__all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead", "GroupExperts"]
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -62,6 +66,31 @@ class GatheredLMHead(torch.nn.Module):
         return torch.cat(parts, -1)[..., : self.vocab]
 
 
+class GroupExperts(torch.nn.Module):
+    """Experts ``[first, first + n)`` of a stacked-experts layer (``gate_up_proj [n, 2I, H]``,
+    ``down_proj [n, H, I]``), called as transformers' ``experts(hidden [N, H], top_k_index [N, k],
+    top_k_weights [N, k])``: ``Σ`` over the (token, slot) pairs routed to a local expert of
+    ``w · down(act(gate) · up)``; the other experts' pairs contribute 0 here and their rank's share
+    arrives through the group's all-reduce (a forward hook)."""
+
+    def __init__(self, n: int, first: int, inter: int, hidden: int, act_fn, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(n, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.down_proj = torch.nn.Parameter(torch.zeros(n, hidden, inter, dtype=dtype), requires_grad=False)
+        self.first, self.n, self.act_fn = first, n, act_fn
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in range(self.n):
+            token, slot = torch.where(top_k_index == self.first + e)
+            if not len(token):
+                continue
+            gate, up = torch.nn.functional.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
 def _all_reduce_output(group):
     def hook(module, args, out):
         dist.all_reduce(out, group=group)
@@ -84,9 +113,15 @@ def _local_model(model, cfg, tp: int, tp_rank: int, group, dtype: torch.dtype):
     head = emb.weight if cfg.tied else torch.nn.Parameter(torch.zeros(rows, cfg.hidden, dtype=dtype),
                                                           requires_grad=False)
     local.lm_head = GatheredLMHead(head, cfg.vocab, group, tp)
-    for layer in local.model.layers:
+    for i, layer in enumerate(local.model.layers):
         layer.self_attn.o_proj.register_forward_hook(_all_reduce_output(group))
-        layer.mlp.down_proj.register_forward_hook(_all_reduce_output(group))
+        if cfg.is_moe(i):
+            per = cfg.experts // tp
+            layer.mlp.experts = GroupExperts(per, tp_rank * per, cfg.expert_intermediate, cfg.hidden,
+                                             layer.mlp.experts.act_fn, dtype)
+            layer.mlp.experts.register_forward_hook(_all_reduce_output(group))
+        else:
+            layer.mlp.down_proj.register_forward_hook(_all_reduce_output(group))
     return local.requires_grad_(False).eval()
 
 
@@ -104,9 +139,16 @@ class TPTransformersEngine(TransformersEngine):
             raise ValueError(f"rollout.engine.tp={tp}: needs an initialised process group whose size divides by {tp}")
         world, rank = dist.get_world_size(), dist.get_rank()
         cfg = from_hf_config(model.config.to_dict())
-        if cfg.experts or cfg.mla:
-            raise ValueError(f"rollout.engine.tp={tp}: the transformers TP engine serves dense decoders; {cfg.name} "
-                             f"has experts / MLA (use vLLM)")
+        if cfg.mla or cfg.shared_experts or cfg.shared_intermediate:
+            raise ValueError(f"rollout.engine.tp={tp}: the transformers TP engine serves dense decoders and "
+                             f"mixtures without shared experts; {cfg.name} has MLA / shared experts (use vLLM)")
+        if cfg.experts and cfg.experts % tp:
+            raise ValueError(f"rollout.engine.tp={tp} must divide the model's experts per layer ({cfg.experts}): "
+                             "each rank of a group holds whole experts")
+        stacked = cfg.experts and any(n.endswith("mlp.experts.gate_up_proj") for n, _ in model.named_parameters())
+        if cfg.experts and not stacked:
+            raise ValueError(f"rollout.engine.tp={tp}: {cfg.name}'s experts are not stacked (mlp.experts.gate_up_proj, "
+                             "transformers ≥ 5); the TP engine serves stacked experts")
         for what, n in (("num_attention_heads", cfg.heads), ("intermediate_size", cfg.intermediate)):
             if n % tp:
                 raise ValueError(f"rollout.engine.tp={tp} must divide the model's {what} ({n})")
@@ -121,7 +163,8 @@ class TPTransformersEngine(TransformersEngine):
                 group, self._leader = made, ranks[0]
         self.tp, self.group, self.tp_rank, self._world = tp, group, rank % tp, world
         dtype = next(model.parameters()).dtype
-        self._layout = rollout_layout(cfg, tp=tp, dp=world // tp, dtype=dtype)
+        self._layout = rollout_layout(cfg, tp=tp, dp=world // tp, dtype=dtype, ep=tp if cfg.experts else 1,
+                                      stacked_experts=bool(cfg.experts))
         super().__init__(_local_model(model, cfg, tp, rank % tp, group, dtype), device=device, pad_id=pad_id,
                          version=version)
         self._aliases, self._refused = {}, None

@@ -67,15 +67,18 @@ def padded_vocab(n: int) -> int:
 
 def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
                    dtype=torch.bfloat16, offset: int = 0, stacked_experts: bool = False) -> DstLayout:
-    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp}.
+    """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp} — or ``tp``:
+    experts split over each TP group's ranks and replicated over the ``dp`` replicas (the transformers TP
+    engine's layout of a mixture, :mod:`hyperrl.rollout.tp`; vLLM's own when ``dp = 1``).
     ``stacked_experts``: the sources are transformers ≥ 5's stacked experts — ``mlp.experts.gate_up_proj
     [E, 2I, H]`` (each expert's gate rows then its up rows: vLLM's ``w13_weight`` row for row) and
     ``mlp.experts.down_proj [E, H, I]`` (``w2_weight``) — instead of the checkpoint's per-expert
     tensors; whole experts only (``tp = 1`` or expert parallelism, linear placement): a
     tensor-parallel ``w13`` interleaves the gate and up halves of every expert, which whole-tensor
     blocks of ``gate_up_proj`` cannot express."""
-    if ep not in (1, dp * tp):
-        raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1)")
+    if ep not in (1, tp, dp * tp):
+        raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1; ep=tp splits "
+                         "the experts over each TP group)")
     if expert_placement not in ("linear", "round_robin"):
         raise ValueError(f"expert_placement={expert_placement!r}; choose 'linear' or 'round_robin'")
     if cfg.experts and ep > 1 and cfg.experts % ep:
@@ -137,7 +140,7 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
             if ep > 1:
                 order = list(range(E)) if expert_placement == "linear" else \
                     [(e % ep) * (E // ep) + e // ep for e in range(E)]
-                up_rule = down_rule = ChunkRule(Spec.shard(3, d0=("dp", "tp")))
+                up_rule = down_rule = ChunkRule(Spec.shard(3, d0=("dp", "tp") if ep == dp * tp else "tp"))
             else:
                 order = None
                 up_rule, down_rule = ChunkRule(Spec.shard(3, d1="tp")), ChunkRule(Spec.shard(3, d2="tp"))

@@ -207,8 +207,8 @@ def test_an_engine_that_does_not_record_routes_is_refused_at_load():
     from hyperrl.rollout.base import Capabilities
     from hyperrl.rollout.engines import declared_capabilities
 
-    assert declared_capabilities("transformers", {}).routes
-    assert not declared_capabilities("transformers", {"tp": 2}).routes and not declared_capabilities("vllm", {}).routes
+    assert declared_capabilities("transformers", {}).routes  # the TP engine's too (its routers are whole)
+    assert declared_capabilities("transformers", {"tp": 2}).routes and not declared_capabilities("vllm", {}).routes
     cfg = load_config("configs/moe.yaml", ["--algo.routing_replay=r2"])
     with pytest.raises(ConfigError, match="algo.routing_replay=r2: rollout.engine=transformers does not record"):
         _check_replay(cfg, Capabilities())
@@ -402,5 +402,14 @@ def test_stacked_experts_reach_vllms_w13_and_w2_row_for_row():
     assert torch.equal(expected_destination(per, {**rest, **ckpt}, ranks=[0])[0][w13], dst[w13])
     ep = rollout_layout(shape, tp=1, dp=2, ep=2, dtype=torch.float32, stacked_experts=True)
     assert ep.params["model.layers.0.mlp.experts.w13_weight"].local_shape(1) == (E // 2, 2 * I, 32)
+    # ep = tp (the transformers TP engine): experts split over each TP group, replicated over the dp groups —
+    # ranks 0 and 2 (tp coordinate 0) hold experts 0 … E/2 − 1, ranks 1 and 3 the rest
+    grp = rollout_layout(shape, tp=2, dp=2, ep=2, dtype=torch.float32, stacked_experts=True)
+    want = expected_destination(grp, model.state_dict(), ranks=[0, 1, 2, 3])
+    for r in range(4):
+        lo = (r % 2) * (E // 2)
+        assert torch.equal(want[r][w13], model.model.layers[0].mlp.experts.gate_up_proj.detach()[lo:lo + E // 2])
+    with pytest.raises(ValueError, match="ep=tp splits the experts over each TP group"):
+        rollout_layout(shape, tp=2, dp=2, ep=3, dtype=torch.float32, stacked_experts=True)
     with pytest.raises(LayoutError, match="whole experts"):
         rollout_layout(shape, tp=2, dp=1, dtype=torch.float32, stacked_experts=True)

@@ -156,24 +156,32 @@ def _one_process_grads(out_dir, extra):
     return seen, m["reward_mean"]
 
 
-@pytest.mark.parametrize("ep, kl", [(4, []), (2, []), (2, ["--algo.kl.coef=0.05", "--algo.ppo_epochs=2"])],
-                         ids=["ep4", "ep2xdp2", "ep2xdp2-reference"])
-def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, ep, kl):
+TP2 = ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"]
+
+
+@pytest.mark.parametrize("ep, extra, kl", [(4, [], False), (2, [], False),
+                                           (2, ["--algo.kl.coef=0.05", "--algo.ppo_epochs=2"], True),
+                                           (2, TP2, False), (1, TP2, False)],
+                         ids=["ep4", "ep2xdp2", "ep2xdp2-reference", "ep2xtp2", "tp2-moe"])
+def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, ep, extra, kl):
     """4 processes, experts over ep (4, or 2 × 2 replicas), FSDP2 over the rest, each rank its own rows: the
     synced gradient equals one process's over the same 64 rows (the same prompts and samples: keyed sampling),
     on every rank — and with a reference model's KL (a whole copy on every rank; two epochs, so the second
-    gradient, recorded last, is taken away from the reference: the KL term's gradient is not 0). The
-    load-balancing term is off here: computed per forward, as the family does, its token-weighted mean over ranks
-    differs from the full batch's (f·P is not linear) — next test."""
-    extra = ["--model.router_aux_loss_coef=0", *kl]
+    gradient, recorded last, is taken away from the reference: the KL term's gradient is not 0). With tensor
+    parallelism (tp 2 × dp 2, the TP engine serving each group's 4 experts a rank): attention split over tp,
+    an ep group the 2 data-parallel ranks at one TP coordinate (``ep2xtp2``), or the experts whole on every rank
+    of a TP group, FSDP-sharded over dp (``tp2-moe``). The load-balancing term is off here: computed per forward,
+    as the family does, its token-weighted mean over ranks differs from the full batch's (f·P is not linear) —
+    next test."""
+    extra = ["--model.router_aux_loss_coef=0", *extra]
     res = run_gloo(_grad_worker, 4, str(tmp_path / "ep"), ep, extra, timeout=600)
-    one, reward = _one_process_grads(str(tmp_path / "one"), extra)
+    one, reward = _one_process_grads(str(tmp_path / "one"), [a for a in extra if a not in TP2])
     assert res[0]["reward"] == reward  # the same batch
-    assert (res[0]["kl"] > 0) == bool(kl)  # the second epoch has moved away from the reference
+    assert (res[0]["kl"] > 0) == kl  # the second epoch has moved away from the reference
     assert set(res[0]["grads"]) == set(one) and len(one) == 24
     gap = max(float((torch.from_numpy(res[0]["grads"][k]) - v).abs().max()) / float(v.abs().max())
               for k, v in one.items())
-    print(f"ep={ep}: max relative gradient gap {gap:.2e}")
+    print(f"ep={ep} {' '.join(extra)}: max relative gradient gap {gap:.2e}")
     assert gap < 1e-5
     assert all((res[r]["grads"][k] == res[0]["grads"][k]).all() for r in res for k in one)  # every rank alike
 
@@ -236,11 +244,60 @@ def test_the_ep_trainer_publishes_checkpoints_and_resumes_bit_identically(tmp_pa
     assert all((v == resumed[0]["full"][k]).all() for k, v in full[0]["full"].items())
 
 
+def _ep_tp_worker(rank, world, out_dir, stop, resume):
+    from hyperrl.compose import build_trainer
+    from hyperrl.config import load_config
+    from hyperrl.sharding.simulate import expected_destination
+
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *TP2, *ARGS,
+                                                        "--optim.lr=3e-3"]))
+    if resume:
+        assert tr.resume()
+    metrics = []
+    while tr.step_idx < stop:
+        metrics.append(tr.step())
+        if tr.step_idx == 2:
+            tr.save()
+    full = {k: p.full_tensor().detach() for k, p in tr.policy.named_parameters()}
+    want = expected_destination(tr.engine.layout(world), full, ranks=[rank])[rank]
+    got = {name: torch.cat([p.detach() for p, _ in targets], dim) for name, (dim, targets) in tr.engine._splits.items()}
+    plan = tr.publisher.publisher.plan
+    experts = tr.policy.model.layers[0].mlp.experts
+    skip = ("time_", "tokens_per_s")
+    return {"bad": sorted(k for k in want if not torch.equal(want[k], got[k])), "served": sorted(got),
+            "expert_bytes_in": sum(t.nbytes for t in plan if t.dst_rank == rank and ".experts." in t.param),
+            "all_expert_bytes": sum(v.numel() * v.element_size() for k, v in full.items() if ".experts." in k),
+            "mesh": experts.gate_up_proj.device_mesh.mesh_dim_names, "local_experts": experts.local,
+            "engine_experts": tr.engine.model.model.layers[0].mlp.experts.first, "version": tr.engine.policy_version,
+            "metrics": [{k: v for k, v in m.items() if not k.startswith(skip)} for m in metrics],
+            "full": {k: v.numpy().copy() for k, v in full.items()}}
+
+
+def test_ep_x_tp_publishes_each_rank_its_intersection_into_the_tp_engine_and_resumes_bit_identically(tmp_path):
+    """ep 2 × tp 2 on 4 processes (the experts on a ("replica", "ep", "tp") mesh: 4 of 8 a rank, an ep group the
+    two data-parallel ranks at one TP coordinate; attention split over tp) publishing into the transformers TP
+    engine of the same mixture (vLLM's fused qkv / gate_up and vocab split over each TP group, 4 whole experts a
+    rank — ``rollout_layout(ep=tp)``): after every step every rank serves exactly its shards of the policy's full
+    weights, and receives exactly half of the expert bytes (its 4 experts); metrics are identical on every rank; a
+    run resumed from its step-2 checkpoint ends bit-identical to one that never stopped."""
+    straight = run_gloo(_ep_tp_worker, 4, str(tmp_path / "a"), 4, False, timeout=600)
+    for r, res in straight.items():
+        assert res["bad"] == [] and any(n.endswith("experts.w13_weight") for n in res["served"]), r
+        assert res["expert_bytes_in"] * 2 == res["all_expert_bytes"]
+        assert res["mesh"] == ("replica", "ep", "tp") and res["local_experts"] == 4 and res["version"] == 4
+        assert res["engine_experts"] == 4 * (r % 2)  # the TP engine: a group's rank t holds experts 4t … 4t + 3
+        assert res["metrics"] == straight[0]["metrics"]
+    run_gloo(_ep_tp_worker, 4, str(tmp_path / "b"), 2, False, timeout=600)
+    resumed = run_gloo(_ep_tp_worker, 4, str(tmp_path / "b"), 4, True, timeout=600)
+    assert resumed[0]["metrics"] == straight[0]["metrics"][2:] and resumed[0]["bad"] == []
+    assert all((v == resumed[0]["full"][k]).all() for k, v in straight[0]["full"].items())
+
+
 @pytest.mark.parametrize("over, msg", [
     (["--run.ep=3"], r"run.ep=3 does not divide model.experts=8"),
     (["--run.ep=2", "--model.experts=0"], r"run.ep=2: the policy is dense"),
-    (["--run.ep=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
-     r"run.ep=2 with run.tp=2: expert and tensor parallelism are not composed"),
+    (["--run.ep=4", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.ep=4 does not divide the data-parallel size 2 \(world 4 / run.tp=2\)"),
     (["--run.ep=2"], r"run.ep=2 does not divide the world size 1"),
 ])
 def test_bad_ep_settings_are_refused_at_load(over, msg, monkeypatch):
@@ -253,21 +310,23 @@ def test_bad_ep_settings_are_refused_at_load(over, msg, monkeypatch):
         load_config("configs/moe.yaml", over)
 
 
-def _r3_worker(rank, world, out_dir):
+def _r3_worker(rank, world, out_dir, tp):
     from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
 
-    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *ARGS,
-                                                        "--algo.routing_replay=r3",
-                                                        "--rollout.engine={name: transformers, dtype: bfloat16}"]))
+    engine = f"--rollout.engine={{name: transformers, dtype: bfloat16, tp: {tp}}}"
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", f"--run.tp={tp}",
+                                                        *ARGS, "--algo.routing_replay=r3", engine]))
     m = [tr.step() for _ in range(2)][-1]
     return {k: v for k, v in m.items() if k.startswith(("moe_route", "mismatch"))}
 
 
-def test_routing_replay_composes_with_expert_parallelism(tmp_path):
-    """R3 over an EP trainer (the routers' hooks feed the forced experts to the all-to-all): the agreement
-    metrics arrive, the same on every rank."""
-    res = run_gloo(_r3_worker, 4, str(tmp_path), timeout=600)
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2xdp2", "ep2xtp2"])
+def test_routing_replay_composes_with_expert_parallelism(tmp_path, tp):
+    """R3 over an EP trainer (the routers' hooks feed the forced experts to the all-to-all) — and over EP × TP,
+    the routes recorded by the TP engine (its routers whole on every rank): the agreement metrics arrive, the
+    same on every rank."""
+    res = run_gloo(_r3_worker, 4, str(tmp_path), tp, timeout=600)
     assert {"moe_route_agree", "moe_route_all_layers_agree", "mismatch_max_abs"} <= set(res[0])
     assert all(r == res[0] for r in res.values()) and 0.5 < res[0]["moe_route_agree"] <= 1.0
 
