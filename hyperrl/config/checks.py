@@ -196,15 +196,14 @@ def check_combinations(cfg: TrainConfig) -> None:
                           "model.dtype and the two would disagree); drop model.lm_head_fp32 or use "
                           "rollout.engine=transformers")
     if r.delta_publication:
-        why = [w for w, bad in ((f"torchrun ({world} processes)", world > 1),
-                                (f"rollout.engine={eng.name}",
-                                 eng.name != "transformers" or int(eng.args.get("tp", 1)) > 1),
+        why = [w for w, bad in ((f"rollout.engine={eng.name}", eng.name != "transformers"),
                                 ("an engine sharing the trainer's weights", caps.shared_weights),
                                 ("asynchronous rollout workers", getattr(cfg, "async").max_staleness is not None))
                if bad]
         if why:
-            raise ConfigError(f"rollout.delta_publication with {', '.join(why)}: delta publication runs in one process "
-                              "into the transformers engine yet; set rollout.delta_publication=false")
+            raise ConfigError(f"rollout.delta_publication with {', '.join(why)}: delta publication runs into the "
+                              "transformers engines (one process, or under torchrun through the direct plan, TP "
+                              "included) in a synchronous run yet; set rollout.delta_publication=false")
     if cfg.run.tp > 1 and "values" in needs:
         raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
                           f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")

@@ -162,8 +162,9 @@ class RolloutConfig(_Frozen):
                                          "at once — agent programs, environments' steps (a tool's wait)")
     delta_publication: bool = Field(False, description="publish only the elements whose bits changed since the "
                                     "engine's version (indices + values per tensor, checksummed; a full publication "
-                                    "when the engine holds another version) — one process into the transformers "
-                                    "engine; metrics delta_frac, publish_bytes")
+                                    "when the engine holds another version) — into the transformers engines, in one "
+                                    "process or under torchrun (each planned slice's delta on the wire, TP included); "
+                                    "metrics delta_frac, publish_bytes")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 

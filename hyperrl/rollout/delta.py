@@ -21,7 +21,8 @@ import torch
 
 from hyperrl.rollout.base import DeltaError
 
-__all__ = ["TensorDelta", "encode_delta", "apply_delta", "tensor_checksum", "DeltaError"]
+__all__ = ["TensorDelta", "encode_delta", "apply_delta", "tensor_checksum", "DeltaError", "SliceDelta", "encode_slice",
+           "apply_slice", "execute_direct_delta"]
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -53,9 +54,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(_BITS[t.element_size()]) if t.is_floating_point() else t.contiguous()
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor of unit stride (a view when it is one already: a one-element view of a strided tensor
+    keeps its stride, which byte views refuse)."""
+    t = t.reshape(-1)
+    return t if not t.numel() or t.stride(0) == 1 else torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
     """Adler-32 of ``t``'s bytes (zlib; its dtype's bits, row-major)."""
-    b = _bits(t.detach().cpu()).flatten()
+    b = _flat(_bits(t.detach().cpu()))
     return zlib.adler32(b.view(torch.uint8).numpy())  # the buffer itself: no copy
 
 
@@ -90,3 +98,108 @@ def apply_delta(base: torch.Tensor, delta: TensorDelta, name: str = "tensor") ->
         raise DeltaError(f"{name}: checksum mismatch after applying the delta (the engine's base differs from the "
                          "publisher's, or the delta was damaged)")
     return out
+
+
+class SliceDelta(NamedTuple):
+    """One planned transfer's delta on the wire: ``header = [sparse (0/1), count, checksum]`` (int64) sent
+    first, then ``payload`` — the changed elements' int32 flat indices then their values (sparse), or the
+    slice's values (dense), as one byte buffer."""
+
+    header: torch.Tensor
+    payload: torch.Tensor
+    changed: int
+    numel: int
+
+
+def encode_slice(new: torch.Tensor, old: torch.Tensor) -> SliceDelta:
+    """The delta of one transfer's slice ``new`` against what was sent the last time (``old``, same shape and
+    dtype): the changed elements sparse, or the whole slice when that is smaller; the checksum of ``new``."""
+    new, old = _flat(new.contiguous()), _flat(old.contiguous())
+    n, item = new.numel(), new.element_size()
+    changed = torch.nonzero(_bits(new) != _bits(old)).flatten().to(torch.int32)
+    check = tensor_checksum(new)
+    k = changed.numel()
+    if k * (4 + item) >= n * item:
+        payload, sparse = new.view(torch.uint8), 0
+    else:
+        payload, sparse = torch.cat([changed.view(torch.uint8), new[changed.long()].view(torch.uint8)]), 1
+    return SliceDelta(torch.tensor([sparse, k, check], dtype=torch.int64), payload, k, n)
+
+
+def payload_bytes(header: torch.Tensor, numel: int, item: int) -> int:
+    """The payload length a ``header`` announces for a slice of ``numel`` elements of ``item`` bytes."""
+    sparse, k = int(header[0]), int(header[1])
+    return k * (4 + item) if sparse else numel * item
+
+
+def apply_slice(target: torch.Tensor, header: torch.Tensor, payload: torch.Tensor, where: str) -> str | None:
+    """Write a received slice delta into ``target`` (a view of the receiver's copy of its last publication,
+    the base) in place and verify the checksum; returns the failure (naming ``where``), or None."""
+    sparse, k, check = (int(v) for v in header)
+    contiguous = target.is_contiguous()
+    flat = target.view(-1) if contiguous else target.contiguous().view(-1)  # a copy only when strided
+    if sparse:
+        flat[payload[:4 * k].view(torch.int32).long()] = payload[4 * k:].view(flat.dtype)
+    else:
+        flat.copy_(payload.view(flat.dtype))
+    if not contiguous:
+        target.copy_(flat.view(target.shape))
+    if tensor_checksum(flat) != check:
+        return f"{where}: checksum mismatch after applying the delta (the receiver's base differs from the sender's, " \
+               f"or the delta was damaged)"
+    return None
+
+
+def execute_direct_delta(plan, rank: int, src: dict, src_base: dict, dst: dict, dst_base: dict, *,
+                         max_bytes: int = 128 << 20, group=None) -> dict:
+    """The direct plan with each transfer's *delta* on the wire (the same buckets and peers as
+    :func:`hyperrl.sharding.execute.execute_direct`): per bucket, every sender encodes each of its slices against
+    the same slice of the last publication (``src_base``: its shards then; a fan-out forward, phase ≥ 1, against
+    ``dst_base``: the receiver-side pieces then) and sends a 3-number header, then the payload whose length the
+    header announced; every receiver writes it into ``dst`` — a copy of its last publication's pieces — and
+    verifies the slice's checksum. Local transfers copy the new values. A failure is recorded, never raised
+    mid-way (the peers' collectives must still match); returns counters and ``errors``."""
+    import torch.distributed as dist
+
+    errors, sent = [], {"bytes": 0, "full": 0, "changed": 0, "numel": 0}
+    for bucket in plan.buckets(max_bytes):
+        heads, ops, todo = [], [], []
+        for t in bucket:
+            new_from = src[t.tensor] if t.phase == 0 else dst[t.param]
+            if t.local and t.src_rank == rank and t.dst_rank == rank:
+                dst[t.param][t.dst_slice.slices()].copy_(new_from[t.src_slice.slices()])
+                continue
+            if t.src_rank == rank:
+                old_from = src_base[t.tensor] if t.phase == 0 else dst_base[t.param]
+                d = encode_slice(new_from[t.src_slice.slices()], old_from[t.src_slice.slices()])
+                heads.append(dist.P2POp(dist.isend, d.header, t.dst_rank, group=group))
+                ops.append(("send", t, d))
+                sent["bytes"] += d.payload.numel() + d.header.numel() * 8
+                sent["full"] += t.nbytes
+                sent["changed"] += d.changed
+                sent["numel"] += d.numel
+            if t.dst_rank == rank:
+                h = torch.empty(3, dtype=torch.int64)
+                heads.append(dist.P2POp(dist.irecv, h, t.src_rank, group=group))
+                todo.append((t, h))
+        if heads:
+            for req in dist.batch_isend_irecv(heads):
+                req.wait()
+        payloads, recv = [], []
+        for _, t, d in ops:
+            if d.payload.numel():  # nothing changed: the header said so, no payload
+                payloads.append(dist.P2POp(dist.isend, d.payload, t.dst_rank, group=group))
+        for t, h in todo:
+            target = dst[t.param][t.dst_slice.slices()]
+            buf = torch.empty(payload_bytes(h, target.numel(), target.element_size()), dtype=torch.uint8)
+            if buf.numel():
+                payloads.append(dist.P2POp(dist.irecv, buf, t.src_rank, group=group))
+            recv.append((t, h, buf, target))
+        if payloads:
+            for req in dist.batch_isend_irecv(payloads):
+                req.wait()
+        for t, h, buf, target in recv:
+            err = apply_slice(target, h, buf, f"{t.param}{t.dst_slice} from rank {t.src_rank}")
+            if err is not None:
+                errors.append(err)
+    return {**sent, "errors": errors}

@@ -182,10 +182,13 @@ class Publisher:
         """Publish ``model`` as ``version`` through the engine's transaction (all-or-nothing: a
         refused or failed publication raises ``WeightPublishError`` and the engine keeps serving
         its version). ``delta``: carry only the elements whose bits changed since the last publication
-        (:mod:`hyperrl.rollout.delta`; one process), naming that publication's version as the base — an
-        engine serving another version refuses it (as does a checksum that does not verify) and the full
-        weights follow in a fresh transaction. ``last`` reports what was sent."""
+        (:mod:`hyperrl.rollout.delta`), naming that publication's version as the base — an engine serving
+        another version refuses it (as does a checksum that does not verify) and the full weights follow in a
+        fresh transaction. Across processes each planned slice travels as its delta
+        (:meth:`_publish_direct_delta`). ``last`` reports what was sent."""
         self.last = {}
+        if delta and len(self.src.ranks() | self.dst.ranks()) > 1:
+            return self._publish_direct_delta(model, version)
         if not delta:
             self._base = None
             self.engine.begin(version)  # before gathering: an in-place engine's buffers belong to the transaction
@@ -213,6 +216,61 @@ class Publisher:
         self.engine.commit()
         self.last |= {"publish_bytes": full, "publish_full_bytes": full, "delta_frac": 1.0}
         self._base = (version, pieces)
+
+    def _publish_direct_delta(self, model: torch.nn.Module, version: int) -> None:
+        """Delta publication across processes, every rank together: when every rank holds the last publication
+        (its source shards and its received pieces, both of version ``V``) and every engine serves ``V``, each
+        planned slice crosses as its changed elements (:func:`~hyperrl.rollout.delta.execute_direct_delta`),
+        applied to a copy of the receiver's last pieces and checked slice by slice; the engine then stages the
+        new pieces in one transaction as a full publication would. Otherwise — or when any slice fails its
+        checksum on any rank — the full weights go by the direct plan, and ``last["delta_fallback"]`` says why.
+        ``last``: ``publish_bytes`` / ``publish_full_bytes`` on the wire over all ranks, ``delta_frac`` of the
+        elements sent."""
+        import torch.distributed as dist
+
+        from hyperrl.rollout.delta import execute_direct_delta
+
+        shards = {k: v.detach().clone() for k, v in self.shards(model).items()}  # the next base (not live views)
+        base, current = getattr(self, "_base", None), self.engine.policy_version
+        why = "no earlier publication" if base is None else None
+        if base is not None and current != base[0]:
+            why = f"a delta against version {base[0]}, but this engine serves version {current}"
+        flags = torch.tensor([int(why is None), -1 if base is None else base[0], -(-1 if base is None else base[0])])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if bool(flags[0]) and int(flags[1]) == -int(flags[2]):  # every rank ready, at one base version
+            pieces = {k: v.clone() for k, v in base[2].items()}
+            res = execute_direct_delta(self.plan, self.rank, shards, base[1], pieces, base[2],
+                                       max_bytes=getattr(self.executor, "max_bytes", 128 << 20))
+            sums = torch.tensor([len(res["errors"]), res["bytes"], res["full"], res["changed"], res["numel"]],
+                                dtype=torch.float64)
+            dist.all_reduce(sums)
+            if not sums[0]:
+                self.engine.begin(version, base=base[0])
+                self.engine.stage(pieces)
+                self.engine.commit()
+                self._base = (version, shards, pieces)
+                self.last = {"publish_bytes": float(sums[1]), "publish_full_bytes": float(sums[2]),
+                             "delta_frac": float(sums[3] / max(float(sums[4]), 1.0))}
+                return
+            why = res["errors"][0] if res["errors"] else None
+        reasons: list = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, why)
+        said = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
+        self.engine.begin(version)
+        try:
+            pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
+        except WeightPublishError:
+            self.engine.abort()
+            raise
+        self.engine.stage(pieces)
+        self.engine.commit()
+        self._base = (version, shards, pieces)
+        full = sum(t.nbytes for t in self.plan if not t.local and t.src_rank == self.rank)
+        totals = torch.tensor([float(full)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        self.last = {"publish_bytes": float(totals[0]), "publish_full_bytes": float(totals[0]), "delta_frac": 1.0}
+        if base is not None and said:
+            self.last["delta_fallback"] = said
 
     def _gather(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
         """:meth:`gather`, an executor's failure reported as a ``WeightPublishError`` naming the version."""

@@ -197,8 +197,8 @@ class TPTransformersEngine(TransformersEngine):
         self._failed = None
 
     # ------------------------------------------------------------------ group-wide all-or-nothing
-    def begin(self, version: int, *, partial: bool = False) -> None:
-        super().begin(version, partial=partial)
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        super().begin(version, partial=partial, base=base)
         self._refused = None
 
     def stage(self, pieces) -> None:

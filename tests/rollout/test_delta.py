@@ -1,13 +1,16 @@
-"""Delta publication (issue 33, item 1, one process): only the elements whose bits changed, checksummed, against a
-named base version — bit-identical to a full publication after N steps, a refused base falling back to a full
-publication, a damaged delta failing the transaction with the engine still serving its version."""
+"""Delta publication (issue 33, item 1): only the elements whose bits changed, checksummed, against a named base
+version — bit-identical to a full publication after N steps, a refused base falling back to a full publication, a
+damaged delta failing the transaction with the engine still serving its version; in one process, and across real
+gloo processes where each planned slice travels as its delta (FSDP2 into per-rank engines, TP × FSDP2 into the
+TP engine)."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperrl.rollout.delta import DeltaError, apply_delta, encode_delta, tensor_checksum
+from hyperrl.rollout.delta import DeltaError, apply_delta, apply_slice, encode_delta, encode_slice, tensor_checksum
+from tests.dist_helpers import run_gloo
 
 
 @settings(max_examples=60, deadline=None)
@@ -108,6 +111,88 @@ def test_a_checksum_failure_fails_closed_and_the_engine_keeps_serving(tmp_path):
         eng.stage_deltas({name: d._replace(checksum=d.checksum ^ 1)})
     assert eng.policy_version == v and eng._txn is None
     assert all(torch.equal(before[k], t) for k, t in eng.model.state_dict().items())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 300), st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16))
+def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed):
+    """encode_slice → header + payload → apply_slice into a (possibly strided) view of the base: the view holds
+    the new values bit for bit and the checksum verifies; the payload is never larger than the dense slice."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, 3, generator=g).to(torch.bfloat16)
+    new = base.clone()
+    hit = torch.rand(n, 3, generator=g) < frac
+    new[hit] += 1.0
+    into = base.clone()
+    view, want = (into[:, 1], new[:, 1]) if strided else (into, new)
+    d = encode_slice(want, view.clone())
+    assert d.payload.numel() <= want.numel() * 2 and d.changed == int((want != view).sum())
+    assert apply_slice(view, d.header, d.payload, "w") is None
+    assert torch.equal(view.view(torch.int16), want.view(torch.int16))
+    damaged = d.header.clone()
+    damaged[2] ^= 1
+    assert "w: checksum mismatch" in apply_slice(view, damaged, d.payload, "w")
+
+
+def _dist_worker(rank, world, out_dir, extra, faults):
+    from hyperrl.compose import build
+    from hyperrl.config import load_config
+    from hyperrl.sharding.simulate import expected_destination
+
+    tr = build(load_config(None, [f"--run.out_dir={out_dir}", "--task=modsum", "--rollout.prompts_per_step=4",
+                                  "--rollout.n=4", "--rollout.max_new_tokens=2", "--model.dtype=bfloat16",
+                                  "--run.threads=1", "--rollout.delta_publication=true", "--optim.lr=3e-6", *extra]))
+    pub, out = tr.publisher.publisher, []
+    name = "model.layers.0.mlp.down_proj.weight"
+    for step in range(1, 7):
+        if faults and step == 3 and rank == 0:  # rank 0's copy of its last pieces is damaged in rank 1's half, at
+            half = pub._base[2][name][64:]  # its largest weight (the widest bf16 ulp: the step does not change it)
+            half.view(-1)[half.abs().argmax()] += 1
+        if faults and step == 5 and rank == 1:  # rank 1 believes its last publication was another version
+            pub._base = (pub._base[0] - 1, *pub._base[1:])
+        m = tr.step()
+        full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
+                for k, p in tr.policy.named_parameters()}
+        if hasattr(tr.engine, "_splits"):  # the TP engine: its shards, re-fused from its local modules
+            want = expected_destination(tr.engine.layout(world), full, ranks=[rank])[rank]
+            got = {n: torch.cat([p.detach() for p, _ in t], d) for n, (d, t) in tr.engine._splits.items()}
+        else:
+            want, got = full, tr.engine.model.state_dict()
+        exact = all(torch.equal(got[k].view(torch.int16), v.view(torch.int16)) for k, v in want.items())
+        out.append({"frac": m["delta_frac"], "bytes": m["publish_bytes"], "full": m["publish_full_bytes"],
+                    "exact": exact, "fallback": pub.last.get("delta_fallback"), "version": tr.engine.policy_version})
+    tr.close()
+    return out
+
+
+def test_across_processes_each_slice_travels_as_its_delta_and_faults_fall_back_to_full(tmp_path):
+    """2 gloo processes, FSDP2 into one engine per rank (each rank receives the other's shards): after every step
+    both engines equal a full publication bit for bit; delta steps put a fraction of the full direct plan's bytes
+    on the wire. A damaged base on the receiver (its checksum fails on rank 0) and a base-version disagreement
+    (rank 1) each fall back to a full publication on every rank, named; deltas resume the step after."""
+    res = run_gloo(_dist_worker, 2, str(tmp_path), [], True, timeout=600)
+    for r in (0, 1):
+        steps = res[r]
+        assert all(s["exact"] for s in steps) and [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert steps[0]["frac"] == 1.0 and steps[0]["fallback"] is None  # no base yet: full
+        for i in (1, 3, 5):  # deltas
+            assert 0 < steps[i]["frac"] < 0.3 and steps[i]["bytes"] < steps[i]["full"] / 2, steps[i]
+        assert steps[2]["frac"] == 1.0 and "checksum mismatch" in steps[2]["fallback"]
+        assert "rank 0: model.layers.0.mlp.down_proj.weight" in steps[2]["fallback"]
+        assert steps[4]["frac"] == 1.0 and "rank 1: a delta against version 3, but this engine serves version 4" \
+            in steps[4]["fallback"]
+    assert [s["bytes"] for s in res[0]] == [s["bytes"] for s in res[1]]  # totals over the ranks, the same on each
+
+
+def test_delta_publication_into_the_tp_engine_under_tp_x_fsdp(tmp_path):
+    """4 gloo processes, run.tp=2 (dp 2 × tp 2) into the TP engine (vLLM's fused layout): each rank's served
+    shards equal a full publication's after every step; deltas carry a fraction of the bytes."""
+    res = run_gloo(_dist_worker, 4, str(tmp_path), ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}",
+                                                    "--model.hidden=64", "--model.intermediate=128"], False,
+                   timeout=600)
+    for r in range(4):
+        assert all(s["exact"] for s in res[r]) and res[r][0]["frac"] == 1.0
+        assert all(0 < s["frac"] < 0.3 and s["bytes"] < s["full"] / 2 for s in res[r][1:]), res[r]
 
 
 def test_delta_publication_is_refused_where_it_does_not_run_yet():
