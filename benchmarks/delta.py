@@ -7,6 +7,11 @@ commit). Prints, per learning rate, the fraction of bf16 elements that changed, 
 that both engines hold bit-identical weights, and appends the table to benchmarks/RESULTS.md.
 
     python benchmarks/delta.py --lrs 1e-6 3e-6 1e-5 --steps 5
+    python benchmarks/delta.py --world 2 --lrs 1e-6 --steps 5   # FSDP2 over 2 gloo processes, an engine per rank
+
+With ``--world N`` the master weights are FSDP2-sharded over N gloo processes and each rank's engines receive the
+other ranks' shards through the direct plan — the delta as each slice's changed elements on the wire; times are the
+slowest rank's, bytes the wire's over all ranks.
 """
 
 from __future__ import annotations
@@ -26,16 +31,12 @@ from benchmarks._common import append_results, table  # noqa: E402
 
 
 def run(lr: float, steps: int, layers: int, seed: int = 0) -> list[list]:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from hyperrl.rollout.engines import ENGINES, EngineContext
     from hyperrl.rollout.publisher import Publisher
     from hyperrl.tokenizer import char_tokenizer
 
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-    policy = Qwen3ForCausalLM(cfg)  # fp32 master weights
+    policy = _model(layers, seed)  # fp32 master weights
+    cfg = policy.config
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     tok = char_tokenizer()
     engines = [ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16, seed,
@@ -66,20 +67,90 @@ def run(lr: float, steps: int, layers: int, seed: int = 0) -> list[list]:
     return rows
 
 
+def _model(layers: int, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=layers,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(cfg)
+
+
+def _dist_worker(rank, world, lr, steps, layers, seed):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hyperrl.rollout.engines import ENGINES, EngineContext
+    from hyperrl.rollout.publisher import Publisher
+    from hyperrl.tokenizer import char_tokenizer
+
+    policy = _model(layers, seed)  # fp32 master weights, the same initial ones on every rank
+    tok = char_tokenizer()
+    engines = [ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16, seed,
+                                                           tempfile.mkdtemp(), tok)) for _ in range(2)]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in policy.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    pubs = [Publisher.for_engine(policy, e, rank=rank, world=world) for e in engines]
+    pubs[0].publish(policy, 1, delta=True)
+    pubs[1].publish(policy, 1)
+    rows, g = [], torch.Generator().manual_seed(seed + rank)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, 151_936, (4, 64), generator=g)
+        policy(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t_delta = timed(lambda: pubs[0].publish(policy, step + 1, delta=True))
+        t_full = timed(lambda: pubs[1].publish(policy, step + 1))
+        last = pubs[0].last
+        assert "delta_fallback" not in last, last
+        full_wire = last["publish_full_bytes"]
+        rows.append([f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20, full_wire / 2**20,
+                     full_wire / last["publish_bytes"], t_delta, t_full, t_full / t_delta])
+    a, b = (e.model.state_dict() for e in engines)
+    assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a), "delta ≠ full publication"
+    return rows
+
+
+def run_dist(lr: float, steps: int, layers: int, world: int, seed: int = 0) -> list[list]:
+    from tests.dist_helpers import run_gloo
+
+    return run_gloo(_dist_worker, world, lr, steps, layers, seed, timeout=3600)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--world", type=int, default=1, help="gloo processes (FSDP2 over them; 1: one process)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    rows = [r for lr in args.lrs for r in run(lr, args.steps, args.layers)]
+    if args.world > 1:
+        rows = [r for lr in args.lrs for r in run_dist(lr, args.steps, args.layers, args.world)]
+        where = (f"FSDP2 over {args.world} gloo processes, an engine per rank (the other ranks' shards on the wire by "
+                 "the direct plan; MiB = the wire's over all ranks, s = the slowest rank's)")
+    else:
+        rows = [r for lr in args.lrs for r in run(lr, args.steps, args.layers)]
+        where = "one process"
     out = table(["lr", "step", "delta_frac", "delta MiB", "full MiB", "bytes full/delta", "delta s", "full s",
                  "time full/delta"], rows)
     print(out)
     if not args.no_record:
         append_results("delta", f"Qwen3-0.6B-shaped ({args.layers} layers), fp32 AdamW master → bf16 transformers "
-                       "engine, one process; both engines bit-identical after every run.\n\n" + out)
+                       f"engine, {where}; both engines bit-identical after every run.\n\n" + out)
 
 
 if __name__ == "__main__":

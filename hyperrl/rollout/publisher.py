@@ -230,7 +230,9 @@ class Publisher:
 
         from hyperrl.rollout.delta import execute_direct_delta
 
-        shards = {k: v.detach().clone() for k, v in self.shards(model).items()}  # the next base (not live views)
+        live = {k: local(p).data_ptr() for k, p in model.named_parameters()}
+        shards = {k: v.detach().clone() if v.data_ptr() == live.get(k) else v  # the next base: never a live view
+                  for k, v in self.shards(model).items()}
         base, current = getattr(self, "_base", None), self.engine.policy_version
         why = "no earlier publication" if base is None else None
         if base is not None and current != base[0]:
@@ -238,13 +240,17 @@ class Publisher:
         flags = torch.tensor([int(why is None), -1 if base is None else base[0], -(-1 if base is None else base[0])])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         if bool(flags[0]) and int(flags[1]) == -int(flags[2]):  # every rank ready, at one base version
-            pieces = {k: v.clone() for k, v in base[2].items()}
+            # the receiver's copy of its last pieces is updated in place (on a failure the full weights replace it);
+            # a fan-out forward (phase ≥ 1) reads the old pieces, so then a copy
+            forwards = any(t.phase for t in self.plan)
+            pieces = {k: v.clone() for k, v in base[2].items()} if forwards else base[2]
             res = execute_direct_delta(self.plan, self.rank, shards, base[1], pieces, base[2],
                                        max_bytes=getattr(self.executor, "max_bytes", 128 << 20))
             sums = torch.tensor([len(res["errors"]), res["bytes"], res["full"], res["changed"], res["numel"]],
                                 dtype=torch.float64)
             dist.all_reduce(sums)
             if not sums[0]:
+                self._base = None  # until the engine holds it (a refused commit leaves no base to delta against)
                 self.engine.begin(version, base=base[0])
                 self.engine.stage(pieces)
                 self.engine.commit()
@@ -256,6 +262,7 @@ class Publisher:
         reasons: list = [None] * dist.get_world_size()
         dist.all_gather_object(reasons, why)
         said = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
+        self._base = None
         self.engine.begin(version)
         try:
             pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
