@@ -8,6 +8,7 @@ that both engines hold bit-identical weights, and appends the table to benchmark
 
     python benchmarks/delta.py --lrs 1e-6 3e-6 1e-5 --steps 5
     python benchmarks/delta.py --world 2 --lrs 1e-6 --steps 5   # FSDP2 over 2 gloo processes, an engine per rank
+    python benchmarks/delta.py --world 2 --codecs sparse xor_zstd   # the two encodings side by side
 
 With ``--world N`` the master weights are FSDP2-sharded over N gloo processes and each rank's engines receive the
 other ranks' shards through the direct plan — the delta as each slice's changed elements on the wire; times are the
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._common import append_results, table  # noqa: E402
 
 
-def run(lr: float, steps: int, layers: int, seed: int = 0) -> list[list]:
+def run(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "sparse") -> list[list]:
     from hyperrl.rollout.engines import ENGINES, EngineContext
     from hyperrl.rollout.publisher import Publisher
     from hyperrl.tokenizer import char_tokenizer
@@ -42,7 +43,7 @@ def run(lr: float, steps: int, layers: int, seed: int = 0) -> list[list]:
     engines = [ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16, seed,
                                                            tempfile.mkdtemp(), tok)) for _ in range(2)]
     pubs = [Publisher.for_engine(policy, e) for e in engines]
-    pubs[0].publish(policy, 1, delta=True)  # the first: full (no base)
+    pubs[0].publish(policy, 1, delta=codec)  # the first: full (no base)
     pubs[1].publish(policy, 1)
     rows = []
     g = torch.Generator().manual_seed(seed)
@@ -53,13 +54,13 @@ def run(lr: float, steps: int, layers: int, seed: int = 0) -> list[list]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        pubs[0].publish(policy, step + 1, delta=True)
+        pubs[0].publish(policy, step + 1, delta=codec)
         t_delta = time.perf_counter() - t0
         t0 = time.perf_counter()
         pubs[1].publish(policy, step + 1)
         t_full = time.perf_counter() - t0
         last = pubs[0].last
-        rows.append([f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
+        rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
                      last["publish_full_bytes"] / 2**20, last["publish_full_bytes"] / last["publish_bytes"],
                      t_delta, t_full, t_full / t_delta])
     a, b = (e.model.state_dict() for e in engines)
@@ -76,7 +77,7 @@ def _model(layers: int, seed: int):
     return Qwen3ForCausalLM(cfg)
 
 
-def _dist_worker(rank, world, lr, steps, layers, seed):
+def _dist_worker(rank, world, lr, steps, layers, seed, codec):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -95,7 +96,7 @@ def _dist_worker(rank, world, lr, steps, layers, seed):
     fully_shard(policy, mesh=mesh)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     pubs = [Publisher.for_engine(policy, e, rank=rank, world=world) for e in engines]
-    pubs[0].publish(policy, 1, delta=True)
+    pubs[0].publish(policy, 1, delta=codec)
     pubs[1].publish(policy, 1)
     rows, g = [], torch.Generator().manual_seed(seed + rank)
 
@@ -112,22 +113,22 @@ def _dist_worker(rank, world, lr, steps, layers, seed):
         policy(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t_delta = timed(lambda: pubs[0].publish(policy, step + 1, delta=True))
+        t_delta = timed(lambda: pubs[0].publish(policy, step + 1, delta=codec))
         t_full = timed(lambda: pubs[1].publish(policy, step + 1))
         last = pubs[0].last
         assert "delta_fallback" not in last, last
         full_wire = last["publish_full_bytes"]
-        rows.append([f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20, full_wire / 2**20,
+        rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20, full_wire / 2**20,
                      full_wire / last["publish_bytes"], t_delta, t_full, t_full / t_delta])
     a, b = (e.model.state_dict() for e in engines)
     assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a), "delta ≠ full publication"
     return rows
 
 
-def run_dist(lr: float, steps: int, layers: int, world: int, seed: int = 0) -> list[list]:
+def run_dist(lr: float, steps: int, layers: int, world: int, seed: int = 0, codec: str = "sparse") -> list[list]:
     from tests.dist_helpers import run_gloo
 
-    return run_gloo(_dist_worker, world, lr, steps, layers, seed, timeout=3600)[0]
+    return run_gloo(_dist_worker, world, lr, steps, layers, seed, codec, timeout=3600)[0]
 
 
 def main() -> None:
@@ -135,17 +136,19 @@ def main() -> None:
     ap.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 3e-6, 1e-5])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--codecs", nargs="+", default=["sparse"], help="delta encodings, side by side (sparse, xor_zstd)")
     ap.add_argument("--world", type=int, default=1, help="gloo processes (FSDP2 over them; 1: one process)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     if args.world > 1:
-        rows = [r for lr in args.lrs for r in run_dist(lr, args.steps, args.layers, args.world)]
+        rows = [r for lr in args.lrs for c in args.codecs for r in run_dist(lr, args.steps, args.layers, args.world,
+                                                                                 codec=c)]
         where = (f"FSDP2 over {args.world} gloo processes, an engine per rank (the other ranks' shards on the wire by "
                  "the direct plan; MiB = the wire's over all ranks, s = the slowest rank's)")
     else:
-        rows = [r for lr in args.lrs for r in run(lr, args.steps, args.layers)]
+        rows = [r for lr in args.lrs for c in args.codecs for r in run(lr, args.steps, args.layers, codec=c)]
         where = "one process"
-    out = table(["lr", "step", "delta_frac", "delta MiB", "full MiB", "bytes full/delta", "delta s", "full s",
+    out = table(["codec", "lr", "step", "delta_frac", "delta MiB", "full MiB", "bytes full/delta", "delta s", "full s",
                  "time full/delta"], rows)
     print(out)
     if not args.no_record:

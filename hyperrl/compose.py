@@ -256,7 +256,7 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
     publisher = PolicyPublisher(engine, policy, published,
                                 Publisher.for_engine(published, engine, rank=parallel.rank, world=parallel.world),
                                 adapters_only=lora and engine.capabilities.lora_adapters,
-                                delta=r.delta_publication)
+                                delta=r.delta_encoding if r.delta_publication else False)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)
     stop_ids = stop_ids_of(policy)
     agent = make_env if getattr(make_env, "owns_loop", False) else None

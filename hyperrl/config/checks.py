@@ -204,6 +204,12 @@ def check_combinations(cfg: TrainConfig) -> None:
             raise ConfigError(f"rollout.delta_publication with {', '.join(why)}: delta publication runs into the "
                               "transformers engines (one process, or under torchrun through the direct plan, TP "
                               "included) in a synchronous run yet; set rollout.delta_publication=false")
+        if r.delta_encoding == "xor_zstd":
+            import importlib.util
+
+            if importlib.util.find_spec("zstandard") is None:
+                raise ConfigError("rollout.delta_encoding=xor_zstd needs the zstandard package (hyperrl's train extra: "
+                                  "`pip install zstandard`); or rollout.delta_encoding=sparse")
     if cfg.run.tp > 1 and "values" in needs:
         raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
                           f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")

@@ -12,7 +12,7 @@ class PolicyPublisher:
     version). ``published``: what full-weight publication reads (a LoRA policy's merged view);
     ``publisher``: the :class:`~hyperrl.rollout.publisher.Publisher` into the engine's layout."""
 
-    def __init__(self, engine, policy, published, publisher, *, adapters_only: bool, delta: bool = False):
+    def __init__(self, engine, policy, published, publisher, *, adapters_only: bool, delta: bool | str = False):
         self.engine, self.policy, self.published, self.publisher = engine, policy, published, publisher
         self.adapters_only, self.delta = adapters_only, delta
 

@@ -178,15 +178,17 @@ class Publisher:
         extra = {} if into is None else {"into": into}  # executors ``(plan, rank, shards)`` stay valid
         return self.executor(self.plan, self.rank, self.shards(model), **extra)
 
-    def publish(self, model: torch.nn.Module, version: int, *, delta: bool = False) -> None:
+    def publish(self, model: torch.nn.Module, version: int, *, delta: bool | str = False) -> None:
         """Publish ``model`` as ``version`` through the engine's transaction (all-or-nothing: a
         refused or failed publication raises ``WeightPublishError`` and the engine keeps serving
         its version). ``delta``: carry only the elements whose bits changed since the last publication
         (:mod:`hyperrl.rollout.delta`), naming that publication's version as the base — an engine serving
         another version refuses it (as does a checksum that does not verify) and the full weights follow in a
         fresh transaction. Across processes each planned slice travels as its delta
-        (:meth:`_publish_direct_delta`). ``last`` reports what was sent."""
+        (:meth:`_publish_direct_delta`). ``delta`` names the encoding (``"sparse"`` — also ``True`` — or
+        ``"xor_zstd"``: :data:`hyperrl.rollout.delta.CODECS`). ``last`` reports what was sent."""
         self.last = {}
+        self._codec = "sparse" if delta is True else (delta or "sparse")
         if delta and len(self.src.ranks() | self.dst.ranks()) > 1:
             return self._publish_direct_delta(model, version)
         if not delta:
@@ -245,7 +247,7 @@ class Publisher:
             forwards = any(t.phase for t in self.plan)
             pieces = {k: v.clone() for k, v in base[2].items()} if forwards else base[2]
             res = execute_direct_delta(self.plan, self.rank, shards, base[1], pieces, base[2],
-                                       max_bytes=getattr(self.executor, "max_bytes", 128 << 20))
+                                       max_bytes=getattr(self.executor, "max_bytes", 128 << 20), codec=self._codec)
             sums = torch.tensor([len(res["errors"]), res["bytes"], res["full"], res["changed"], res["numel"]],
                                 dtype=torch.float64)
             dist.all_reduce(sums)
@@ -291,7 +293,7 @@ class Publisher:
         """One delta publication of ``pieces`` against ``base = (version, pieces)``, the last published."""
         from hyperrl.rollout.delta import encode_delta
 
-        deltas = {k: encode_delta(v, base[1][k]) for k, v in pieces.items()}
+        deltas = {k: encode_delta(v, base[1][k], self._codec) for k, v in pieces.items()}
         self.engine.begin(version, base=base[0])
         self.engine.stage_deltas(deltas)
         self.engine.commit()

@@ -15,21 +15,56 @@ from tests.dist_helpers import run_gloo
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 400), st.floats(0.0, 1.0), st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
-       st.integers(0, 2**16))
-def test_apply_of_encode_is_the_new_tensor_bit_for_bit(n, frac, dtype, seed):
+       st.integers(0, 2**16), st.sampled_from(["sparse", "xor_zstd"]))
+def test_apply_of_encode_is_the_new_tensor_bit_for_bit(n, frac, dtype, seed, codec):
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n, generator=g).to(dtype)
     new = base.clone()
     hit = torch.rand(n, generator=g) < frac
     new[hit] = torch.randn(int(hit.sum()), generator=g).to(dtype)
-    d = encode_delta(new, base)
+    d = encode_delta(new, base, codec)
     out = apply_delta(base, d)
     assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        new.view(torch.int16 if dtype != torch.float32 else torch.int32))
     changed = int((new.view(torch.uint8).view(-1, new.element_size()) !=
                    base.view(torch.uint8).view(-1, new.element_size())).any(-1).sum())
     assert d.changed == changed and d.nbytes <= n * new.element_size()  # never more than the dense tensor
-    assert d.kind == ("dense" if changed * (4 + new.element_size()) >= n * new.element_size() else "sparse")
+    if codec == "sparse":
+        assert d.kind == ("dense" if changed * (4 + new.element_size()) >= n * new.element_size() else "sparse")
+    else:  # the compressed xor when it is smaller than the dense tensor, else the sparse rule (tiny tensors)
+        assert d.kind in ("xor_zstd", "dense", "sparse") and (d.kind != "xor_zstd" or d.nbytes < n * new.element_size())
+
+
+def test_xor_zstd_carries_a_sparse_change_in_fewer_bytes_than_indices_and_values():
+    """A bf16 tensor whose low bits moved in 5 % of the elements (what lr 1e-6 does to a bf16 policy): the compressed
+    xor is smaller than sparse indices + values, and rebuilds the tensor bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(200_000, generator=g) * 0.02).to(torch.bfloat16)
+    new = base.clone()
+    hit = torch.rand(200_000, generator=g) < 0.05
+    new[hit] = (base[hit].view(torch.int16) + 1).view(torch.bfloat16)  # one ulp
+    sparse, packed = encode_delta(new, base), encode_delta(new, base, "xor_zstd")
+    assert sparse.kind == "sparse" and packed.kind == "xor_zstd" and packed.nbytes < sparse.nbytes / 2
+    assert torch.equal(apply_delta(base, packed).view(torch.int16), new.view(torch.int16))
+
+
+def test_a_receiver_without_the_compressor_fails_closed_naming_it(monkeypatch):
+    from hyperrl.rollout import delta as D
+
+    base = torch.zeros(1000, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::50] = 1.0
+    d, s_ = encode_delta(new, base, "xor_zstd"), encode_slice(new, base, "xor_zstd")
+
+    def missing():
+        raise DeltaError("delta encoding xor_zstd: the zstandard package is missing on this process")
+
+    monkeypatch.setattr(D, "_zstd", missing)
+    with pytest.raises(DeltaError, match="w: delta encoding xor_zstd: the zstandard package is missing"):
+        apply_delta(base, d, "w")
+    into = base.clone()
+    assert "w[0:1000]: delta encoding xor_zstd: the zstandard package is missing" in \
+        apply_slice(into, s_.header, s_.payload, "w[0:1000]")
 
 
 def test_bits_not_values_decide_what_changed():
@@ -66,8 +101,9 @@ def _engine_equals_a_full_publication(tr):
         assert torch.equal(served[k].view(torch.int16), full.view(torch.int16)), k
 
 
-def test_after_n_delta_publications_the_engine_is_bit_identical_to_a_full_publication(tmp_path):
-    tr = _trainer(tmp_path)
+@pytest.mark.parametrize("codec", ["sparse", "xor_zstd"])
+def test_after_n_delta_publications_the_engine_is_bit_identical_to_a_full_publication(tmp_path, codec):
+    tr = _trainer(tmp_path, f"--rollout.delta_encoding={codec}")
     fracs = []
     for _ in range(6):
         m = tr.step()
@@ -114,8 +150,9 @@ def test_a_checksum_failure_fails_closed_and_the_engine_keeps_serving(tmp_path):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 300), st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16))
-def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed):
+@given(st.integers(1, 300), st.floats(0.0, 1.0), st.booleans(), st.integers(0, 2**16),
+       st.sampled_from(["sparse", "xor_zstd"]))
+def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed, codec):
     """encode_slice → header + payload → apply_slice into a (possibly strided) view of the base: the view holds
     the new values bit for bit and the checksum verifies; the payload is never larger than the dense slice."""
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +162,7 @@ def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed):
     new[hit] += 1.0
     into = base.clone()
     view, want = (into[:, 1], new[:, 1]) if strided else (into, new)
-    d = encode_slice(want, view.clone())
+    d = encode_slice(want, view.clone(), codec)
     assert d.payload.numel() <= want.numel() * 2 and d.changed == int((want != view).sum())
     assert apply_slice(view, d.header, d.payload, "w") is None
     assert torch.equal(view.view(torch.int16), want.view(torch.int16))
@@ -134,14 +171,15 @@ def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed):
     assert "w: checksum mismatch" in apply_slice(view, damaged, d.payload, "w")
 
 
-def _dist_worker(rank, world, out_dir, extra, faults):
+def _dist_worker(rank, world, out_dir, extra, faults, codec="sparse"):
     from hyperrl.compose import build
     from hyperrl.config import load_config
     from hyperrl.sharding.simulate import expected_destination
 
     tr = build(load_config(None, [f"--run.out_dir={out_dir}", "--task=modsum", "--rollout.prompts_per_step=4",
                                   "--rollout.n=4", "--rollout.max_new_tokens=2", "--model.dtype=bfloat16",
-                                  "--run.threads=1", "--rollout.delta_publication=true", "--optim.lr=3e-6", *extra]))
+                                  "--run.threads=1", "--rollout.delta_publication=true", "--optim.lr=3e-6",
+                                  f"--rollout.delta_encoding={codec}", *extra]))
     pub, out = tr.publisher.publisher, []
     name = "model.layers.0.mlp.down_proj.weight"
     for step in range(1, 7):
@@ -165,12 +203,13 @@ def _dist_worker(rank, world, out_dir, extra, faults):
     return out
 
 
-def test_across_processes_each_slice_travels_as_its_delta_and_faults_fall_back_to_full(tmp_path):
+@pytest.mark.parametrize("codec", ["sparse", "xor_zstd"])
+def test_across_processes_each_slice_travels_as_its_delta_and_faults_fall_back_to_full(tmp_path, codec):
     """2 gloo processes, FSDP2 into one engine per rank (each rank receives the other's shards): after every step
     both engines equal a full publication bit for bit; delta steps put a fraction of the full direct plan's bytes
     on the wire. A damaged base on the receiver (its checksum fails on rank 0) and a base-version disagreement
     (rank 1) each fall back to a full publication on every rank, named; deltas resume the step after."""
-    res = run_gloo(_dist_worker, 2, str(tmp_path), [], True, timeout=600)
+    res = run_gloo(_dist_worker, 2, str(tmp_path), [], True, codec, timeout=600)
     for r in (0, 1):
         steps = res[r]
         assert all(s["exact"] for s in steps) and [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
