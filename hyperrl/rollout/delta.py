@@ -257,7 +257,11 @@ def execute_direct_delta(plan, rank: int, src: dict, src_base: dict, dst: dict, 
             for req in dist.batch_isend_irecv(payloads):
                 req.wait()
         for t, h, buf, target in recv:
-            err = apply_slice(target, h, buf, f"{t.param}{t.dst_slice} from rank {t.src_rank}")
+            where = f"{t.param}{t.dst_slice} from rank {t.src_rank}"
+            try:
+                err = apply_slice(target, h, buf, where)
+            except Exception as e:  # noqa: BLE001 - a malformed payload is recorded: the later buckets must still run
+                err = f"{where}: the delta does not apply ({e!r})"
             if err is not None:
                 errors.append(err)
     return {**sent, "errors": errors}
