@@ -1,0 +1,122 @@
+"""Multimodal prompts as users have them (issue 32, item 3): a chat prompt with image placeholders and its
+images, read from parquet / JSONL rows in verl's or TRL's format, every image decoded once at load.
+
+* **verl** (its geo3k preprocessing): ``prompt`` — chat messages whose string content holds ``<image>``
+  placeholders; ``images`` — a list of ``{"bytes": …, "path": …}`` (or bare bytes / path strings); the answer in
+  ``reward_model.ground_truth`` / ``extra_info`` like any verl row (:mod:`hyperrl.data.parquet`).
+* **TRL** (VLM GRPO): a conversational ``prompt`` whose content is a list of parts — ``{"type": "image"}`` is a
+  placeholder, ``{"type": "text", "text": …}`` text — or a string with ``<image>``; the images in ``images`` (a
+  list) or ``image`` (one), each as HF ``datasets`` stores an ``Image`` feature in parquet
+  (``{"bytes": …, "path": …}``), bytes or a path.
+
+A path is read relative to the data file's directory when not absolute. Errors name the file, the row and the
+column: a missing file, bytes no image decoder reads, a prompt whose placeholders do not match the images it
+comes with. Images are decoded with Pillow (the library transformers' image processors read) and converted to
+RGB; resizing is the model processor's business (its own ``min_pixels`` / ``max_pixels`` rules), not this
+module's.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hyperrl.data.parquet import DataError, _answer, _read_rows
+
+__all__ = ["IMAGE_PLACEHOLDER", "VisionSample", "count_placeholders", "decode_image", "vision_samples"]
+
+IMAGE_PLACEHOLDER = "<image>"
+
+
+@dataclass(frozen=True)
+class VisionSample:
+    """One multimodal prompt: ``prompt`` (a string or chat messages, placeholders as written), ``images``
+    (decoded RGB ``PIL.Image`` objects, in placeholder order), ``answer`` and ``source`` (``"file:row"``)."""
+
+    prompt: str | list
+    images: tuple
+    answer: Any
+    source: str
+
+
+def count_placeholders(prompt) -> int:
+    """Image placeholders in ``prompt``: ``<image>`` in a string or a message's string content, and TRL's
+    ``{"type": "image"}`` content parts."""
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    n = 0
+    for m in prompt:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += content.count(IMAGE_PLACEHOLDER)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    n += 1
+                elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                    n += part["text"].count(IMAGE_PLACEHOLDER)
+    return n
+
+
+def decode_image(value, where: str, base_dir: Path | None = None):
+    """An RGB ``PIL.Image`` from ``{"bytes", "path"}`` (bytes win when both are set), bytes, a path string or a
+    ``PIL.Image``; a :class:`DataError` naming ``where`` for a missing file or undecodable bytes."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    data, path = (value.get("bytes"), value.get("path")) if isinstance(value, dict) else (None, None)
+    if isinstance(value, bytes | bytearray):
+        data = value
+    elif isinstance(value, str):
+        path = value
+    if data is None and not path:
+        raise DataError(f"{where}: neither image bytes nor a path ({type(value).__name__})")
+    try:
+        if data is not None:
+            with Image.open(io.BytesIO(data)) as im:
+                return im.convert("RGB")
+        p = Path(path)
+        if not p.is_absolute() and base_dir is not None:
+            p = base_dir / p
+        if not p.is_file():
+            raise DataError(f"{where}: no such image file {p}")
+        with Image.open(p) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: not a readable image ({e})") from None
+
+
+def _row_images(row: dict, where: str, image_key: str | None, base_dir: Path | None) -> list:
+    keys = [image_key] if image_key else [k for k in ("images", "image") if k in row]
+    if not keys or keys[0] not in row:
+        raise DataError(f"{where}: no image column ({image_key or 'images / image'})")
+    key, value = keys[0], row[keys[0]]
+    values = [] if value is None else (list(value) if isinstance(value, list | tuple) else [value])
+    return [decode_image(v, f"{where}: column {key!r}[{i}]", base_dir) for i, v in enumerate(values)]
+
+
+def vision_samples(path: str | Path, *, prompt_key: str = "prompt", image_key: str | None = None,
+                   gt_key: str = "reward_model.ground_truth", extra_key: str = "extra_info", answer_key: str = "answer",
+                   require_answer: bool = True) -> list[VisionSample]:
+    """Every row of ``path`` (parquet, JSONL or JSON) as a :class:`VisionSample` — its images decoded once
+    (``image_key``: the column; default ``images``, else ``image``), its placeholders counted against them."""
+    path = Path(path)
+    out = []
+    for i, row in enumerate(_read_rows(path)):
+        where = f"{path}:{i}"
+        prompt = row.get(prompt_key)
+        if not isinstance(prompt, str | list) or not prompt:
+            raise DataError(f"{where}: column {prompt_key!r} must be a non-empty string or message list")
+        images = _row_images(row, where, image_key, path.parent)
+        n = count_placeholders(prompt)
+        if n != len(images):
+            raise DataError(f"{where}: column {prompt_key!r} has {n} image placeholder(s) but the row has "
+                            f"{len(images)} image(s); each <image> (or {{\"type\": \"image\"}} part) takes one image")
+        ans = _answer(row, gt_key, extra_key, answer_key)
+        if require_answer and ans is None:
+            raise DataError(f"{where}: no answer in {gt_key!r}, {extra_key!r} or {answer_key!r}")
+        out.append(VisionSample(prompt, tuple(images), ans, where))
+    return out
