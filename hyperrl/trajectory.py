@@ -76,6 +76,7 @@ __all__ = [
     "real_extent",
     "TOKEN_FIELDS",
     "SEQ_FIELDS",
+    "VISION_FIELDS",
     "REQUIRED",
     "TrajectoryError",
     "make_trajectory",
@@ -426,13 +427,18 @@ _MINUS_ONE = ("token_version", "kv_version", "routed_experts", "old_routed_exper
 
 def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
     """Concatenate trajectory batches along rows, right-padding token fields ``[B, T]`` to the
-    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0, versions ``NO_VERSION``, routes −1). One
+    widest ``T`` (tokens with ``pad_id``, masks False, log-probs 0, versions ``NO_VERSION``, routes −1), and the
+    per-row vision inputs (``pixel_values [B, P, D]``, ``image_grid_thw [B, I, 3]``) along dim 1 with zeros. One
     batch is returned as is."""
     if len(batches) == 1:
         return batches[0]
     if not batches:
         raise ValueError("cat_batches: no batches")
     T = max(b["tokens"].shape[1] for b in batches)
+    # a multimodal batch's per-row vision inputs (hyperrl.multimodal) are padded along dim 1 with zeros
+    # (a batch without any image holds them as [B, 0, …]: its trailing shape is taken from the others)
+    widest = {k: max(b[k].shape[1] for b in batches) for k in VISION_FIELDS if all(k in b.keys() for b in batches)}
+    tails = {k: next((b[k].shape[2:] for b in batches if b[k].shape[1]), batches[0][k].shape[2:]) for k in widest}
     padded = []
     for b in batches:
         extra = T - b["tokens"].shape[1]
@@ -442,10 +448,18 @@ def cat_batches(batches: list[TensorDict], pad_id: int = 0) -> TensorDict:
             if k in TOKEN_FIELDS and extra:
                 fill = pad_id if k == "tokens" else -1 if k in _MINUS_ONE else 0
                 v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra), value=fill)
+            elif k in widest and v.shape[1] < widest[k]:
+                if v.shape[2:] != tails[k]:  # no image in this batch
+                    v = v.new_zeros(v.shape[0], 0, *tails[k])
+                v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, widest[k] - v.shape[1]))
             fields[k] = v
         padded.append(TensorDict(fields, batch_size=[b.batch_size[0]]))
     return torch.cat(padded, 0)
 
+
+# a multimodal row's vision inputs, padded per row along dim 1 (pixel_values [B, P, D], image_grid_thw [B, I, 3];
+# hyperrl.multimodal builds and reads them)
+VISION_FIELDS = frozenset({"pixel_values", "image_grid_thw"})
 
 # keys every trajectory batch has (hyperrl.trajectory) and those the loop can always produce
 TRAJECTORY_KEYS = frozenset({"tokens", "attention_mask", "action_mask", "rollout_logprobs", "policy_version",

@@ -4,7 +4,7 @@ Read from every import statement of every module (function-level imports include
 imports resolved), so a cycle hidden behind a function-level import is still one. The layer order
 is stated once, here (docs/trainer.md draws it):
 
-    0 foundations   trajectory, registry, sampling, device, tokenizer, routing
+    0 foundations   trajectory, registry, sampling, device, tokenizer, routing, multimodal
     1 kernels       transforms, sharding
     2 rewards
     3 inputs        envs, data
@@ -26,7 +26,7 @@ from pathlib import Path
 PKG = Path(__file__).parents[1] / "hyperrl"
 
 LAYERS = [
-    ("trajectory", "registry", "sampling", "device", "tokenizer", "routing"),
+    ("trajectory", "registry", "sampling", "device", "tokenizer", "routing", "multimodal"),
     ("transforms", "sharding"),
     ("rewards",),
     ("envs", "data"),
