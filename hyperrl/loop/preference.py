@@ -156,15 +156,23 @@ class PreferenceTrainer(SyncTrainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """The held-out pairs' loss and accuracies (see the module doc); every rank scores all of them."""
-        pairs = self.task.held_out(self.cfg.run.eval_prompts)
+        """The held-out pairs' loss and accuracies (see the module doc): each data-parallel rank scores its share of
+        the pairs and the means are combined weighted by the shares' sizes — the means over every pair, the same on
+        every rank (with fewer pairs than data-parallel ranks every rank scores all of them)."""
+        all_pairs = self.task.held_out(self.cfg.run.eval_prompts)
+        par = self.forwards.parallel
+        shard = len(all_pairs) >= par.data_world > 1
+        pairs = par.shard(all_pairs) if shard else all_pairs
         batch = self.collector.batch(pairs).to(self.device)
         batch = self.prepare(batch)[0]
         f = self.forwards
         with _eval_mode(self.policy):
             lp = f.no_grad(lambda rows: f.logprobs(self.policy, rows), batch)[0]
         out = T.preference_loss(self.preference, *self._pairs(lp, batch), beta=self.beta).scalars()
+        if shard:  # every metric is a mean over the rank's pairs: Σ mean·n / Σ n is the mean over all of them
+            sums = par.sum_metrics({**{k: v * len(pairs) for k, v in out.items()}, "pairs": float(len(pairs))})
+            out = {k: sums[k] / sums["pairs"] for k in out}
         metrics = {"step": self.step_idx, "eval_loss": out["loss_dpo"], "eval_reward_mean": out["reward_accuracy"],
-                   **{f"eval_{k}": v for k, v in out.items() if k != "loss_dpo"}, "eval_pairs": len(pairs)}
+                   **{f"eval_{k}": v for k, v in out.items() if k != "loss_dpo"}, "eval_pairs": len(all_pairs)}
         self._emit("eval", metrics)
         return metrics

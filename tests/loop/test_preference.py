@@ -347,12 +347,14 @@ def _dist_worker(rank, world, tmp, extra):
     from tests.dist_helpers import record_grads
 
     cfg = load_config(None, ["--algo.recipe=dpo", f"--data.train_files=[{tmp}/train.parquet]",
-                             f"--run.out_dir={tmp}/dist", *TINY, "--run.eval_every=0", "--rollout.prompts_per_step=8",
-                             *extra])
+                             f"--data.val_files=[{tmp}/val.parquet]", f"--run.out_dir={tmp}/dist", *TINY,
+                             "--run.eval_every=0", "--rollout.prompts_per_step=8", *extra])
     tr = build(cfg)
     seen = record_grads(tr)
     m = tr.step()
-    return {"grads": {k: v.numpy() for k, v in seen.items()}, "loss": m["loss_dpo"], "acc": m["reward_accuracy"]}
+    ev = tr.evaluate()
+    return {"grads": {k: v.numpy() for k, v in seen.items()}, "loss": m["loss_dpo"], "acc": m["reward_accuracy"],
+            "eval": {k: v for k, v in ev.items() if k.startswith("eval_")}}
 
 
 @pytest.mark.dist
@@ -360,15 +362,16 @@ def _dist_worker(rank, world, tmp, extra):
                          ids=["fsdp", "fsdp-micro", "lora"])
 def test_two_ranks_train_the_one_process_gradient(tmp_path, extra):
     """2 gloo ranks (FSDP2; LoRA: replicated base, adapters all-reduced), each 4 of the step's 8 pairs: the
-    synced gradient and the loss equal one process over all 8 pairs (the loss normalised by the step's pairs)."""
+    synced gradient and the loss equal one process over all 8 pairs (the loss normalised by the step's pairs); the
+    evaluation, each rank half the held-out pairs, equals one process's over all of them."""
     from hyperrl.compose import build
     from tests.dist_helpers import record_grads, run_gloo
 
     _pairs_files(tmp_path)
     res = run_gloo(_dist_worker, 2, str(tmp_path), extra, timeout=300)
     cfg = load_config(None, ["--algo.recipe=dpo", f"--data.train_files=[{tmp_path}/train.parquet]",
-                             f"--run.out_dir={tmp_path}/one", *TINY, "--run.eval_every=0",
-                             "--rollout.prompts_per_step=8", *extra])
+                             f"--data.val_files=[{tmp_path}/val.parquet]", f"--run.out_dir={tmp_path}/one", *TINY,
+                             "--run.eval_every=0", "--rollout.prompts_per_step=8", *extra])
     tr = build(cfg)
     one = record_grads(tr)
     m = tr.step()
@@ -379,3 +382,7 @@ def test_two_ranks_train_the_one_process_gradient(tmp_path, extra):
     print(f"{extra}: max relative gradient gap {gap:.2e}")
     assert gap < 1e-5
     assert all((res[1]["grads"][k] == res[0]["grads"][k]).all() for k in one)
+    # evaluation: each rank scores half the 64 held-out pairs; the combined means are one process's over all of them
+    ev = {k: v for k, v in tr.evaluate().items() if k.startswith("eval_")}
+    assert res[0]["eval"] == res[1]["eval"] and set(ev) == set(res[0]["eval"]) and ev["eval_pairs"] == 64
+    assert all(abs(res[0]["eval"][k] - v) <= 1e-5 * max(1.0, abs(v)) for k, v in ev.items()), (ev, res[0]["eval"])
