@@ -193,14 +193,7 @@ class Publisher:
             return self._publish_direct_delta(model, version)
         if not delta:
             self._base = None
-            self.engine.begin(version)  # before gathering: an in-place engine's buffers belong to the transaction
-            try:
-                pieces = self._gather(model, version)
-            except WeightPublishError:
-                self.engine.abort()
-                raise
-            self.engine.stage(pieces)
-            self.engine.commit()
+            self._publish_full(model, version)
             return
         # the next base is a copy: pieces may be views of the live weights
         pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
@@ -265,14 +258,7 @@ class Publisher:
         dist.all_gather_object(reasons, why)
         said = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
         self._base = None
-        self.engine.begin(version)
-        try:
-            pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
-        except WeightPublishError:
-            self.engine.abort()
-            raise
-        self.engine.stage(pieces)
-        self.engine.commit()
+        pieces = self._publish_full(model, version, keep=True)
         self._base = (version, shards, pieces)
         full = sum(t.nbytes for t in self.plan if not t.local and t.src_rank == self.rank)
         totals = torch.tensor([float(full)], dtype=torch.float64)
@@ -280,6 +266,22 @@ class Publisher:
         self.last = {"publish_bytes": float(totals[0]), "publish_full_bytes": float(totals[0]), "delta_frac": 1.0}
         if base is not None and said:
             self.last["delta_fallback"] = said
+
+    def _publish_full(self, model: torch.nn.Module, version: int, *, keep: bool = False) -> dict[str, torch.Tensor]:
+        """One full publication: ``begin`` before gathering (an in-place engine's buffers belong to the
+        transaction; a failed gather aborts it), stage, commit. ``keep``: the pieces staged are copies, returned
+        as the next delta base (never the engine's own buffers)."""
+        self.engine.begin(version)
+        try:
+            pieces = self._gather(model, version)
+        except WeightPublishError:
+            self.engine.abort()
+            raise
+        if keep:
+            pieces = {k: v.detach().clone() for k, v in pieces.items()}
+        self.engine.stage(pieces)
+        self.engine.commit()
+        return pieces
 
     def _gather(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
         """:meth:`gather`, an executor's failure reported as a ``WeightPublishError`` naming the version."""

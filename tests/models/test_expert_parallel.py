@@ -198,26 +198,32 @@ def test_with_the_load_balancing_loss_only_the_routers_gradients_differ(tmp_path
     assert gaps["model.norm.weight"] < 1e-5 and gaps["model.layers.1.mlp.experts.down_proj"] < 1e-5
 
 
-def _run_worker(rank, world, out_dir, stop, resume):
+def _train(out_dir, extra, stop, resume, save_at):
+    """``configs/moe.yaml`` at ep = 2 (+ ``extra``) trained to step ``stop`` (resumed first, or not), saving at
+    ``save_at``: the trainer and each step's metrics without the timing ones."""
     from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
 
-    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *ARGS,
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *extra, *ARGS,
                                                         "--optim.lr=3e-3"]))
     if resume:
         assert tr.resume()
     metrics = []
     while tr.step_idx < stop:
-        metrics.append(tr.step())
-        if tr.step_idx == 3:
+        metrics.append({k: v for k, v in tr.step().items() if not k.startswith(("time_", "tokens_per_s"))})
+        if tr.step_idx == save_at:
             tr.save()
+    return tr, metrics
+
+
+def _run_worker(rank, world, out_dir, stop, resume):
+    tr, metrics = _train(out_dir, [], stop, resume, save_at=3)
     full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().copy()
             for k, p in tr.policy.named_parameters()}
     served = tr.engine.model.state_dict()
     engine_equals_policy = all(torch.equal(served[k], torch.from_numpy(v)) for k, v in full.items())
-    skip = ("time_", "tokens_per_s")
     experts = tr.policy.model.layers[0].mlp.experts
-    return {"full": full, "metrics": [{k: v for k, v in m.items() if not k.startswith(skip)} for m in metrics],
+    return {"full": full, "metrics": metrics,
             "version": tr.engine.policy_version, "engine_equals_policy": engine_equals_policy,
             "local_experts": experts.gate_up_proj.to_local().shape[0]}
 
@@ -245,31 +251,20 @@ def test_the_ep_trainer_publishes_checkpoints_and_resumes_bit_identically(tmp_pa
 
 
 def _ep_tp_worker(rank, world, out_dir, stop, resume):
-    from hyperrl.compose import build_trainer
-    from hyperrl.config import load_config
     from hyperrl.sharding.simulate import expected_destination
 
-    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={out_dir}", "--run.ep=2", *TP2, *ARGS,
-                                                        "--optim.lr=3e-3"]))
-    if resume:
-        assert tr.resume()
-    metrics = []
-    while tr.step_idx < stop:
-        metrics.append(tr.step())
-        if tr.step_idx == 2:
-            tr.save()
+    tr, metrics = _train(out_dir, TP2, stop, resume, save_at=2)
     full = {k: p.full_tensor().detach() for k, p in tr.policy.named_parameters()}
     want = expected_destination(tr.engine.layout(world), full, ranks=[rank])[rank]
     got = {name: torch.cat([p.detach() for p, _ in targets], dim) for name, (dim, targets) in tr.engine._splits.items()}
     plan = tr.publisher.publisher.plan
     experts = tr.policy.model.layers[0].mlp.experts
-    skip = ("time_", "tokens_per_s")
     return {"bad": sorted(k for k in want if not torch.equal(want[k], got[k])), "served": sorted(got),
             "expert_bytes_in": sum(t.nbytes for t in plan if t.dst_rank == rank and ".experts." in t.param),
             "all_expert_bytes": sum(v.numel() * v.element_size() for k, v in full.items() if ".experts." in k),
             "mesh": experts.gate_up_proj.device_mesh.mesh_dim_names, "local_experts": experts.local,
             "engine_experts": tr.engine.model.model.layers[0].mlp.experts.first, "version": tr.engine.policy_version,
-            "metrics": [{k: v for k, v in m.items() if not k.startswith(skip)} for m in metrics],
+            "metrics": metrics,
             "full": {k: v.numpy().copy() for k, v in full.items()}}
 
 
