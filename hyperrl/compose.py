@@ -35,7 +35,14 @@ from hyperrl.loop.scoring import Scorer
 from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
 from hyperrl.models.head import fp32_lm_head
 from hyperrl.models.lora import MergedView, is_lora, trainable_parameters
-from hyperrl.models.policy import build_critic, build_policy, build_reference, build_teachers, build_tokenizer
+from hyperrl.models.policy import (
+    build_critic,
+    build_image_processor,
+    build_policy,
+    build_reference,
+    build_teachers,
+    build_tokenizer,
+)
 from hyperrl.rewards import build_rewards
 from hyperrl.rollout.engines import ENGINES, EngineContext
 from hyperrl.rollout.publisher import Publisher
@@ -78,7 +85,7 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
         if dims.cp > 1:  # before sharding: the checks read the plain model
             context_parallel_model(policy, reference, dims, parallel)
         if m.lora is None:
-            policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype)
+            policy = fully_shard_model(policy, decoder_layers(policy), dims, device, dtype)
         else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
             parallel.replicate(policy)
         if critic is not None:
@@ -86,6 +93,13 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
         policy.compile(backend=m.compile, dynamic=True)
     return policy, engine, reference, critic
+
+
+def decoder_layers(policy):
+    """The policy's decoder layers (FSDP2's units): ``model.layers``, a vision-language model's
+    ``model.language_model.layers`` (its vision tower stays in the root unit)."""
+    inner = policy.model
+    return getattr(inner, "language_model", inner).layers
 
 
 def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, parallel, reference, critic):
@@ -182,7 +196,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     pipeline = pipeline if pipeline is not None else build_pipeline(cfg.algo)
     device = pick_device(cfg.run.device)
     tok = build_tokenizer(cfg)
-    task = make_task(cfg.task, tok, cfg.run.seed)
+    task = make_task(cfg.task, tok, cfg.run.seed, build_image_processor(cfg))
     need = getattr(task, "response_tokens", 0)
     if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "

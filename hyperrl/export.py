@@ -61,7 +61,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, adapters: bool = F
     from hyperrl.config import TrainConfig
     from hyperrl.device import torch_dtype
     from hyperrl.loop.checkpoint import MARKER, consolidate, verify_checkpoint
-    from hyperrl.models.policy import build_policy, build_tokenizer
+    from hyperrl.models.policy import build_image_processor, build_policy, build_tokenizer
+    from hyperrl.multimodal import vision_spec
 
     ck, out = Path(checkpoint), Path(out_dir)
     if not ck.is_dir():
@@ -97,12 +98,18 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, adapters: bool = F
     gen = model.generation_config
     gen.eos_token_id = stops if len(stops) > 1 else stops[0] if stops else None
     gen.pad_token_id = tok.pad_token_id
+    spec = vision_spec(model)
+    if spec is not None:  # the trained policy never emits its vision tokens (suppressed at the head): nor does generate
+        gen.suppress_tokens = list(spec.input_only)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)  # a PEFT model (adapters): adapter_config.json + adapter_model.safetensors
     if adapters:
         gen.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    processor = build_image_processor(cfg)
+    if processor is not None:  # a vision-language model: its image processor (AutoImageProcessor loads it back)
+        processor.save_pretrained(tmp)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -14,15 +14,24 @@ images concatenated, grids in the same order. Rows have different image counts a
 Every ``[B, …]`` operation — row selection, data-parallel sharding, micro-batching — carries them unchanged;
 :func:`~hyperrl.trajectory.cat_batches` pads them along dim 1 (``trajectory.VISION_FIELDS``). :func:`pack_vision` builds
 the two keys from per-row tensors, :func:`model_inputs` gives a model call its concatenated inputs back, and
-:func:`check_vision` holds each row's placeholders to its grids (a mismatch fails the forward deep inside the model
-otherwise: "Image features and image tokens do not match").
+:func:`hyperrl.trajectory.check_vision` (called by ``validate(..., image_token_id=…)``) holds each row's placeholders
+to its grids (a mismatch fails the forward deep inside the model otherwise: "Image features and image tokens do not
+match").
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["pack_vision", "row_patches", "model_inputs", "check_vision", "VisionError"]
+__all__ = ["pack_vision", "row_patches", "model_inputs", "VisionError", "VisionSpec", "vision_spec",
+           "expand_placeholders", "rope_positions", "forward_inputs", "suppress_outputs", "vision_identity",
+           "VISION_SPECIAL_TOKENS"]
+
+# the Qwen-VL family's vision special tokens, in the order a tokenizer built for it adds them
+VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
 class VisionError(ValueError):
@@ -35,9 +44,10 @@ def row_patches(grids: torch.Tensor) -> torch.Tensor:
 
 
 def pack_vision(rows: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> dict[str, torch.Tensor]:
-    """``[(pixel_values [p_b, D] or None, image_grid_thw [n_b, 3] or None), …]`` (one pair per row; None: a row
-    without images) → ``{"pixel_values": [B, P, D], "image_grid_thw": [B, I, 3]}``, zero-padded per row. Each
-    row's patches must number ``Σ t·h·w`` of its grids (error names the row)."""
+    """``[(pixel_values [p_b, D] or None, image_grid_thw [n_b, 3] or None), …]`` (one pair per row; None or
+    ``(None, None)``: a row without images) → ``{"pixel_values": [B, P, D], "image_grid_thw": [B, I, 3]}``,
+    zero-padded per row. Each row's patches must number ``Σ t·h·w`` of its grids (error names the row)."""
+    rows = [(None, None) if r is None else r for r in rows]
     dims = {int(pv.shape[1]) for pv, _ in rows if pv is not None}
     if len(dims) > 1:
         raise VisionError(f"pixel_values: rows have patch widths {sorted(dims)}; one model, one width")
@@ -73,30 +83,115 @@ def model_inputs(batch) -> dict[str, torch.Tensor]:
     return {"pixel_values": pixels[keep], "image_grid_thw": grids[real]}
 
 
-def check_vision(batch, *, image_token_id: int, merge: int = 2) -> None:
-    """Each row's image placeholder tokens (``tokens == image_token_id`` inside ``attention_mask``) number
-    ``Σ t·h·w / merge²`` of its grids, and its patches fit ``pixel_values``; a :class:`VisionError` names the first
-    row that disagrees."""
-    for k in ("pixel_values", "image_grid_thw"):
-        if k not in batch.keys():
-            raise VisionError(f"{k}: missing (a multimodal batch carries pixel_values and image_grid_thw per row)")
-    grids = batch["image_grid_thw"]
-    if grids.dim() != 3 or grids.shape[-1] != 3:
-        raise VisionError(f"image_grid_thw: shape {tuple(grids.shape)}, expected [B, I, 3]")
-    counts = row_patches(grids)
-    merged = grids.long().prod(-1)
-    if bool((merged % (merge * merge)).any()):
-        b = int((merged % (merge * merge)).any(-1).nonzero()[0])
-        raise VisionError(f"row {b}: image_grid_thw {grids[b].tolist()} has a grid whose t·h·w is not a multiple "
-                          f"of merge² = {merge * merge}")
-    placeholders = ((batch["tokens"] == image_token_id) & batch["attention_mask"].bool()).sum(-1)
-    want = counts // (merge * merge)
-    bad = (placeholders != want.to(placeholders.device)).nonzero()
-    if len(bad):
-        b = int(bad[0])
-        raise VisionError(f"row {b}: {int(placeholders[b])} image placeholder tokens (id {image_token_id}) but its "
-                          f"image_grid_thw {grids[b][merged[b] > 0].tolist()} takes {int(want[b])}")
-    if counts.numel() and int(counts.max()) > batch["pixel_values"].shape[1]:
-        b = int((counts > batch["pixel_values"].shape[1]).nonzero()[0])
-        raise VisionError(f"row {b}: its grids need {int(counts[b])} patches, pixel_values holds "
-                          f"{batch['pixel_values'].shape[1]} a row")
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the loop needs of a vision-language model: its image placeholder id, the 2×2 (``merge``) patch merge
+    (an image of grid ``[t, h, w]`` takes ``t·h·w / merge²`` placeholders), and ``input_only`` — the vision
+    special ids the model reads but a policy must never emit (placeholders, vision start/end: a sampled
+    placeholder has no image behind it, and the next forward fails)."""
+
+    image_token_id: int
+    merge: int
+    input_only: tuple[int, ...]
+
+
+def vision_spec(model) -> VisionSpec | None:
+    """The :class:`VisionSpec` of a Qwen-VL-family model (``config.vision_config``; read duck-typed through
+    wrappers: PEFT, FSDP), None for a text-only model."""
+    cfg = getattr(model, "config", None)
+    vc = getattr(cfg, "vision_config", None)
+    if vc is None or getattr(cfg, "image_token_id", None) is None:
+        return None
+    ids = [getattr(cfg, k, None) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                           "vision_end_token_id")]
+    return VisionSpec(int(cfg.image_token_id), int(getattr(vc, "spatial_merge_size", 2)),
+                      tuple(sorted({int(i) for i in ids if i is not None})))
+
+
+def expand_placeholders(ids: list[int], image_token_id: int, grids, merge: int = 2) -> list[int]:
+    """``ids`` with its ``k``-th image placeholder (one token per image, as a chat template or a prompt string
+    writes it) repeated ``t·h·w / merge²`` times for grid ``grids[k]`` — the Qwen-VL processors' rule. The
+    placeholders must number the images (the error says both counts)."""
+    grids = [] if grids is None else [tuple(int(x) for x in g) for g in grids]
+    at = [i for i, t in enumerate(ids) if int(t) == image_token_id]
+    if len(at) != len(grids):
+        raise VisionError(f"{len(at)} image placeholders (id {image_token_id}) for {len(grids)} images; write one "
+                          "placeholder per image")
+    out, k = [], 0
+    for t in ids:
+        if int(t) == image_token_id:
+            t_, h, w = grids[k]
+            if (t_ * h * w) % (merge * merge):
+                raise VisionError(f"image {k}: grid {[t_, h, w]} is not a multiple of merge² = {merge * merge}")
+            out += [image_token_id] * (t_ * h * w // (merge * merge))
+            k += 1
+        else:
+            out.append(int(t))
+    return out
+
+
+def _rope_owner(model):
+    """The module that computes a VLM's rope index (``get_rope_index``; Qwen2/2.5/3-VL's inner model)."""
+    for m in model.modules():
+        if callable(getattr(type(m), "get_rope_index", None)):
+            return m
+    raise VisionError(f"{type(model).__name__}: no get_rope_index (not a Qwen-VL family model); its positions "
+                      "cannot be computed here")
+
+
+def rope_positions(model, ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                   image_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The multimodal rotary positions (Qwen's M-RoPE) of ``ids [B, T]``: ``(positions [3, B, T], delta [B])`` by
+    the model's own ``get_rope_index`` — text tokens count up on all three axes, an image's placeholders take
+    (temporal, height, width) positions of its grid, the text after it resumes at the largest position + 1;
+    padding (``attention_mask`` 0, either side) gets 0. ``image_grid_thw [N, 3]``: the grids of the batch's images
+    in row order (:func:`model_inputs`). A token ``j`` positions past the row's last real token sits at
+    ``(last index + j) + delta`` on every axis — how decoding continues. The one place positions are computed:
+    the rollout engine's prefill and the trainer's forwards both call it (through :func:`forward_inputs`)."""
+    types = (ids == image_token_id).int()
+    pos, delta = _rope_owner(model).get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
+                                                   attention_mask=attention_mask.long())
+    return pos, delta.reshape(-1)
+
+
+def forward_inputs(model, spec: VisionSpec, ids: torch.Tensor, attention_mask: torch.Tensor, vision) -> dict:
+    """A vision-language model call's extra inputs for ``ids [B, T]``: the rows' images (``vision``: a mapping with
+    ``pixel_values [B, P, D]`` and ``image_grid_thw [B, I, 3]`` for the same rows, or None) concatenated in row
+    order, and ``position_ids [3, B, T]`` from :func:`rope_positions`."""
+    kw = model_inputs(vision) if vision is not None else {}
+    pos, _ = rope_positions(model, ids, attention_mask, kw.get("image_grid_thw"), spec.image_token_id)
+    if "pixel_values" in kw:
+        kw["pixel_values"] = kw["pixel_values"].to(ids.device)
+        kw["image_grid_thw"] = kw["image_grid_thw"].to(ids.device)
+    return {**kw, "position_ids": pos}
+
+
+def _mask_outputs(ids: torch.Tensor, value: float, module, args, output):
+    return output.index_fill(-1, ids.to(output.device), value)
+
+
+def suppress_outputs(model, ids: tuple[int, ...], value: float = -1e4):
+    """Give the ids in ``ids`` the logit ``value`` at the model's output head (a forward hook on its output
+    embeddings): the policy's distribution is over the other tokens, for the rollout engine and the trainer alike
+    (both call the same module, so their log-probs still agree to rounding). ``-1e4`` rather than ``-inf``: its
+    probability is exactly 0 in fp32 (and after a temperature) while ``0 · log 0`` terms (entropy) stay finite.
+    Returns the hook handle; a model copied after (``copy.deepcopy``) keeps it."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise VisionError(f"{type(model).__name__}: no output embeddings to suppress tokens at")
+    return head.register_forward_hook(functools.partial(_mask_outputs, torch.tensor(sorted(ids)), value))
+
+
+def vision_identity(batch) -> torch.Tensor:
+    """``[B]`` ints, equal for two rows exactly when their vision inputs are bitwise equal (their grids and their
+    padded patches) — what tells two prompts with the same placeholder tokens but different images apart. All
+    zero when the batch has no vision inputs."""
+    if "image_grid_thw" not in batch.keys():
+        return torch.zeros(batch["tokens"].shape[0], dtype=torch.long)
+    px = batch["pixel_values"]
+    bits = px.contiguous().view(px.shape[0], -1)
+    bits = bits.view(torch.int32) if bits.dtype == torch.float32 else bits.view(torch.int16).long()
+    key = torch.cat([batch["image_grid_thw"].reshape(px.shape[0], -1).long(), bits.long()], 1)
+    if not key.shape[1]:  # no row has an image
+        return torch.zeros(px.shape[0], dtype=torch.long)
+    return torch.unique(key, dim=0, return_inverse=True)[1]

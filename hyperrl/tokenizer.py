@@ -40,21 +40,26 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot serve the run (missing files, vocabulary mismatch, no template)."""
 
 
-def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET, specials: tuple[str, ...] = ()):
     """The embedded character tokenizer as a ``PreTrainedTokenizerFast`` (``tokenizers``
-    WordLevel over single characters; a character outside ``alphabet`` is an error, never dropped)."""
+    WordLevel over single characters; a character outside ``alphabet`` is an error, never dropped).
+    ``specials``: whole-string special tokens after the alphabet (e.g. a vision-language model's
+    ``<|image_pad|>``), matched in text before it is split into characters."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     if len(set(alphabet)) != len(alphabet):
         raise ValueError("alphabet: characters must be unique")
     vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(alphabet)}}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
     core = Tokenizer(models.WordLevel(vocab))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                         special_tokens=[("<bos>", 1)])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": list(specials)})
     tok.chat_template = CHAR_CHAT_TEMPLATE
     return tok
 

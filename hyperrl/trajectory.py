@@ -77,6 +77,7 @@ __all__ = [
     "TOKEN_FIELDS",
     "SEQ_FIELDS",
     "VISION_FIELDS",
+    "check_vision",
     "REQUIRED",
     "TrajectoryError",
     "make_trajectory",
@@ -184,7 +185,8 @@ def _check_shapes(fields, B: int, T: int) -> None:
 
 
 def validate(batch: TensorDict, *, single_version: bool = False, required: tuple[str, ...] = REQUIRED,
-             learner_version: int | None = None, max_staleness: int | None = None) -> None:
+             learner_version: int | None = None, max_staleness: int | None = None, image_token_id: int | None = None,
+             merge: int = 2) -> None:
     """Check ``batch`` against the contract; raise :class:`TrajectoryError` naming the field.
 
     Checks: non-empty batch; required keys present; shapes ``[B, T]`` / ``[B]``; dtypes;
@@ -193,7 +195,9 @@ def validate(batch: TensorDict, *, single_version: bool = False, required: tuple
     sequences from one policy version. The asynchronous fields when present (docs/async.md):
     ``token_version`` ``≥ 0`` on actions and ``NO_VERSION`` on the other real tokens,
     ``policy_version`` = the oldest action token's version, unique ``sample_uid``, a known
-    ``finish_reason``; with ``learner_version`` and ``max_staleness`` no action token staler than η.
+    ``finish_reason``; with ``learner_version`` and ``max_staleness`` no action token staler than η. With
+    ``image_token_id`` (a vision-language model's placeholder) and vision inputs in the batch, every row's
+    placeholders against its grids (:func:`check_vision`).
     """
     if not isinstance(batch, TensorDict):
         raise TrajectoryError(f"batch: expected a TensorDict, got {type(batch).__name__}")
@@ -243,6 +247,38 @@ def validate(batch: TensorDict, *, single_version: bool = False, required: tuple
         if len(versions) > 1:
             _fail("policy_version", f"mixed versions {versions} where one is required; regenerate or drop stale ones")
     _validate_async(batch, learner_version, max_staleness)
+    if image_token_id is not None and VISION_FIELDS & set(batch.keys()):
+        check_vision(batch, image_token_id=image_token_id, merge=merge)
+
+
+def check_vision(batch, *, image_token_id: int, merge: int = 2) -> None:
+    """Each row's image placeholder tokens (``tokens == image_token_id`` inside ``attention_mask``) number
+    ``Σ t·h·w / merge²`` of its grids, and its patches fit ``pixel_values``; a :class:`TrajectoryError` names the first
+    row that disagrees."""
+    for k in ("pixel_values", "image_grid_thw"):
+        if k not in batch.keys():
+            raise TrajectoryError(f"{k}: missing (a multimodal batch carries pixel_values and image_grid_thw per row)")
+    grids = batch["image_grid_thw"]
+    if grids.dim() != 3 or grids.shape[-1] != 3:
+        raise TrajectoryError(f"image_grid_thw: shape {tuple(grids.shape)}, expected [B, I, 3]")
+    counts = grids.long().prod(-1).sum(-1)
+    merged = grids.long().prod(-1)
+    if bool((merged % (merge * merge)).any()):
+        b = int((merged % (merge * merge)).any(-1).nonzero()[0])
+        raise TrajectoryError(f"image_grid_thw: row {b}: {grids[b].tolist()} has a grid whose t·h·w is not a "
+                              f"multiple of merge² = {merge * merge}")
+    placeholders = ((batch["tokens"] == image_token_id) & batch["attention_mask"].bool()).sum(-1)
+    want = counts // (merge * merge)
+    bad = (placeholders != want.to(placeholders.device)).nonzero()
+    if len(bad):
+        b = int(bad[0])
+        raise TrajectoryError(f"image_grid_thw: row {b}: {int(placeholders[b])} image placeholder tokens (id "
+                              f"{image_token_id}) but its image_grid_thw {grids[b][merged[b] > 0].tolist()} takes "
+                              f"{int(want[b])}")
+    if counts.numel() and int(counts.max()) > batch["pixel_values"].shape[1]:
+        b = int((counts > batch["pixel_values"].shape[1]).nonzero()[0])
+        raise TrajectoryError(f"pixel_values: row {b}: its grids need {int(counts[b])} patches, pixel_values holds "
+                              f"{batch['pixel_values'].shape[1]} a row")
 
 
 def _validate_async(batch: TensorDict, learner_version: int | None, max_staleness: int | None) -> None:

@@ -22,9 +22,10 @@ from hyperrl.config.schema import (
     RunConfig,
     TrainConfig,
     Variant,
+    VisionConfig,
 )
 
 __all__ = ["load_config", "validate_config", "describe", "TrainConfig", "ConfigError", "Variant", "RewardSpec",
            "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig", "CriticConfig", "AlgoConfig",
-           "OptimConfig", "RunConfig", "AsyncConfig", "RECIPES", "recipe_config", "register_recipe", "registries",
-           "resolve"]
+           "VisionConfig", "OptimConfig", "RunConfig", "AsyncConfig", "RECIPES", "recipe_config", "register_recipe",
+           "registries", "resolve"]

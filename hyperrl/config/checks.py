@@ -233,10 +233,53 @@ def check_combinations(cfg: TrainConfig) -> None:
             raise ConfigError("rollout.engine.lora_adapters: model.lora.train_modules are trained outside the adapters "
                               "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
                               "train_modules")
+    _check_vision(cfg, needs)
     _check_replay(cfg, caps)
     _check_ep(cfg, world)
     _check_cp(cfg, world, needs)
     _check_async(cfg, caps, needs, world)
+
+
+def is_vision_model(cfg: TrainConfig) -> bool:
+    """The policy is a vision-language model: ``model.vision``, or a checkpoint whose config.json has a
+    ``vision_config`` (read as JSON: nothing is loaded)."""
+    import json
+
+    m = cfg.model
+    if m.vision is not None:
+        return True
+    if m.checkpoint is None:
+        return False
+    try:
+        return "vision_config" in json.loads((Path(m.checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _check_vision(cfg: TrainConfig, needs) -> None:
+    """A vision-language policy: what carries images yet (docs/multimodal.md), and a visual task's model."""
+    from hyperrl.data.tasks import TASKS
+
+    vlm = is_vision_model(cfg)
+    if not vlm:
+        if getattr(TASKS.factory(cfg.task.name).fn, "takes_images", False):
+            raise ConfigError(f"task.name={cfg.task.name}: a visual task needs a vision-language policy; set "
+                              "model.vision: {} (a tiny random Qwen2.5-VL) or a Qwen-VL model.checkpoint")
+        return
+    eng = cfg.rollout.engine
+    why = [w for w, bad in (
+        ("model.experts (the tiny vision-language model is dense)", cfg.model.experts > 0 and cfg.model.vision),
+        (f"rollout.engine={eng.name} (images go through the transformers engine yet)", eng.name != "transformers"),
+        ("the TP engine (rollout.engine.tp > 1)", int(eng.args.get("tp", 1)) > 1),
+        ("run.tp", cfg.run.tp > 1), ("run.ep", cfg.run.ep > 1), ("run.cp", cfg.run.cp > 1),
+        ("optim.pack_tokens (the packed forward does not carry images)", cfg.optim.pack_tokens > 0),
+        ("env (multi-turn episodes and agents do not carry images yet)", cfg.env is not None),
+        ("a critic (its backbone reads no images)", "values" in needs),
+        ("algo.distill (teachers are text models)", cfg.algo.distill is not None),
+        ("algo.preference", cfg.algo.preference is not None)) if bad]
+    if why:
+        raise ConfigError("a vision-language policy (model.vision / a Qwen-VL checkpoint) does not run with "
+                          + "; ".join(why) + " yet — drop it, or train a text model")
 
 
 def _check_ep(cfg: TrainConfig, world: int) -> None:

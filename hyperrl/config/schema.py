@@ -21,8 +21,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-__all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "ModelConfig", "RolloutConfig", "KLConfig",
-           "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "AsyncConfig", "TrainConfig", "ConfigError"]
+__all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "VisionConfig", "ModelConfig", "RolloutConfig",
+           "KLConfig", "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "AsyncConfig", "TrainConfig",
+           "ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,34 @@ class LoraConfig(_Frozen):
                                      "adapters (e.g. model.norm, model.embed_tokens); saved in checkpoints too")
 
 
+class VisionConfig(_Frozen):
+    """``model.vision``: a vision-language policy (docs/multimodal.md) — without ``model.checkpoint``, a tiny random
+    Qwen2.5-VL whose vision tower these keys size (patch 14, 2×2 merge, its language model the keys above), and the
+    character tokenizer with the Qwen-VL vision tokens; its image processor resizes every image to between
+    ``min_pixels`` and ``max_pixels`` (multiples of 28 a side)."""
+
+    hidden: int = Field(32, ge=8, description="vision tower: hidden size (random init)")
+    depth: int = Field(2, ge=1, description="vision tower: blocks")
+    heads: int = Field(2, ge=1, description="vision tower: attention heads")
+    min_pixels: int = Field(28 * 28, ge=28 * 28, description="image processor: fewest pixels after resizing (an "
+                            "image of h × w pixels takes h·w / 28² placeholder tokens)")
+    max_pixels: int = Field(112 * 112, ge=28 * 28, description="image processor: most pixels after resizing")
+    freeze: bool = Field(False, description="train the language model only (the vision tower and its merger frozen; "
+                         "with model.lora the adapters go on the language model only either way)")
+    rope_theta: float = Field(1e6, gt=0, description="the tiny model's rotary base (Qwen2.5-VL's 1e6; M-RoPE gives "
+                              "the image's height / width axes the lowest frequencies — with the tiny 16-dim heads "
+                              "and 1e6 they turn 1e-3 … 6e-6 rad a position and neighbouring image tokens look alike: "
+                              "configs/vision.yaml sets 10)")
+
+    @model_validator(mode="after")
+    def _pixels(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"model.vision.min_pixels={self.min_pixels} > max_pixels={self.max_pixels}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model.vision.heads={self.heads} does not divide model.vision.hidden={self.hidden}")
+        return self
+
+
 class ModelConfig(_Frozen):
     """``model``: the policy — a tiny random Qwen3 sized by these keys, or a local checkpoint — its tokenizer,
     dtypes, LoRA and compile."""
@@ -136,6 +165,9 @@ class ModelConfig(_Frozen):
                          "'inductor', or 'eager' / 'aot_eager' to check tracing)")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (PEFT) instead of every weight: "
                                     "{r, alpha, dropout, target_modules}; the reference is the base (no copy)")
+    vision: VisionConfig | None = Field(None, description="a vision-language policy (a tiny random Qwen2.5-VL "
+                                        "without model.checkpoint): {hidden, depth, heads, min_pixels, max_pixels, "
+                                        "freeze}; images travel with the rows (docs/multimodal.md)")
 
 
 class RolloutConfig(_Frozen):

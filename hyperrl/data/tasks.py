@@ -28,7 +28,7 @@ from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
 
 __all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems", "FileTask",
-           "ParquetTask", "PreferenceTask", "make_task"]
+           "ParquetTask", "PreferenceTask", "make_task", "shapes"]
 
 
 TASKS: Registry = Registry("task")
@@ -388,6 +388,39 @@ FILE_TASK_SETTINGS = {"rollout.max_new_tokens": 512, "rollout.prompts_per_step":
                       "run.steps": 500, "run.eval_prompts": 64, "run.ckpt_every": 50, "run.keep_last_k": 3}
 
 
+@register_task("shapes", produces=("reward",))
+def shapes(tokenizer, seed: int, image_processor=None, *, grid: int = 2, cell: int = 28, colours: str = "rgby",
+           questions: tuple[Literal["colour", "count"], ...] = ("colour",), held_out_frac: float = 0.2,
+           split_seed: int = 0, rewards: tuple[RewardName, ...] = ("digit_match", "exact_answer")):
+    """The visual task (a vision-language model; :mod:`hyperrl.data.visual`): an image of ``grid × grid`` cells of
+    ``cell`` pixels, each one of ``colours`` (letters of ``hyperrl.data.visual.PALETTE``); ``questions``: ``colour``
+    (``"c2?"`` → cell 2's colour letter) and/or ``count`` (``"#r?"`` → how many cells are red); answers are one
+    character + EOS; a fixed ``held_out_frac`` of the boards held out. ``image_processor``: the model's (given by the
+    composition root, not configured)."""
+    from hyperrl.data.visual import PALETTE, ShapesTask
+
+    bad = sorted(set(colours) - set(PALETTE))
+    if bad or len(set(colours)) != len(colours) or len(colours) < 2:
+        raise ValueError(f"task.colours={colours!r}: two or more distinct letters of {''.join(PALETTE)}"
+                         + (f" ({bad} unknown)" if bad else ""))
+    if not questions or set(questions) - {"colour", "count"}:
+        raise ValueError(f"task.questions={list(questions)}: a non-empty list of colour | count")
+    if "count" in questions and grid * grid > 9:
+        raise ValueError(f"task.grid={grid}: count answers must be one digit (grid ≤ 3 with count questions)")
+    if grid < 1 or cell < 14:
+        raise ValueError(f"task.grid={grid}, task.cell={cell}: grid ≥ 1 and cell ≥ 14 pixels (one patch)")
+    if not 0 < held_out_frac < 1:
+        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
+    if image_processor is None:
+        raise ValueError("task shapes needs the model's image processor: train a vision-language model "
+                         "(model.vision, or a Qwen-VL model.checkpoint)")
+    return ShapesTask(tokenizer, image_processor, grid, cell, colours, tuple(questions), held_out_frac, split_seed,
+                      seed, _reward_fns(rewards, "task.rewards"))
+
+
+shapes.takes_images = True  # the composition root passes the model's image processor
+
+
 @register_task("parquet", produces=("reward",), settings=FILE_TASK_SETTINGS)
 def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
             rewards: tuple[RewardName, ...] = ("gsm8k_exact",)) -> FileTask:
@@ -469,6 +502,10 @@ def preference(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files:
                           overlong_prompts=overlong_prompts, apply_chat_template=apply_chat_template)
 
 
-def make_task(spec, tokenizer, seed: int):
-    """Build the task a config section ``{name, **hyperparams}`` names (see :mod:`hyperrl.config`)."""
-    return TASKS.build(spec.name, **spec.args)(tokenizer, seed)
+def make_task(spec, tokenizer, seed: int, image_processor=None):
+    """Build the task a config section ``{name, **hyperparams}`` names (see :mod:`hyperrl.config`); a task whose
+    factory ``takes_images`` gets the model's ``image_processor``."""
+    fn = TASKS.build(spec.name, **spec.args)
+    if getattr(TASKS.factory(spec.name).fn, "takes_images", False):
+        return fn(tokenizer, seed, image_processor)
+    return fn(tokenizer, seed)

@@ -181,8 +181,10 @@ class AsyncCollector:
                              name=f"hyperrl-agents-{unit.key}").start()
             return []
         if not self.episodic:
-            prompt = tuple(self.task.encode(self._sample(unit.key)))
-            return [Request(u, prompt, unit.key) for u in self._uids(unit)]
+            sample = self._sample(unit.key)
+            vision = self.task.vision(sample) if hasattr(self.task, "vision") else None  # a visual task's images
+            prompt = tuple(self.task.encode(sample))
+            return [Request(u, prompt, unit.key, vision=vision) for u in self._uids(unit)]
         sp, limits = self.generator.sampling(0), self.generator.limits()
         eps = [Episode(self.generator.make_env(), self._sample(unit.key), self.generator.tok, limits, sp.stops,
                        group_id=unit.key, uid=u, max_new_tokens=sp.max_new_tokens) for u in self._uids(unit)]

@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
+from hyperrl.multimodal import VisionError, forward_inputs, row_patches, vision_identity, vision_spec
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
            "context_parallel_logprobs_and_entropy", "policy_logprobs", "prefix_groups", "choose", "RouteReplay"]
@@ -58,6 +59,29 @@ def _call(replay: RouteReplay | None, src: torch.Tensor, n: int):
     return contextlib.nullcontext() if replay is None else replay.call(src, n)
 
 
+def _vision_inputs(model, batch: TensorDict, ids: torch.Tensor, attn: torch.Tensor, rows=None) -> dict:
+    """A vision-language model's extra inputs for ``ids [B', T']`` (``batch``'s rows ``rows``, all when None): the
+    rows' images and M-RoPE ``position_ids [3, B', T']`` (:func:`hyperrl.multimodal.forward_inputs` — the rollout
+    engine's prefill computes them the same way); ``{}`` for a text model (a batch with images then is an error)."""
+    spec = vision_spec(model)
+    has = "image_grid_thw" in batch.keys()
+    if spec is None:
+        if has and bool(row_patches(batch["image_grid_thw"]).any()):
+            raise VisionError(f"image_grid_thw: the batch has images but {type(model).__name__} is a text-only model; "
+                              "train a vision-language model (model.vision) or drop the images")
+        return {}
+    vis = None
+    if has:
+        vis = {k: batch[k] if rows is None else batch[k][rows] for k in ("pixel_values", "image_grid_thw")}
+    return forward_inputs(model, spec, ids, attn.long(), vis)
+
+
+def _text_only(batch: TensorDict, model, who: str, fix: str) -> None:
+    """Refuse a forward that does not carry images for a vision-language model."""
+    if vision_spec(model) is not None:
+        raise VisionError(f"{who} does not run vision-language models yet ({type(model).__name__}); {fix}")
+
+
 def _first_action(act: torch.Tensor) -> int:
     """The batch's first action position (≥ 1: position 0 predicts nothing); ``act`` has an action."""
     return max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)
@@ -76,9 +100,10 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     a = _first_action(act)
     B, W = tokens.shape[0], tokens.shape[1] - 1
     src = torch.nn.functional.pad(torch.arange(B * W, device=tokens.device).view(B, W), (0, 1), value=-1)
+    kw = _vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     with _call(replay, torch.where(batch["attention_mask"].bool(), src, -1), B * W):
         logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                       logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
+                       logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
     lp, ent = T.logprobs_and_entropy(logits, tokens[:, a:], temperature)
     pad = torch.nn.functional.pad
     return pad(lp, (a, 0)), pad(ent, (a, 0))
@@ -90,8 +115,9 @@ def plain_log_softmax(model, batch: TensorDict, temperature: float) -> tuple[int
     ``temperature``) — one plain forward (full-vocabulary distillation)."""
     tokens, act = batch["tokens"], batch["action_mask"]
     a = _first_action(act) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
+    kw = _vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                   logits_to_keep=tokens.shape[1] - a).logits
+                   logits_to_keep=tokens.shape[1] - a, **kw).logits
     return a, torch.log_softmax(logits.float() / temperature, -1)
 
 
@@ -104,8 +130,9 @@ def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.
     if tokens.shape[1] < 2 or not bool(act[:, 1:].any()):
         return torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     a = _first_action(act)
+    kw = _vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                   logits_to_keep=tokens.shape[1] - a).logits  # [B, T − a, V]: predicts tokens a … T − 1
+                   logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
     z = logits.float() / temperature
     s = torch.exp(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
     return torch.nn.functional.pad(s, (a, 0))
@@ -127,6 +154,7 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
     blocks), which a flash-attention varlen kernel would not."""
     tokens, attn, act = batch["tokens"], batch["attention_mask"].bool(), batch["action_mask"].bool()
     B, Tn = tokens.shape
+    _text_only(batch, model, "the packed forward (optim.pack_tokens)", "set optim.pack_tokens=0")
     lengths = _right_padded(attn, "the packed forward", "use optim.pack_tokens=0")
     nxt = torch.nn.functional.pad(act[:, 1:], (0, 1))  # position t predicts an action at t + 1
     rows_, cols_ = attn.nonzero(as_tuple=True)  # row-major: the packed order
@@ -173,6 +201,7 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
 
     tokens, attn = batch["tokens"], batch["attention_mask"].bool()
     B, Tn = tokens.shape
+    _text_only(batch, model, "context parallelism (run.cp)", "set run.cp=1")
     _right_padded(attn, "context parallelism (run.cp)", "rows are right-padded by the collectors — check custom ones")
     cp, r = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     pad = torch.nn.functional.pad
@@ -200,15 +229,17 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
 
 def prefix_groups(batch: TensorDict):
     """Rows that share a prompt. The prompt of row ``b`` is ``tokens[b, :p_b]``, ``p_b`` the index
-    of its first action token (its length when it has none). Returns ``(p [B], inverse [B],
-    first [U])``: ``inverse[b]`` numbers row ``b``'s distinct prompt, ``first[u]`` is a row holding
-    prompt ``u``."""
+    of its first action token (its length when it has none) — with its images, when the rows carry
+    some (two prompts with the same placeholder tokens but other images differ). Returns ``(p [B],
+    inverse [B], first [U])``: ``inverse[b]`` numbers row ``b``'s distinct prompt, ``first[u]`` is a
+    row holding prompt ``u``."""
     tokens, act = batch["tokens"], batch["action_mask"]
     length = batch["attention_mask"].sum(-1)
     p = torch.where(act.any(-1), act.int().argmax(-1), length)
     P = int(p.max())
     keys = torch.where(torch.arange(P)[None, :] < p[:, None], tokens[:, :P], -1)
-    _, inverse = torch.unique(torch.cat([p[:, None], keys], 1), dim=0, return_inverse=True)
+    images = vision_identity(batch).to(keys.device)
+    _, inverse = torch.unique(torch.cat([p[:, None], images[:, None], keys], 1), dim=0, return_inverse=True)
     B = len(p)
     first = torch.full((int(inverse.max()) + 1,), B).scatter_reduce(0, inverse, torch.arange(B), "amin")
     return p, inverse, first
@@ -236,12 +267,15 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     pre_mask = src >= 0
     pre_ids = torch.where(pre_mask, tokens[first].gather(1, src.clamp_min(0)), 0)
     pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp_min(0)
+    kw = _vision_inputs(model, batch, pre_ids, pre_mask, first)  # a VLM: the prompts' images, M-RoPE positions
+    if "position_ids" in kw:
+        pre_pos = kw.pop("position_ids")  # [3, U, P]
     Tn = tokens.shape[1]
     t = torch.arange(Tn, device=dev)[None, :]
     src = torch.where(t < p[:, None], inverse[:, None] * P + (P - p[:, None]) + t, -1)  # row b's prompt in its u
     with _call(replay, src, len(first) * P):
         out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
-                    logits_to_keep=1)
+                    logits_to_keep=1, **kw)
     logits = out.logits[:, -1].index_select(0, inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
@@ -253,8 +287,14 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
         v = cont_valid[:, :-1]
         b_idx = torch.arange(B, device=dev)[:, None].expand_as(v)
         src[b_idx[v], (p[:, None] + s[:, :-1])[v]] = (b_idx * (S - 1) + s[:, :-1])[v]
+        # the continuation counts on from the prompt's largest position (its last token's, for text; M-RoPE:
+        # the largest over the three axes, as the engine decodes)
+        last = pre_pos[..., -1].amax(0) if pre_pos.dim() == 3 else pre_pos[:, -1]
+        cont_pos = last.index_select(0, inverse)[:, None] + 1 + s[:, :-1]
+        if pre_pos.dim() == 3:
+            cont_pos = cont_pos.expand(3, -1, -1)
         with _call(replay, src, B * (S - 1)):
-            rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=p[:, None] + s[:, :-1],
+            rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=cont_pos,
                          past_key_values=cache, use_cache=False).logits
         logits = torch.cat([logits, rest], 1)
     lp, ent = T.logprobs_and_entropy(logits, cont, temperature)

@@ -107,8 +107,11 @@ class Generator:
                                     concurrency=self.rollout.max_concurrent_episodes)
             return batch
         prompts = [self.task.encode(s) for s in samples]
+        # a visual task: each prompt's images (its placeholders are in its ids), carried by its rows
+        vision = [self.task.vision(s) for s in samples] if hasattr(self.task, "vision") else None
         if uids is not None and self.engine.capabilities.keyed:
-            reqs = [Request(u, tuple(p), group_offset + i) for (i, p), u in
-                    zip([(i, p) for i, p in enumerate(prompts) for _ in range(n)], uids)]
+            reqs = [Request(u, tuple(prompts[i]), group_offset + i, vision=None if vision is None else vision[i])
+                    for i, u in zip([i for i in range(len(prompts)) for _ in range(n)], uids)]
             return self.engine.generate_requests(reqs, dataclasses.replace(sampling, seed=sampling.seed - step))
-        return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
+        kw = {} if vision is None else {"vision": vision}
+        return self.engine.generate(prompts, sampling, n, group_offset=group_offset, **kw)

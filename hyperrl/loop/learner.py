@@ -26,6 +26,7 @@ from tensordict import TensorDict
 
 from hyperrl import transforms as T
 from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.multimodal import row_patches
 from hyperrl.trajectory import real_extent, trim_padding
 from hyperrl.transforms.schedules import lr_multiplier
 
@@ -37,14 +38,19 @@ def micro_batches(batch: TensorDict, budget: int) -> list[list[int]]:
     the forward computes once each is cut to its own width (:func:`hyperrl.trajectory.trim_padding`)
     — is at most ``budget`` tokens (0 = one micro-batch). The samples of a prompt (``group_id``)
     stay together while they fit (a shared-prefix forward runs their prompt once) and rows are
-    grouped by length (:func:`hyperrl.transforms.micro_batches_by_padded_budget`)."""
+    grouped by length (:func:`hyperrl.transforms.micro_batches_by_padded_budget`). A vision-language row
+    counts its image patches too (what its vision-tower forward computes): its length is its tokens plus
+    its patches, so the images of a step do not grow a micro-batch's memory past the budget."""
     B = batch.batch_size[0]
     if not B:
         return []
     if not budget:
         return [list(range(B))]
     groups = batch["group_id"] if "group_id" in batch.keys() else torch.arange(B)
-    return T.micro_batches_by_padded_budget(real_extent(batch), groups, budget)
+    lengths = real_extent(batch)
+    if "image_grid_thw" in batch.keys():
+        lengths = lengths + row_patches(batch["image_grid_thw"]).to(lengths.device)
+    return T.micro_batches_by_padded_budget(lengths, groups, budget)
 
 
 @torch.no_grad()

@@ -27,6 +27,8 @@ from hyperrl.loop.forward import (
 )
 from hyperrl.loop.learner import map_micro_batches
 from hyperrl.models.moe import Routing, check_routes, is_moe
+from hyperrl.multimodal import vision_spec
+from hyperrl.trajectory import validate
 
 __all__ = ["Forwards", "Preparer", "GateError"]
 
@@ -116,6 +118,7 @@ class Preparer:
             raise ValueError("the pipeline needs teacher_logprobs but no teacher was built (algo.distill)")
         # a mixture of experts: its routers' replay / capture / agreement hooks (docs/moe.md)
         self.routing = Routing(policy) if is_moe(policy) else None
+        self.vision = vision_spec(policy)  # a vision-language policy: its placeholder id and merge
         self._ref_routing = Routing(reference) if reference is not None and is_moe(reference) else None
         if cfg.algo.routing_replay != "none" and self.routing is None:
             raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay}: the policy "
@@ -188,6 +191,8 @@ class Preparer:
         needs; returns it and the mismatch metrics."""
         f, out, needs = self.forwards, batch.copy(), self.pipeline.needs
         mode, key = self.cfg.algo.routing_replay, self.route_key(batch)  # routes checked at every batch
+        if self.vision is not None:  # every row's image placeholders against its grids, before any forward
+            validate(batch, image_token_id=self.vision.image_token_id, merge=self.vision.merge)
         if self.critic is not None:
             out.set("values", f.no_grad(lambda rows: f.values(self.critic, rows), batch))
         if "baseline_reward" in needs:

@@ -26,7 +26,10 @@ def apply_lora(model: torch.nn.Module, *, r: int, alpha: int, dropout: float, ta
     """``model`` with LoRA adapters on ``target_modules`` (rank ``r``, scale ``alpha / r``); only the
     adapters — and the parameters of ``train_modules`` (full module paths such as ``model.norm``,
     trained in place, not copied) — require grad. PEFT initialises ``B = 0``, so the wrapped model
-    starts equal to ``model``."""
+    starts equal to ``model``. A vision-language model gets adapters on its language model only (the
+    vision tower frozen)."""
+    import re
+
     from peft import LoraConfig, get_peft_model
 
     names = [n for n, _ in model.named_modules()]
@@ -41,7 +44,12 @@ def apply_lora(model: torch.nn.Module, *, r: int, alpha: int, dropout: float, ta
     unknown = sorted(set(train_modules) - set(names))
     if unknown:
         raise ValueError(f"model.lora.train_modules: {unknown} are not module paths of this model (e.g. model.norm)")
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+    targets = list(target_modules)
+    if getattr(model.config, "vision_config", None) is not None:  # a vision-language model: the language model only
+        # (its vision tower has modules of the same names — gate_proj … — which stay frozen); PEFT full-matches a
+        # string against every module path
+        targets = rf"(?:.*\.)?language_model\..*\.(?:{'|'.join(re.escape(t) for t in target_modules)})"
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                      bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, cfg)
     for path in train_modules:

@@ -9,16 +9,27 @@ import copy
 from hyperrl.device import torch_dtype
 from hyperrl.models.critic import ValueModel
 from hyperrl.models.lora import AdapterDisabled, apply_lora
-from hyperrl.models.tiny import tiny_qwen3, tiny_qwen3_moe
+from hyperrl.models.tiny import tiny_qwen2_5_vl, tiny_qwen3, tiny_qwen3_moe
+from hyperrl.multimodal import VISION_SPECIAL_TOKENS, suppress_outputs, vision_spec
 from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer, read_chat_template
 
-__all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer"]
+__all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer",
+           "build_image_processor", "load_image_processor", "is_vision_checkpoint"]
 
 
 def _tiny(cfg, tok, seed: int):
     """The tiny random Qwen3 of the ``model`` section, sized to the tokenizer (a Qwen3-MoE when
     ``model.experts`` > 0)."""
     m = cfg.model
+    if m.vision is not None:
+        v = m.vision
+        ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_SPECIAL_TOKENS}
+        return tiny_qwen2_5_vl(len(tok), image_token_id=ids["<|image_pad|>"], vision_start_id=ids["<|vision_start|>"],
+                               vision_end_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"],
+                               hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                               intermediate=m.intermediate, vision_hidden=v.hidden, vision_depth=v.depth,
+                               vision_heads=v.heads, rope_theta=v.rope_theta, seed=seed, pad_id=tok.pad_token_id,
+                               eos_id=tok.eos_token_id, bos_id=tok.bos_token_id)
     if m.experts:
         return tiny_qwen3_moe(len(tok), experts=m.experts, top_k=m.experts_per_token,
                               moe_intermediate=m.moe_intermediate, router_aux_loss_coef=m.router_aux_loss_coef,
@@ -35,7 +46,7 @@ def build_tokenizer(cfg):
     embedded character tokenizer for the random-init default; ``model.chat_template`` replaces its
     template."""
     src = cfg.model.tokenizer or cfg.model.checkpoint
-    tok = load_tokenizer(src) if src else char_tokenizer()
+    tok = load_tokenizer(src) if src else char_tokenizer(specials=VISION_SPECIAL_TOKENS if cfg.model.vision else ())
     if cfg.model.chat_template is not None:
         tok.chat_template = read_chat_template(cfg.model.chat_template)
     return tok
@@ -47,15 +58,67 @@ def build_policy(cfg, tok, *, seed_offset: int = 0, lora: bool = True):
     ``lora``). A tokenizer with ids the model cannot embed is an error."""
     m, dt = cfg.model, torch_dtype(cfg.model.param_dtype)
     if m.checkpoint:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        policy = AutoModelForCausalLM.from_pretrained(m.checkpoint, dtype=dt)
-        check_vocab(tok, policy.config.vocab_size, "model.checkpoint")
+        auto = AutoModelForImageTextToText if is_vision_checkpoint(m.checkpoint) else AutoModelForCausalLM
+        policy = auto.from_pretrained(m.checkpoint, dtype=dt)
+        check_vocab(tok, _vocab_size(policy.config), "model.checkpoint")
     else:
         policy = _tiny(cfg, tok, cfg.run.seed + seed_offset).to(dt)
+    spec = vision_spec(policy)
+    if spec is not None:  # the placeholders and vision start/end are read, never generated (engine and trainer alike)
+        suppress_outputs(policy, spec.input_only)
+        if m.vision is not None and m.vision.freeze:
+            policy.model.visual.requires_grad_(False)
     if lora and m.lora is not None:
         policy = apply_lora(policy, **m.lora.model_dump())
     return policy
+
+
+def _vocab_size(config) -> int:
+    """The output vocabulary (a vision-language config keeps it on its ``text_config``)."""
+    return getattr(config, "vocab_size", None) or config.get_text_config().vocab_size
+
+
+def is_vision_checkpoint(path: str) -> bool:
+    """The checkpoint at ``path`` is a vision-language model (its config has a ``vision_config``)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def load_image_processor(path):
+    """A checkpoint's image processor (``preprocessor_config.json``): ``AutoImageProcessor``, or — where
+    torchvision is not installed, which transformers 5's ``AutoImageProcessor`` requires — the Pillow class of the
+    same processor (``<image_processor_type>Pil``, e.g. ``Qwen2VLImageProcessorPil``)."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(path)
+    except ImportError:
+        kind = json.loads((Path(path) / "preprocessor_config.json").read_text()).get("image_processor_type", "")
+        cls = getattr(transformers, kind.removesuffix("Fast") + "Pil", None)
+        if cls is None:
+            raise
+        return cls.from_pretrained(path)
+
+
+def build_image_processor(cfg):
+    """A vision-language policy's image processor: the checkpoint's own (``preprocessor_config.json``), or for the
+    tiny random Qwen2.5-VL a Qwen2-VL processor with its patch (14) / temporal patch (2) / merge (2) sizes and
+    ``model.vision``'s pixel bounds (the Pillow implementation: no torchvision needed). None for a text model."""
+    m = cfg.model
+    if m.checkpoint:
+        return load_image_processor(m.checkpoint) if is_vision_checkpoint(m.checkpoint) else None
+    if m.vision is None:
+        return None
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=m.vision.min_pixels, max_pixels=m.vision.max_pixels, patch_size=14,
+                                    temporal_patch_size=2, merge_size=2)
 
 
 def build_reference(cfg, policy, needed: bool):

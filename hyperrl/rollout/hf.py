@@ -15,10 +15,11 @@ import contextlib
 import torch
 from tensordict import TensorDict
 
+from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
 from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
-from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, make_trajectory
+from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
 
 __all__ = ["TransformersEngine", "filter_logits"]
 
@@ -72,6 +73,7 @@ class TransformersEngine(TransactionalEngine):
         # generate_requests: keyed sampling, abort, resume; a mixture of experts' routes recorded
         self.capabilities = Capabilities(keyed=True, resumable=True, shared_weights=shared, routes=True)
         self._routing = Routing(self.model) if is_moe(self.model) else None
+        self._vision = vision_spec(self.model)  # a vision-language model: images beside the prompts
         self._version, self._failed = version, None
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
@@ -123,7 +125,9 @@ class TransformersEngine(TransactionalEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
-                 group_offset: int = 0) -> TensorDict:
+                 group_offset: int = 0, vision: list | None = None) -> TensorDict:
+        """``vision``: a vision-language model's images, one ``(pixel_values, image_grid_thw)`` (or None) per
+        prompt, whose placeholders are in the prompt's ids already; the rows carry them (``hyperrl.multimodal``)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         if n < 1:
@@ -131,8 +135,18 @@ class TransformersEngine(TransactionalEngine):
         if self._failed:
             raise WeightPublishError(f"{self._failed}; refusing to generate from unpublished weights (the run "
                                      f"fails closed)")
+        self._check_vision(vision, len(prompts))
         with self._eval():
-            return self._generate(prompts, sampling, n, group_offset)
+            return self._generate(prompts, sampling, n, group_offset, vision=vision)
+
+    def _check_vision(self, vision, count: int) -> None:
+        if vision is None:
+            return
+        if self._vision is None and any(v is not None for v in vision):
+            raise ValueError(f"vision: images given to {type(self.model).__name__}, a text-only model; serve a "
+                             "vision-language model (model.vision) or drop the images")
+        if len(vision) != count:
+            raise ValueError(f"vision: {len(vision)} entries for {count} prompts (one per prompt, None for none)")
 
     def _agree(self, tok: torch.Tensor) -> torch.Tensor:
         """The sampled tokens every rank serving this engine continues with (one process: these)."""
@@ -169,11 +183,14 @@ class TransformersEngine(TransactionalEngine):
         uids = torch.tensor([r.uid for r in requests])
         offsets = torch.tensor([len(r.partial) for r in requests])
         ctx = [tuple(r.prompt) + tuple(r.partial) for r in requests]
-        n = _run_length(ctx)  # a fresh group: n identical contexts in a row share one prefill
+        vision = [r.vision for r in requests] if any(r.vision is not None for r in requests) else None
+        self._check_vision(vision, len(requests))
+        # a fresh group: n identical contexts in a row share one prefill (the same images too: same objects)
+        n = _run_length(ctx if vision is None else [(c, id(v)) for c, v in zip(ctx, vision)])
         steps: list[int] = []  # the version each decode step ran at (a held publication changes it mid-call)
         with self._eval():
             b = self._generate([list(c) for c in ctx[::n]], sampling, n, 0, keys=(uids, offsets), budgets=budgets,
-                               abort=abort, hold=hold, versions=steps)
+                               abort=abort, hold=hold, versions=steps, vision=None if vision is None else vision[::n])
         act, lp, tv = b["action_mask"].clone(), b["rollout_logprobs"].clone(), b["token_version"].clone()
         kv = torch.full_like(tv, NO_VERSION)
         if steps:  # generated index g of row i sits at len(ctx_i) + g
@@ -201,10 +218,12 @@ class TransformersEngine(TransactionalEngine):
                                   **extra})
 
     def _generate(self, prompts, sampling: SamplingParams, n: int, group_offset: int, *, keys=None, budgets=None,
-                  abort=None, hold=None, versions: list | None = None) -> TensorDict:
+                  abort=None, hold=None, versions: list | None = None, vision: list | None = None) -> TensorDict:
         """``keys = (uids [B], offsets [B])``: keyed sampling (else one generator stream);
         ``budgets [B]``: per-row token limits; ``abort``: checked before every decode step, then
-        ``hold.wait()``; ``versions``: gets the serving version of every decode step."""
+        ``hold.wait()``; ``versions``: gets the serving version of every decode step; ``vision``: one
+        ``(pixel_values, image_grid_thw)`` or None per prompt (a vision-language model: the prefill reads the
+        images, positions are M-RoPE's — ``[3, B, P]`` — and decoding continues them on every axis)."""
         rows = [list(p) for p in prompts for _ in range(n)]
         groups = torch.tensor([group_offset + i for i in range(len(prompts)) for _ in range(n)])
         B, P, dev = len(rows), max(len(p) for p in rows), self.device
@@ -222,7 +241,12 @@ class TransformersEngine(TransactionalEngine):
         stopped, aborted = torch.zeros_like(alive), torch.zeros_like(alive)
         stops = torch.tensor(sampling.stops, dtype=torch.long, device=dev)
         lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        pos = (attn.cumsum(-1) - 1).clamp_min(0)
+        pos = (attn.cumsum(-1) - 1).clamp_min(0)  # [B, P]; a vision-language model: [3, B, P]
+        images, prefill_kw = None, {}
+        if self._vision is not None:
+            images = pack_vision(list(vision) if vision is not None else [(None, None)] * len(prompts))
+            prefill_kw = forward_inputs(self.model, self._vision, ids[::n], attn[::n], images)
+            pos = prefill_kw.pop("position_ids").repeat_interleave(n, 1)
         past = step_ids = None
         steps = sampling.max_new_tokens if budgets is None else int(budgets.max())
         routing, routes = self._routing, None  # a mixture of experts: the experts each token is routed to
@@ -242,8 +266,8 @@ class TransformersEngine(TransactionalEngine):
             # real vocabularies)
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
                 with record():
-                    out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[::n],
-                                     use_cache=True, logits_to_keep=1)
+                    out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[..., ::n, :],
+                                     use_cache=True, logits_to_keep=1, **prefill_kw)
                 past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)
                 if n > 1:
                     past.batch_repeat_interleave(n)
@@ -281,16 +305,22 @@ class TransformersEngine(TransactionalEngine):
                 # are keyed by row, not by batch position; the n samples' shared cache rows are split already)
                 keep = live.nonzero()[:, 0]
                 past.batch_select_indices(keep)
-                rows_c, tok, attn, pos = rows_c[keep], tok[keep], attn[keep], pos[keep]
+                rows_c, tok, attn, pos = rows_c[keep], tok[keep], attn[keep], pos[..., keep, :]
             step_ids = tok[:, None]
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # finished rows' outputs are unused
-            pos = pos[:, -1:] + 1
+            # the next position: one past the largest so far (M-RoPE: over the three axes — a prompt may end on
+            # an image, whose last placeholder's axes differ)
+            pos = (pos[..., -1:].amax(0, keepdim=True).expand_as(pos[..., -1:]) if pos.dim() == 3 else
+                   pos[..., -1:]) + 1
         plen = torch.tensor([len(p) for p in rows])
         finish = torch.where(aborted, _ABORTED, torch.where(stopped, 0, 1)).cpu()  # aborted / stop / length
+        if images is not None:  # every row carries its prompt's images
+            images = {k: v.repeat_interleave(n, 0) for k, v in images.items()}
         return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups, finish,
-                                routes)
+                                routes, images)
 
-    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None, routes=None) -> TensorDict:
+    def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None, routes=None,
+                    images=None) -> TensorDict:
         """Left-padded prompts ``[B, P]`` + generated ``[B, N]`` → right-padded rows (vectorised);
         ``routes = (prompt [B, P, L, k], generated [B, N, L, k])`` → ``routed_experts`` (−1 where no
         forward ran the token: a row's last, padding)."""
@@ -306,6 +336,7 @@ class TransformersEngine(TransactionalEngine):
                              torch.where(in_gen, out_tok.gather(1, g_idx), self.pad_id))
         lp = torch.where(in_gen, out_lp.gather(1, g_idx), 0.0)
         extra = {} if finish is None else {"finish_reason": finish}
+        extra.update(images or {})  # pixel_values [B, P, D], image_grid_thw [B, I, 3] (hyperrl.multimodal)
         if routes is not None and routes[0] is not None:
             b = torch.arange(B)[:, None]
             gen = routes[1][b, g_idx.clamp_max(max(routes[1].shape[1] - 1, 0))] if routes[1].shape[1] else None
@@ -313,7 +344,10 @@ class TransformersEngine(TransactionalEngine):
             extra["routed_experts"] = torch.where(in_prompt[..., None, None], routes[0][b, p_idx],
                                                   none if gen is None else torch.where(in_gen[..., None, None], gen,
                                                                                        none))
-        return make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
-                               rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
-                               token_version=torch.where(in_gen, self._version, NO_VERSION),
-                               group_id=groups, reward=torch.zeros(B), **extra)
+        out = make_trajectory(tokens=tokens, attention_mask=in_prompt | in_gen, action_mask=in_gen,
+                              rollout_logprobs=lp, policy_version=torch.full((B,), self._version, dtype=torch.long),
+                              token_version=torch.where(in_gen, self._version, NO_VERSION),
+                              group_id=groups, reward=torch.zeros(B), **extra)
+        if images is not None:  # every row's placeholders against its images, where the rows are made
+            check_vision(out, image_token_id=self._vision.image_token_id, merge=self._vision.merge)
+        return out

@@ -44,6 +44,9 @@ class Request:
     max_new_tokens: int | None = None  # this response's token limit (partial included); None: the sampling's
     # a mixture of experts: the partial tokens' routes [K, L, k] as the earlier call ran them (−1: none)
     partial_routes: torch.Tensor | None = field(default=None, compare=False)
+    # a vision-language prompt's images: (pixel_values [p, D], image_grid_thw [I, 3]) — its placeholders are in
+    # ``prompt`` already (hyperrl.multimodal); None: a text prompt
+    vision: tuple | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if not self.prompt:
@@ -133,7 +136,8 @@ def resume_requests(batch: TensorDict, limits: dict[int, int] | None = None) -> 
     """The aborted rows of a ``generate_requests`` batch as requests that continue them: the prompt
     (the tokens before the first action), the generated tokens with their log-probs and versions;
     ``limits``: the requests' own ``max_new_tokens`` by uid (a row does not carry it); a mixture of
-    experts' ``routed_experts`` travel with the partial tokens (they keep their routes).
+    experts' ``routed_experts`` travel with the partial tokens (they keep their routes), a vision-language row's
+    images with its prompt.
     Single-turn rows only (a row with observation tokens after its first action is refused)."""
     out = []
     for i in (batch["finish_reason"] == _ABORTED).nonzero()[:, 0].tolist():
@@ -149,5 +153,16 @@ def resume_requests(batch: TensorDict, limits: dict[int, int] | None = None) -> 
                            tuple(batch["token_version"][i, first:n].tolist()),
                            tuple(batch["kv_version"][i, first:n].tolist()) if "kv_version" in batch.keys() else None,
                            (limits or {}).get(int(batch["sample_uid"][i])),
-                           batch["routed_experts"][i, first:n].clone() if "routed_experts" in batch.keys() else None))
+                           batch["routed_experts"][i, first:n].clone() if "routed_experts" in batch.keys() else None,
+                           _row_vision(batch, i)))
     return out
+
+
+def _row_vision(batch: TensorDict, i: int) -> tuple | None:
+    """Row ``i``'s images as a request carries them (``hyperrl.multimodal``'s per-row layout, padding dropped)."""
+    if "image_grid_thw" not in batch.keys():
+        return None
+    grid = batch["image_grid_thw"][i]
+    real = grid.long().prod(-1) > 0
+    p = int(grid.long().prod(-1).sum())
+    return (batch["pixel_values"][i, :p].clone(), grid[real].clone()) if p else None

@@ -119,4 +119,6 @@ def test_an_evaluation_never_waits_for_the_paused_units_slots_or_connections(tmp
         tr.close()
     assert stats["agent_failed"] == 0 and stats["agent_episodes"] == 8, stats
     assert took < 20, f"the evaluation took {took:.1f} s: it waited for the paused units"
-    assert m["eval_tool_call_rate"] >= 0 and after["agent_failed"] == 0
+    # the step after reports agent counts only for the rounds that ended since the evaluation (none may have, on a
+    # loaded machine: their counts went to the evaluation's pop); none of them failed
+    assert m["eval_tool_call_rate"] >= 0 and after.get("agent_failed", 0) == 0

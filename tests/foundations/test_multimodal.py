@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from hyperrl.multimodal import VisionError, check_vision, model_inputs, pack_vision, row_patches
-from hyperrl.trajectory import cat_batches
+from hyperrl.multimodal import VisionError, model_inputs, pack_vision, row_patches
+from hyperrl.trajectory import TrajectoryError, cat_batches, check_vision
 
 D, IMG = 6, 9  # patch width, the image placeholder token id
 
@@ -69,12 +69,12 @@ def test_a_row_whose_placeholders_disagree_with_its_grids_is_named():
     check_vision(batch, image_token_id=IMG)
     bad = batch.clone()
     bad["tokens"][1, 20] = IMG  # one placeholder too many
-    with pytest.raises(VisionError, match=r"row 1: 7 image placeholder tokens \(id 9\) but its image_grid_thw "
+    with pytest.raises(TrajectoryError, match=r"row 1: 7 image placeholder tokens \(id 9\) but its image_grid_thw "
                                           r"\[\[1, 2, 4\], \[1, 4, 4\]\] takes 6"):
         check_vision(bad, image_token_id=IMG)
     with pytest.raises(VisionError, match=r"row 0: 3 patches in pixel_values, its image_grid_thw \[\[1, 2, 2\]\] "
                                           r"needs 4"):
         pack_vision([(torch.zeros(3, D), torch.tensor([[1, 2, 2]]))])
-    with pytest.raises(VisionError, match="image_grid_thw: missing"):
+    with pytest.raises(TrajectoryError, match="image_grid_thw: missing"):
         check_vision(TensorDict({"tokens": batch["tokens"], "pixel_values": batch["pixel_values"]},
                                 batch_size=[2]), image_token_id=IMG)

@@ -55,7 +55,8 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
 
 # valid, but beyond the tiny config's budget
 _NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"],
-          ("task", "products"): ["--rollout.max_new_tokens=6"]}
+          ("task", "products"): ["--rollout.max_new_tokens=6"],
+          ("task", "shapes"): ["--model.vision={}", "--rollout.max_new_tokens=2"]}  # a visual task: a VLM
 
 
 def _reward_model_dir(path):

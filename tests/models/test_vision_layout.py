@@ -7,7 +7,8 @@ import torch
 from PIL import Image
 
 from hyperrl.models import tiny_qwen2_5_vl
-from hyperrl.multimodal import check_vision, model_inputs, pack_vision
+from hyperrl.multimodal import model_inputs, pack_vision
+from hyperrl.trajectory import check_vision
 
 V, IMG, VS, VE, VID = 64, 60, 61, 62, 63
 
