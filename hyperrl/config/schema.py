@@ -167,7 +167,7 @@ class ModelConfig(_Frozen):
                                     "{r, alpha, dropout, target_modules}; the reference is the base (no copy)")
     vision: VisionConfig | None = Field(None, description="a vision-language policy (a tiny random Qwen2.5-VL "
                                         "without model.checkpoint): {hidden, depth, heads, min_pixels, max_pixels, "
-                                        "freeze}; images travel with the rows (docs/multimodal.md)")
+                                        "freeze, rope_theta}; images travel with the rows (docs/multimodal.md)")
 
 
 class RolloutConfig(_Frozen):
