@@ -11,6 +11,8 @@ import torch
 
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
+from hyperrl.data.visual import draw_board
+from hyperrl.loop.collect import Timer
 from hyperrl.multimodal import vision_spec
 
 CONFIG = Path(__file__).parents[2] / "configs" / "vision.yaml"
@@ -103,8 +105,7 @@ def test_the_export_loads_back_as_an_image_text_model(tmp_path):
     sample = tr.task.held_out(1)[0]
     ids = tr.task.encode(sample)
     assert tok.decode(ids).count("<|image_pad|>") == len([i for i in ids if i == vision_spec(model).image_token_id])
-    o = proc(images=[__import__("hyperrl.data.visual", fromlist=["draw_board"]).draw_board(
-        tuple(sample.extra["board"]), tr.task.grid, tr.task.cell)], return_tensors="pt")
+    o = proc(images=[draw_board(tuple(sample.extra["board"]), tr.task.grid, tr.task.cell)], return_tensors="pt")
     pv, grid = tr.task.vision(sample)
     assert torch.equal(o["pixel_values"], pv) and torch.equal(o["image_grid_thw"], grid)
     x = torch.tensor([ids])
@@ -121,7 +122,7 @@ def test_the_export_loads_back_as_an_image_text_model(tmp_path):
 
 def test_a_text_task_runs_on_a_vision_language_model(tmp_path):
     tr = _tr(tmp_path, "--task={name: arith}", "--rollout.max_new_tokens=3")
-    batch, _ = tr.collector.collect(tr, __import__("hyperrl.loop.collect", fromlist=["Timer"]).Timer())
+    batch, _ = tr.collector.collect(tr, Timer())
     assert not bool(batch["image_grid_thw"].any())  # rows without images, positions by M-RoPE's text rule
     assert tr.step()["mismatch_max_abs"] < 1e-4
 
