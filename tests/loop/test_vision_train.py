@@ -33,8 +33,8 @@ def _same(x: dict, y: dict) -> bool:
 def test_a_visual_run_from_random_weights_rises_and_the_gate_passes(tmp_path):
     # the bit-exact gate: the trainer's recomputed log-probs of the multimodal rows equal the rollout's
     # configs/vision.yaml (32 prompts × 16, lr 5e-4): seed 0 reaches 0.42 held-out exact by step 500, 0.58 by 750
-    # and ≥ 0.8 by step 1,500 (benchmarks/RESULTS.md); 600 steps here, ≈ 1.5 min. A policy blind to the image answers a uniformly
-    # drawn cell colour right at most 1 time in 4: above 0.35 it reads the board.
+    # and ≥ 0.8 by step 1,500 (benchmarks/RESULTS.md); 600 steps here, ≈ 1.5 min. A policy blind to the image
+    # answers a uniformly drawn cell colour right at most 1 time in 4: above 0.35 it reads the board.
     tr = build_trainer(load_config(CONFIG, [f"--run.out_dir={tmp_path}", "--algo.gate_threshold=1e-4"]))
     first = tr.evaluate()["eval_reward_exact_answer_mean"]
     steps = [tr.step() for _ in range(600)]
