@@ -261,8 +261,8 @@ def check_vision(batch, *, image_token_id: int, merge: int = 2) -> None:
     grids = batch["image_grid_thw"]
     if grids.dim() != 3 or grids.shape[-1] != 3:
         raise TrajectoryError(f"image_grid_thw: shape {tuple(grids.shape)}, expected [B, I, 3]")
-    counts = grids.long().prod(-1).sum(-1)
-    merged = grids.long().prod(-1)
+    merged = grids.long().prod(-1)  # each image's patches [B, I]
+    counts = merged.sum(-1)
     if bool((merged % (merge * merge)).any()):
         b = int((merged % (merge * merge)).any(-1).nonzero()[0])
         raise TrajectoryError(f"image_grid_thw: row {b}: {grids[b].tolist()} has a grid whose t·h·w is not a "

@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
 from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample, render_chat
+from hyperrl.data.incode import InCodeTask, held_out_split
 from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
@@ -43,30 +42,8 @@ def _reward_fns(names, where: str) -> tuple:
     return tuple((n, REWARDS.get(n)) for n in names)
 
 
-class _InCodeTask:
-    """What the tasks generated in code share: a string prompt, the first reward reported, no cursor
-    (their data is a pure function of (seed, step, attempt))."""
-
-    def _rng(self, stream: int, attempt: int = 0) -> np.random.Generator:
-        """The generator of one draw: keyed by (seed, stream) — and the refill ``attempt`` when > 0."""
-        return np.random.default_rng([self.seed, stream] if attempt == 0 else [self.seed, stream, attempt])
-
-    def encode(self, sample: Sample) -> list[int]:
-        return encode_prompt(self.tokenizer, sample.prompt)
-
-    def reward(self, response: str, sample: Sample) -> float:
-        """The first reward (what evaluation reports)."""
-        return float(self.rewards[0][1](response, sample))
-
-    def state(self) -> dict:
-        return {}
-
-    def load_state(self, state: dict) -> None:
-        pass
-
-
 @dataclass
-class ModSumTask(_InCodeTask):
+class ModSumTask(InCodeTask):
     tokenizer: object
     modulus: int = 10
     max_operand: int = 9
@@ -96,18 +73,8 @@ def arith_problems(ops: str, lo: int, hi: int, lo2: int | None = None, hi2: int 
             if op != "-" or a >= b]
 
 
-def _held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tuple[list, list]:
-    """A fixed ``frac`` of ``items`` held out by ``split_seed`` (not the run seed: every run evaluates on
-    one set): ``(train in the items' order, held out in the draw's order)``."""
-    if not 0 < frac < 1:
-        raise ValueError(f"task.held_out_frac={frac}: must be in (0, 1)")
-    order = np.random.default_rng([split_seed, salt]).permutation(len(items))
-    n_eval = max(1, round(frac * len(items)))
-    return [items[i] for i in np.sort(order[n_eval:])], [items[i] for i in order[:n_eval]]
-
-
 @dataclass
-class ArithTask(_InCodeTask):
+class ArithTask(InCodeTask):
     """Two-operand addition / subtraction (``arith``) or multiplication (``products``), generated in
     code: prompt ``"37+48="``, answer ``"85"`` (the policy must end it with EOS); ``pad``: operands
     and answers zero-padded to a fixed width (``"07+12="`` → ``"19"``, ``"01+04="`` → ``"05"``: a
@@ -132,7 +99,7 @@ class ArithTask(_InCodeTask):
         self._width = len(str(self.max_operand)) if self.pad else 0
         self._width2 = len(str(hi2)) if self.pad else 0
         self._answer_width = max(len(str(p[3])) for p in problems) if self.pad else 0
-        self._train, self._eval = _held_out_split(problems, self.held_out_frac, self.split_seed, 7)
+        self._train, self._eval = held_out_split(problems, self.held_out_frac, self.split_seed, 7)
 
     @property
     def response_tokens(self) -> int:
@@ -157,7 +124,7 @@ class ArithTask(_InCodeTask):
 
 
 @dataclass
-class RepeatTask(_InCodeTask):
+class RepeatTask(InCodeTask):
     """A variable-length answer with a long tail, generated in code: prompt ``"7*3="``, answer
     ``"777"`` (the digit ``k`` times, then EOS). ``k`` is short (``1..short_max``) for most prompts and
     ``tail_min..tail_max`` — 4–8× longer — for a ``tail_frac`` of them, like reasoning traces: most
@@ -177,7 +144,7 @@ class RepeatTask(_InCodeTask):
     def __post_init__(self):
         pairs = [(d, k) for d in range(10) for k in [*range(1, self.short_max + 1),
                                                      *range(self.tail_min, self.tail_max + 1)]]
-        train, held = _held_out_split(pairs, self.held_out_frac, self.split_seed, 11)
+        train, held = held_out_split(pairs, self.held_out_frac, self.split_seed, 11)
         held = set(held)
         self._eval = [p for p in pairs if p in held]
         self._short = [p for p in train if p[1] <= self.short_max]
@@ -409,8 +376,6 @@ def shapes(tokenizer, seed: int, image_processor=None, *, grid: int = 2, cell: i
         raise ValueError(f"task.grid={grid}: count answers must be one digit (grid ≤ 3 with count questions)")
     if grid < 1 or cell < 14:
         raise ValueError(f"task.grid={grid}, task.cell={cell}: grid ≥ 1 and cell ≥ 14 pixels (one patch)")
-    if not 0 < held_out_frac < 1:
-        raise ValueError(f"task.held_out_frac={held_out_frac}: must be in (0, 1)")
     if image_processor is None:
         raise ValueError("task shapes needs the model's image processor: train a vision-language model "
                          "(model.vision, or a Qwen-VL model.checkpoint)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hyperrl.data.incode import InCodeTask, held_out_split
 from hyperrl.data.parquet import Sample
 from hyperrl.multimodal import expand_placeholders
 from hyperrl.tokenizer import encode_prompt
@@ -45,7 +46,7 @@ def draw_board(board: tuple[str, ...], grid: int, cell: int):
 
 
 @dataclass
-class ShapesTask:
+class ShapesTask(InCodeTask):
     """See the module doc. ``image_processor``: the model's (a Qwen2-VL image processor: ``patch_size``,
     ``merge_size``); ``image_token_id``: the tokenizer's ``<|image_pad|>``."""
 
@@ -68,10 +69,7 @@ class ShapesTask:
                              "tokenizer (model.vision builds the character tokenizer with the vision tokens)")
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         boards = list(itertools.product(self.colours, repeat=self.grid * self.grid))
-        order = np.random.default_rng([self.split_seed, 13]).permutation(len(boards))
-        n_eval = max(1, round(self.held_out_frac * len(boards)))
-        self._eval = [boards[i] for i in order[:n_eval]]
-        self._train = [boards[i] for i in np.sort(order[n_eval:])]
+        self._train, self._eval = held_out_split(boards, self.held_out_frac, self.split_seed, 13)
 
     @property
     def response_tokens(self) -> int:
@@ -90,7 +88,7 @@ class ShapesTask:
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """``k`` questions about training boards for ``step`` — a pure function of (seed, step, attempt)."""
-        rng = np.random.default_rng([self.seed, step] if attempt == 0 else [self.seed, step, attempt])
+        rng = self._rng(step, attempt)
         return [self._question(self._train[int(rng.integers(0, len(self._train)))], rng) for _ in range(k)]
 
     def held_out(self, k: int) -> list[Sample]:
@@ -110,12 +108,3 @@ class ShapesTask:
         """The prompt's ids with the image's placeholders expanded to its grid."""
         return expand_placeholders(encode_prompt(self.tokenizer, sample.prompt), self.image_token_id,
                                    self.vision(sample)[1], self.merge)
-
-    def reward(self, response: str, sample: Sample) -> float:
-        return float(self.rewards[0][1](response, sample))
-
-    def state(self) -> dict:
-        return {}
-
-    def load_state(self, state: dict) -> None:
-        pass

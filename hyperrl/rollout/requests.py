@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
+from hyperrl.multimodal import model_inputs
 from hyperrl.trajectory import FINISH_REASONS
 
 __all__ = ["Request", "keyed_uniform", "keyed_sample", "keyed_seed", "resume_requests", "requests_for",
@@ -162,7 +163,5 @@ def _row_vision(batch: TensorDict, i: int) -> tuple | None:
     """Row ``i``'s images as a request carries them (``hyperrl.multimodal``'s per-row layout, padding dropped)."""
     if "image_grid_thw" not in batch.keys():
         return None
-    grid = batch["image_grid_thw"][i]
-    real = grid.long().prod(-1) > 0
-    p = int(grid.long().prod(-1).sum())
-    return (batch["pixel_values"][i, :p].clone(), grid[real].clone()) if p else None
+    kw = model_inputs(batch[i:i + 1])
+    return (kw["pixel_values"].clone(), kw["image_grid_thw"].clone()) if kw else None

@@ -131,3 +131,25 @@ def test_placeholders_must_number_the_images():
     with pytest.raises(VisionError, match="2 image placeholders .* for 1 images"):
         expand_placeholders([1, IMG, 5, IMG], IMG, torch.tensor([[1, 4, 4]]))
     assert expand_placeholders([1, IMG, 5], IMG, torch.tensor([[1, 4, 6]])) == [1] + [IMG] * 6 + [5]
+
+
+def test_an_aborted_row_resumes_with_its_prompts_images(vlm, prompts):
+    import threading
+
+    from hyperrl.rollout.requests import resume_requests
+
+    ids, vis = prompts
+    eng = TransformersEngine(vlm)
+    reqs = [Request(200 + i, tuple(ids[i]), i, vision=vis[i]) for i in range(4)]
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5, eos_id=2)
+    stop = threading.Event()
+    stop.set()  # aborted before the first decode step: every row comes back unfinished
+    resumed = resume_requests(eng.generate_requests(reqs, sp, abort=stop))
+    assert [r.uid for r in resumed] == [200, 201, 202, 203]
+    for r, v in zip(resumed, vis):
+        if v is None:
+            assert r.vision is None
+        else:
+            assert torch.equal(r.vision[0], v[0]) and torch.equal(r.vision[1], v[1])
+    _, plain, shared = _gaps(vlm, eng.generate_requests(resumed, sp))
+    assert plain < 1e-5 and shared < 1e-5

@@ -1,0 +1,43 @@
+"""What the tasks generated in code share (``hyperrl.data.tasks``' arith / modsum / repeat, ``hyperrl.data.visual``'s
+shapes): keyed draws, the first reward reported, no data cursor, and a fixed held-out split."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyperrl.data.parquet import Sample
+from hyperrl.tokenizer import encode_prompt
+
+__all__ = ["InCodeTask", "held_out_split"]
+
+
+class InCodeTask:
+    """What the tasks generated in code share: a string prompt, the first reward reported, no cursor
+    (their data is a pure function of (seed, step, attempt))."""
+
+    def _rng(self, stream: int, attempt: int = 0) -> np.random.Generator:
+        """The generator of one draw: keyed by (seed, stream) — and the refill ``attempt`` when > 0."""
+        return np.random.default_rng([self.seed, stream] if attempt == 0 else [self.seed, stream, attempt])
+
+    def encode(self, sample: Sample) -> list[int]:
+        return encode_prompt(self.tokenizer, sample.prompt)
+
+    def reward(self, response: str, sample: Sample) -> float:
+        """The first reward (what evaluation reports)."""
+        return float(self.rewards[0][1](response, sample))
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+
+def held_out_split(items: list, frac: float, split_seed: int, salt: int) -> tuple[list, list]:
+    """A fixed ``frac`` of ``items`` held out by ``split_seed`` (not the run seed: every run evaluates on
+    one set): ``(train in the items' order, held out in the draw's order)``."""
+    if not 0 < frac < 1:
+        raise ValueError(f"task.held_out_frac={frac}: must be in (0, 1)")
+    order = np.random.default_rng([split_seed, salt]).permutation(len(items))
+    n_eval = max(1, round(frac * len(items)))
+    return [items[i] for i in np.sort(order[n_eval:])], [items[i] for i in order[:n_eval]]
