@@ -19,13 +19,14 @@ module's.
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hyperrl.data.parquet import DataError, _answer, _read_rows
 
-__all__ = ["IMAGE_PLACEHOLDER", "VisionSample", "count_placeholders", "decode_image", "vision_samples"]
+__all__ = ["IMAGE_PLACEHOLDER", "VisionSample", "count_placeholders", "decode_image", "placeholders_as_text",
+           "vision_samples"]
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -33,12 +34,14 @@ IMAGE_PLACEHOLDER = "<image>"
 @dataclass(frozen=True)
 class VisionSample:
     """One multimodal prompt: ``prompt`` (a string or chat messages, placeholders as written), ``images``
-    (decoded RGB ``PIL.Image`` objects, in placeholder order), ``answer`` and ``source`` (``"file:row"``)."""
+    (decoded RGB ``PIL.Image`` objects, in placeholder order), ``answer``, ``source`` (``"file:row"``) and
+    ``extra`` (the row's other columns: ``data_source``, ``extra_info`` …)."""
 
     prompt: str | list
     images: tuple
     answer: Any
     source: str
+    extra: dict = field(default_factory=dict)
 
 
 def count_placeholders(prompt) -> int:
@@ -91,8 +94,8 @@ def decode_image(value, where: str, base_dir: Path | None = None):
 
 def _row_images(row: dict, where: str, image_key: str | None, base_dir: Path | None) -> list:
     keys = [image_key] if image_key else [k for k in ("images", "image") if k in row]
-    if not keys or keys[0] not in row:
-        raise DataError(f"{where}: no image column ({image_key or 'images / image'})")
+    if not keys or keys[0] not in row:  # a text-only row (its placeholders, if any, are counted against none)
+        return []
     key, value = keys[0], row[keys[0]]
     values = [] if value is None else (list(value) if isinstance(value, list | tuple) else [value])
     return [decode_image(v, f"{where}: column {key!r}[{i}]", base_dir) for i, v in enumerate(values)]
@@ -118,5 +121,23 @@ def vision_samples(path: str | Path, *, prompt_key: str = "prompt", image_key: s
         ans = _answer(row, gt_key, extra_key, answer_key)
         if require_answer and ans is None:
             raise DataError(f"{where}: no answer in {gt_key!r}, {extra_key!r} or {answer_key!r}")
-        out.append(VisionSample(prompt, tuple(images), ans, where))
+        extra = {k: v for k, v in row.items() if k not in (prompt_key, image_key, "images", "image")}
+        out.append(VisionSample(prompt, tuple(images), ans, where, extra))
+    return out
+
+
+def placeholders_as_text(prompt, image_text: str):
+    """``prompt`` with every image placeholder — ``<image>`` in a string or a message's string content, TRL's
+    ``{"type": "image"}`` part — written as ``image_text`` (the model's vision tokens, e.g. Qwen-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``, what its chat template writes for an image part) and every
+    message's content a string: the form the tokenizer (and its chat template) encodes."""
+    if isinstance(prompt, str):
+        return prompt.replace(IMAGE_PLACEHOLDER, image_text)
+    out = []
+    for m in prompt:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(image_text if part.get("type") == "image" else str(part.get("text", ""))
+                              for part in content if isinstance(part, dict))
+        out.append({**m, "content": str(content or "").replace(IMAGE_PLACEHOLDER, image_text)})
     return out

@@ -22,6 +22,7 @@ from typing import Literal
 
 from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample, render_chat
 from hyperrl.data.incode import InCodeTask, held_out_split
+from hyperrl.multimodal import expand_placeholders
 from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
@@ -190,10 +191,22 @@ class FileTask:
         self.tokenizer, self.rewards = tokenizer, _reward_fns(rewards, "task.rewards")
         self.max_len, self.overlong, self._ids, self.filtered = max_prompt_length, overlong_prompts, {}, 0
         self.chat, self.longest_prompt = apply_chat_template, 0
-        self.dataset = self._bounded(_dataset(train, prompt_key), "train")
-        self.val = self._bounded(_dataset(val, prompt_key), "val") if val else None
+        self.dataset = self._bounded(self._read(train, prompt_key), "train")
+        self.val = self._bounded(self._read(val, prompt_key), "val") if val else None
         self.loader = PromptLoader(self.dataset, 1, seed=seed)
         self._warn_plain_prompts()
+
+    def _read(self, src, prompt_key: str) -> PromptDataset:
+        """The rows of ``src``; a row carrying images (an ``images`` / ``image`` column) is an error here: this
+        task feeds a text model."""
+        ds = _dataset(src, prompt_key)
+        for s in ds.samples:
+            for key in ("images", "image"):
+                if s.extra.get(key) is not None and s.extra.get(key) != []:
+                    raise DataError(f"{s.source}: column {key!r} holds images but the model is text-only; train a "
+                                    "vision-language model (model.vision, or a Qwen-VL model.checkpoint), or drop "
+                                    "the column")
+        return ds
 
     def _warn_plain_prompts(self) -> None:
         """``auto`` with plain-string prompts and a tokenizer that has a chat template: said once —
@@ -274,6 +287,63 @@ class FileTask:
 
 
 ParquetTask = FileTask  # the earlier name
+
+
+class VisionFileTask(FileTask):
+    """:class:`FileTask` over multimodal rows — verl's format (``<image>`` in the prompt, an ``images`` column of
+    ``{bytes, path}``) or TRL's (``{"type": "image"}`` parts, ``images`` / ``image``), read by
+    :func:`hyperrl.data.images.vision_samples`, each image decoded once — for a vision-language model: a
+    placeholder is written as the model's vision tokens (what the Qwen-VL chat template writes for an image) before
+    the prompt is encoded, then expanded to its image's ``t·h·w / merge²`` placeholders; the images go through the
+    model's ``image_processor`` (resized by its rules) once, when first asked for, and are kept."""
+
+    IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, tokenizer, image_processor, train, val=None, rewards=("gsm8k_exact",), *, image_key=None,
+                 **kw):
+        self.image_processor, self.image_key, self._images, self._vision = image_processor, image_key, {}, {}
+        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError("data with images: the tokenizer has no <|image_pad|> token — a vision-language "
+                             "model's tokenizer is needed")
+        self.merge = int(getattr(image_processor, "merge_size", 2))
+        super().__init__(tokenizer, train, val, rewards, **kw)
+
+    def _read(self, src, prompt_key: str) -> PromptDataset:
+        from hyperrl.data.images import vision_samples
+
+        paths = [src] if isinstance(src, str) else list(src)
+        if not all(isinstance(x, str) for x in paths):
+            raise DataError("data with images: give data files (parquet / JSONL / JSON), not records")
+        out = []
+        for path in paths:
+            for v in vision_samples(path, prompt_key=prompt_key, image_key=self.image_key):
+                self._images[v.source] = v.images
+                out.append(Sample(v.prompt, v.answer, v.source, v.extra))
+        return PromptDataset(out)
+
+    def _encode(self, prompt) -> list[int]:
+        from hyperrl.data.images import placeholders_as_text
+
+        return super()._encode(placeholders_as_text(prompt, self.IMAGE_TEXT))
+
+    def vision(self, sample: Sample):
+        """The row's ``(pixel_values [p, D], image_grid_thw [n, 3])`` from the model's image processor, or None for
+        a row without images."""
+        if sample.source not in self._vision:
+            images = self._images[sample.source]
+            if not images:
+                self._vision[sample.source] = None
+            else:
+                out = self.image_processor(images=list(images), return_tensors="pt")
+                self._vision[sample.source] = (out["pixel_values"], out["image_grid_thw"])
+        return self._vision[sample.source]
+
+    def encode(self, sample: Sample) -> list[int]:
+        """The prompt's ids with each image's placeholder expanded to its grid."""
+        v = self.vision(sample)
+        return expand_placeholders(super().encode(sample), self.image_token_id, None if v is None else v[1],
+                                   self.merge)
 
 
 def _dataset(src, prompt_key: str) -> PromptDataset:
@@ -384,6 +454,7 @@ def shapes(tokenizer, seed: int, image_processor=None, *, grid: int = 2, cell: i
 
 
 shapes.takes_images = True  # the composition root passes the model's image processor
+shapes.needs_images = True  # … and a text model is refused at load
 
 
 @register_task("parquet", produces=("reward",), settings=FILE_TASK_SETTINGS)
@@ -395,15 +466,21 @@ def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
 
 
 @register_task("files", produces=("reward",), settings=FILE_TASK_SETTINGS)
-def files(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
+def files(tokenizer, seed: int, image_processor=None, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
           rewards: tuple[RewardName, ...] = ("gsm8k_exact",), prompt_key: str = "prompt", max_prompt_length: int = 0,
           overlong_prompts: Literal["error", "filter", "truncate"] = "error",
           apply_chat_template: Literal["auto", "always", "never"] = "auto") -> FileTask:
     """Prompts from parquet / JSONL / JSON files (verl's columns), validation from ``val_files``;
-    what ``data.train_files`` / ``data.val_files`` build."""
-    return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, seed=seed, prompt_key=prompt_key,
-                    max_prompt_length=max_prompt_length, overlong_prompts=overlong_prompts,
-                    apply_chat_template=apply_chat_template)
+    what ``data.train_files`` / ``data.val_files`` build. With a vision-language model (``image_processor``, given
+    by the composition root) the rows may carry images (:class:`VisionFileTask`: verl's or TRL's format)."""
+    kw = dict(seed=seed, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
+              overlong_prompts=overlong_prompts, apply_chat_template=apply_chat_template)
+    if image_processor is not None:
+        return VisionFileTask(tokenizer, image_processor, list(train_files), list(val_files) or None, rewards, **kw)
+    return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, **kw)
+
+
+files.takes_images = True  # a vision-language model's rows carry images
 
 
 class PreferenceTask:

@@ -24,6 +24,7 @@ Use under an ``if __name__ == "__main__":`` guard (vLLM starts worker processes)
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import tempfile
 from dataclasses import replace
@@ -394,21 +395,43 @@ def _checkpoint_views(p) -> list:
     """Where each checkpoint tensor sits in a whole (one-replica) engine parameter: ``[(name,
     element offset, shape)]``. Every block of vLLM's fused / padded / stacked parameters is a
     contiguous run (row blocks of ``qkv_proj`` / ``gate_up_proj``, the real rows of a padded
-    vocabulary, one expert's gate or up half of ``w13_weight``) — anything else is an error."""
+    vocabulary, one expert's gate or up half of ``w13_weight``) — anything else is an error. Windows of one
+    checkpoint tensor (a vision tower's fused ``attn.qkv`` as its q, k and v thirds) that lie end to end and
+    cover it are one view of the whole tensor: vLLM's loader takes it under its checkpoint name once."""
     L = p.local_shape(0)
     stride = [1] * len(L)
     for d in range(len(L) - 2, -1, -1):
         stride[d] = stride[d + 1] * L[d + 1]
-    out = []
+    out, windows = [], []
     for j, part in enumerate(p.parts):
         for b in part.blocks:
             vb = b.virtual_box()
             off, sizes = list(vb.offsets), list(vb.sizes)
+            if b.window:
+                off, sizes = [0] * len(off), list(part.shape)
             if len(p.parts) > 1:
                 off[p.cat_dim] += p.cat_offset(0, j)
             first = next((d for d, n in enumerate(sizes) if n != 1), len(sizes))
             if any(sizes[d] != L[d] for d in range(first + 1, len(L))):
                 raise ValueError(f"{b.src}: not a contiguous block of the engine parameter (sizes {sizes} of "
                                  f"{list(L)})")
-            out.append((b.src, sum(o * s for o, s in zip(off, stride)), tuple(b.shape)))
+            at = sum(o * s for o, s in zip(off, stride))
+            if b.window:
+                windows.append((b, at, math.prod(part.shape)))
+                continue
+            out.append((b.src, at, tuple(b.shape)))
+    for src in dict.fromkeys(b.src for b, _, _ in windows):
+        mine = [(b, at, n) for b, at, n in windows if b.src == src]
+        start, total = mine[0][1], math.prod(mine[0][0].shape)
+        flat = [-sum(o * s for o, s in zip(b.offset, _strides(b.shape))) for b, _, _ in mine]  # source start
+        if flat != [at - start for _, at, _ in mine] or sum(n for _, _, n in mine) != total or flat[0] != 0:
+            raise ValueError(f"{src}: its windows do not lie end to end over the whole tensor in the engine parameter")
+        out.append((src, start, tuple(mine[0][0].shape)))
+    return out
+
+
+def _strides(shape) -> list[int]:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
     return out

@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--trainer", default="fsdp=8", help="trainer parallelism, e.g. fsdp=64,ep=16 (axes fsdp, tp, ep)")
     p.add_argument("--rollout", default="tp=8", help="rollout parallelism, e.g. tp=8,dp=32[,ep=256] (axes tp, dp, ep)")
     p.add_argument("--expert-placement", default="linear", choices=["linear", "round_robin"])
+    p.add_argument("--vision-dp", action="store_true", help="a vision-language model's tower whole on every rollout "
+                   "rank (vLLM's mm_encoder_tp_mode=data) instead of tensor-parallel")
     p.add_argument("--colocated", action="store_true", help="rollout ranks overlap the trainer's (default: disjoint)")
     p.add_argument("--fan-out", nargs="?", const="on", default="off", choices=["on", "off", "auto"],
                    help="destination replicas forward among themselves (auto: whichever the time model finds faster; "
@@ -66,7 +68,8 @@ def run(args) -> int:
         src = trainer_layout(cfg, fsdp=tr.get("fsdp", 1), tp=tr.get("tp", 1), ep=tr.get("ep", 1), dtype=dtype)
         offset = 0 if args.colocated else len(src.ranks())
         dst = rollout_layout(cfg, tp=ro.get("tp", 1), dp=ro.get("dp", 1), ep=ro.get("ep", 1),
-                             expert_placement=args.expert_placement, dtype=dtype, offset=offset)
+                             expert_placement=args.expert_placement, dtype=dtype, offset=offset,
+                             vision_dp=args.vision_dp)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     links = None

@@ -169,12 +169,16 @@ def _rule_boxes(rule, shape: tuple[int, ...], mesh: Mesh) -> tuple[Box, ...]:
 @dataclass(frozen=True)
 class Block:
     """Source tensor ``src`` placed in a part's virtual tensor at ``offset``. With ``stacked``,
-    the virtual tensor has one extra leading dim and the block sits at index ``offset[0]``."""
+    the virtual tensor has one extra leading dim and the block sits at index ``offset[0]``. With
+    ``window``, the part is a window of the source (``offset`` ≤ 0: the source extends past the part
+    on both sides and only the part's extent is delivered — vLLM's ``QKVParallelLinear`` taking its q,
+    k and v heads from a checkpoint tensor that already fuses them, :func:`Part.window`)."""
 
     src: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]  # the source tensor's shape
     stacked: bool = False
+    window: bool = False
 
     def virtual_box(self) -> Box:
         sizes = ((1,) if self.stacked else ()) + tuple(self.shape)
@@ -191,6 +195,18 @@ class Part:
     def plain(src: str, shape, rule, pad_shape=None) -> Part:
         shape = tuple(shape)
         return Part(tuple(pad_shape or shape), (Block(src, (0,) * len(shape), shape),), rule)
+
+    @staticmethod
+    def window(src: str, shape, dim: int, lo: int, n: int, rule) -> Part:
+        """Rows ``[lo, lo + n)`` along ``dim`` of source ``src`` (of ``shape``) as a part of their own — one
+        of the q / k / v thirds of a tensor the checkpoint already fuses (``attn.qkv``), which a tensor-parallel
+        engine splits head-wise third by third."""
+        shape = tuple(shape)
+        if not 0 <= lo and lo + n <= shape[dim]:
+            raise LayoutError(f"{src}: window [{lo}, {lo + n}) of dim {dim} lies outside its shape {list(shape)}")
+        offset = tuple(-lo if d == dim else 0 for d in range(len(shape)))
+        part_shape = tuple(n if d == dim else k for d, k in enumerate(shape))
+        return Part(part_shape, (Block(src, offset, shape, window=True),), rule)
 
     @staticmethod
     def stacked(srcs: list[str], block_shape, rule, order: list[int] | None = None) -> Part:
@@ -268,6 +284,12 @@ def _check_param(name: str, p: DstParam) -> None:
         L = part.shape
         for b in part.blocks:
             sizes = (1, *b.shape) if b.stacked else b.shape
+            if b.window:  # the part lies inside its one source
+                if len(part.blocks) != 1 or len(b.offset) != len(L) or len(sizes) != len(L) or \
+                        not all(o <= 0 and m <= o + n for o, n, m in zip(b.offset, sizes, L)):
+                    raise LayoutError(f"{where}: window of {b.src!r} at {list(b.offset)} (source {list(sizes)}) "
+                                      f"does not cover the part, or shares it with other blocks")
+                continue
             if len(b.offset) != len(L) or len(sizes) != len(L) or \
                     not all(0 <= o and o + n <= m for o, n, m in zip(b.offset, sizes, L)):
                 raise LayoutError(f"{where}: block {b.src!r} at {list(b.offset)} of size {list(sizes)} lies "
@@ -313,7 +335,8 @@ class DstLayout:
         by_signature: dict[tuple, list] = {}  # params equal but for source names (every layer) share patterns
         for name, param in self.params.items():
             sig = (param.mesh, param.cat_dim, tuple(
-                (p.shape, p.rule, tuple((b.offset, b.shape, b.stacked) for b in p.blocks)) for p in param.parts))
+                (p.shape, p.rule, tuple((b.offset, b.shape, b.stacked, b.window) for b in p.blocks))
+                for p in param.parts))
             cached = by_signature.get(sig)
             if cached is None:  # patterns interned once here, not per block
                 cached = by_signature[sig] = [[(interned.setdefault(pat, pat), sh)

@@ -28,9 +28,11 @@ from hyperrl.sharding.models import ModelShape, hf_tensor_shapes
 
 __all__ = ["M2NBytes", "m2n_rule", "m2n_received_bytes"]
 
+# a Qwen2.5-VL tower's attn.proj / projector mlp.2 (row) and projector mlp.0 (column) are plain loaders too;
+# its attn.qkv is a QKVParallelLinear (the fallback) and its gate / up fuse into gate_up_proj
 _ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "mlp.shared_experts.down_proj.weight",
-        "mlp.shared_expert.down_proj.weight")
-_COLUMN = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight")
+        "mlp.shared_expert.down_proj.weight", "attn.proj.weight", "merger.mlp.2.weight")
+_COLUMN = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "merger.mlp.0.weight")
 
 
 class M2NBytes(NamedTuple):

@@ -1,6 +1,7 @@
 """Model layouts from config numbers (no weights): Qwen2 / Qwen3 / Llama dense, Qwen2-MoE /
-Qwen3-MoE, DeepSeek-V3 (MLA) — from the table ``MODELS`` or an HF ``config.json``
-(:func:`from_hf_config`) — and the trainer's side of them.
+Qwen3-MoE, DeepSeek-V3 (MLA), Qwen2.5-VL (its vision tower and projector beside the language
+model) — from the table ``MODELS`` or an HF ``config.json`` (:func:`from_hf_config`) — and the
+trainer's side of them.
 
 ``trainer_layout(cfg, fsdp=, tp=, ep=)`` is the HF state dict as FSDP2 (+ TP, + EP) would
 shard it with DTensor: dense tensors are sharded on dim 0 over ``fsdp × ep`` (after TP on dim 0
@@ -12,7 +13,7 @@ parameters — is :mod:`.vllm`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,7 +21,30 @@ from hyperrl.sharding.layout import Layout, Placement
 from hyperrl.sharding.mesh import Mesh
 from hyperrl.sharding.spec import Spec
 
-__all__ = ["ModelShape", "MODELS", "trainer_layout", "hf_tensor_shapes", "parse_parallel", "from_hf_config"]
+__all__ = ["ModelShape", "VisionShape", "MODELS", "trainer_layout", "hf_tensor_shapes", "parse_parallel",
+           "from_hf_config"]
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A Qwen2.5-VL vision tower's numbers: ``depth`` blocks of ``hidden`` (``heads`` heads, a gated MLP of
+    ``intermediate``, biases on every linear layer, RMSNorm), a Conv3d patch embedding (``in_channels`` ×
+    ``temporal_patch`` × ``patch`` × ``patch``), and the projector (``merger``: RMSNorm, then an MLP from the
+    ``merge``² concatenated patches, ``hidden·merge²`` wide, to the language model's ``out_hidden``)."""
+
+    depth: int
+    hidden: int
+    heads: int
+    intermediate: int
+    out_hidden: int
+    patch: int = 14
+    temporal_patch: int = 2
+    in_channels: int = 3
+    merge: int = 2
+
+    @property
+    def merger_hidden(self) -> int:
+        return self.hidden * self.merge ** 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,9 @@ class ModelShape:
     shared_intermediate: int = 0  # a single shared expert of this width (Qwen2-MoE: mlp.shared_expert + its gate)
     sparse_step: int = 1  # Qwen-MoE decoder_sparse_step: layer i is MoE when (i + 1) % step == 0
     dense_layers: tuple[int, ...] = ()  # Qwen-MoE mlp_only_layers
+    # a vision-language model's tower (Qwen2.5-VL): its tensors are ``model.visual.*``, the language model's
+    # ``model.language_model.*`` (transformers ≥ 4.52 names), the head ``lm_head.weight``
+    vision: VisionShape | None = None
 
     def is_moe(self, layer: int) -> bool:
         return (self.experts > 0 and layer >= self.first_dense and layer not in self.dense_layers
@@ -60,15 +87,47 @@ MODELS = {
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, 151936, False, 128, 768),
     "deepseek-v3": ModelShape("deepseek-v3", 7168, 61, 128, 128, 128, 18432, 129280, False, 256, 2048, 3, 1,
                                (1536, 512, 128, 64, 128)),
+    # Qwen2.5-VL (the released config.json numbers): one 32-block tower of 1280 (16 heads, MLP 3420) on each
+    "qwen2.5-vl-3b": ModelShape("qwen2.5-vl-3b", 2048, 36, 16, 2, 128, 11008, 151936, True, qk_norm=False,
+                                qkv_bias=True, vision=VisionShape(32, 1280, 16, 3420, 2048)),
+    "qwen2.5-vl-7b": ModelShape("qwen2.5-vl-7b", 3584, 28, 28, 4, 128, 18944, 152064, False, qk_norm=False,
+                                qkv_bias=True, vision=VisionShape(32, 1280, 16, 3420, 3584)),
     # tiny shapes with the same structure, for execution tests
     "qwen3-tiny": ModelShape("qwen3-tiny", 64, 2, 4, 2, 16, 96, 250, True),
     "qwen3-moe-tiny": ModelShape("qwen3-moe-tiny", 32, 2, 4, 2, 8, 48, 130, False, 8, 24),
+    "qwen2.5-vl-tiny": ModelShape("qwen2.5-vl-tiny", 32, 2, 4, 2, 8, 48, 100, False, qk_norm=False, qkv_bias=True,
+                                  vision=VisionShape(2, 16, 4, 24, 32)),
     "deepseek-tiny": ModelShape("deepseek-tiny", 32, 3, 4, 4, 8, 48, 100, False, 8, 16, 1, 1, (24, 16, 8, 4, 8)),
 }
 
 
+def vision_tensor_shapes(v: VisionShape, prefix: str = "model.visual.") -> dict[str, tuple[int, ...]]:
+    """A Qwen2.5-VL vision tower's tensors (transformers' names under ``prefix``), in state-dict order: the
+    checkpoint already fuses each block's q, k and v (``attn.qkv``), and keeps the MLP's gate and up apart."""
+    D, I, M = v.hidden, v.intermediate, v.merger_hidden
+    out = {prefix + "patch_embed.proj.weight": (D, v.in_channels, v.temporal_patch, v.patch, v.patch)}
+    for i in range(v.depth):
+        b = f"{prefix}blocks.{i}."
+        out |= {b + "norm1.weight": (D,), b + "norm2.weight": (D,), b + "attn.qkv.weight": (3 * D, D),
+                b + "attn.qkv.bias": (3 * D,), b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                b + "mlp.gate_proj.weight": (I, D), b + "mlp.gate_proj.bias": (I,),
+                b + "mlp.up_proj.weight": (I, D), b + "mlp.up_proj.bias": (I,),
+                b + "mlp.down_proj.weight": (D, I), b + "mlp.down_proj.bias": (D,)}
+    out |= {prefix + "merger.ln_q.weight": (D,), prefix + "merger.mlp.0.weight": (M, M),
+            prefix + "merger.mlp.0.bias": (M,), prefix + "merger.mlp.2.weight": (v.out_hidden, M),
+            prefix + "merger.mlp.2.bias": (v.out_hidden,)}
+    return out
+
+
 def hf_tensor_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
-    """The HF checkpoint's tensor names and shapes, in state-dict order."""
+    """The HF checkpoint's tensor names and shapes, in state-dict order. A vision-language model: the tower
+    first, then the language model, named as the model holds them (``model.visual.*``,
+    ``model.language_model.*``) — the names a publisher sends; transformers saves (and loads) the original
+    ``visual.*`` / ``model.*``, and vLLM's loader takes either."""
+    if cfg.vision is not None:
+        text = hf_tensor_shapes(replace(cfg, vision=None))
+        return vision_tensor_shapes(cfg.vision) | {
+            ("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in text.items()}
     H, out = cfg.hidden, {"model.embed_tokens.weight": (cfg.vocab, cfg.hidden)}
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
@@ -118,9 +177,12 @@ def hf_tensor_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     return out
 
 
-_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+# the vision tower's (Qwen2.5-VL) beside the language model's: attn.proj and the projector's second linear are
+# row-parallel; attn.qkv, the MLP's gate / up and the projector's first linear column-parallel, biases included
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "attn.proj.weight", "merger.mlp.2.weight")
 _REPLICATED_2D = ("mlp.gate.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight", "shared_expert_gate.weight")
-_COLUMN_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+_COLUMN_BIAS = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "attn.qkv.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias",
+                "merger.mlp.0.bias")
 
 
 def _dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -149,7 +211,7 @@ def trainer_layout(cfg: ModelShape, *, fsdp: int, tp: int = 1, ep: int = 1, dtyp
             continue
         if name.endswith(_COLUMN_BIAS):  # a column-parallel layer's bias: TP on its rows, like the weight
             spec = Spec.shard(1, d0=("tp", "fsdp", "ep"))
-        elif len(shape) == 1 or name.endswith(_REPLICATED_2D):
+        elif len(shape) != 2 or name.endswith(_REPLICATED_2D):  # norms, row-parallel biases, the patch Conv3d
             spec = Spec.shard(len(shape), d0=("fsdp", "ep"))
         elif name.endswith(_ROW_PARALLEL):
             spec = Spec.shard(2, d0=("fsdp", "ep"), d1="tp")
@@ -198,12 +260,35 @@ def check_tensor_parallel(cfg: ModelShape, tp: int, *, ep: int = 1, where: str =
 _DENSE = ("qwen2", "qwen3", "llama", "mistral")
 _MOE = ("qwen2_moe", "qwen3_moe")
 _MLA = ("deepseek_v3",)
+_VL = ("qwen2_5_vl",)
+
+
+def _vision_shape(c: dict, where: str) -> VisionShape:
+    """A Qwen2.5-VL config's ``vision_config`` as a :class:`VisionShape` (a missing number named)."""
+    v = c.get("vision_config")
+    if not isinstance(v, dict):
+        raise ValueError(f"{where}: qwen2_5_vl without a vision_config")
+
+    def need(key, *aliases, default=None):
+        for k in (key, *aliases):
+            if v.get(k) is not None:
+                return int(v[k])
+        if default is None:
+            raise ValueError(f"{where}: vision_config.{key} is missing (qwen2_5_vl needs it)")
+        return default
+
+    return VisionShape(depth=need("depth"), hidden=need("hidden_size", "embed_dim"), heads=need("num_heads"),
+                       intermediate=need("intermediate_size"), out_hidden=need("out_hidden_size"),
+                       patch=need("patch_size", default=14), temporal_patch=need("temporal_patch_size", default=2),
+                       in_channels=need("in_channels", "in_chans", default=3),
+                       merge=need("spatial_merge_size", default=2))
 
 
 def from_hf_config(source) -> ModelShape:
     """A :class:`ModelShape` from an HF ``config.json`` (a path to the file or its directory,
     or the parsed dict): Qwen2 / Qwen3 / Llama / Mistral dense, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3
-    (MLA). An unsupported ``model_type`` or a missing field is an error naming it."""
+    (MLA), Qwen2.5-VL (the released flat config or transformers ≥ 5's ``text_config``; the language model is
+    Qwen2's). An unsupported ``model_type`` or a missing field is an error naming it."""
     import json
     from pathlib import Path
 
@@ -216,8 +301,15 @@ def from_hf_config(source) -> ModelShape:
             raise ValueError(f"{source}: no such file (expected an HF config.json or a directory holding one)")
         c, where = json.loads(path.read_text()), str(path)
     kind = c.get("model_type")
-    if kind not in _DENSE + _MOE + _MLA:
-        raise ValueError(f"{where}: model_type {kind!r} is not modelled; supported: {', '.join(_DENSE + _MOE + _MLA)}")
+    if kind not in _DENSE + _MOE + _MLA + _VL:
+        raise ValueError(f"{where}: model_type {kind!r} is not modelled; supported: "
+                         f"{', '.join(_DENSE + _MOE + _MLA + _VL)}")
+    if kind in _VL:
+        text = {**c, **(c.get("text_config") or {}), "model_type": "qwen2"}
+        text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
+        shape = from_hf_config(text)
+        name = c.get("_name_or_path") or (Path(where).parent.name if where != "config" else "") or kind
+        return replace(shape, name=name, vision=_vision_shape(c, where))
 
     def need(key, *aliases):  # aliases: names other releases write for the same number
         for k in (key, *aliases):

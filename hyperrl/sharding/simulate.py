@@ -75,6 +75,10 @@ def expected_destination(dst: DstLayout, full: dict[str, torch.Tensor],
         for part in p.parts:
             v = torch.zeros(part.shape, dtype=p.dtype)
             for b in part.blocks:
+                if b.window:  # the part is a window of its source
+                    v.copy_(full[b.src].reshape(b.shape)[tuple(slice(-o, -o + n)
+                                                               for o, n in zip(b.offset, part.shape))])
+                    continue
                 region = v[b.virtual_box().slices()]
                 region.copy_(full[b.src].reshape(region.shape))
             virtuals.append(v)

@@ -5,19 +5,31 @@ replicated when ``tp ≥ n_kv`` — :class:`HeadReplicaRule`, vLLM's ``QKVParall
 ``gate_up_proj``, vocab padded to a multiple of 64 then split, row-parallel ``o_proj``/``down_proj``
 on dim 1, MLA's fused ``fused_qkv_a_proj``, and ``FusedMoE`` stacked ``w13_weight [E, 2I, H]`` /
 ``w2_weight [E, H, I]`` — experts TP-sharded on every DP replica, or with ``ep = dp·tp`` spread
-over all ranks (``linear`` or ``round_robin``). The generic layout machinery (parts, blocks,
+over all ranks (``linear`` or ``round_robin``). A Qwen2.5-VL adds its vision tower under ``visual.``
+(vLLM's ``Qwen2_5_VisionTransformer``: the checkpoint's fused ``attn.qkv`` split head-wise third by
+third as ``QKVParallelLinear`` does, ``mlp.gate_up_proj`` fused from gate and up, ``attn.proj`` /
+``down_proj`` / the projector's ``mlp.2`` row-parallel with whole biases, the patch Conv3d and the
+norms replicated — or the whole tower replicated, ``vision_dp``: vLLM's ``mm_encoder_tp_mode="data"``)
+and serves the language model as ``language_model.model.*`` / ``language_model.lm_head.weight``
+(vllm/model_executor/models/qwen2_5_vl.py, its ``hf_to_vllm_mapper``). The generic layout machinery (parts, blocks,
 chunk rules, checks) is :mod:`.layout`; the model numbers are :mod:`.models`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hyperrl.sharding.layout import ChunkRule, DstLayout, DstParam, LayoutError, Part
 from hyperrl.sharding.mesh import Mesh
-from hyperrl.sharding.models import ModelShape, check_tensor_parallel, hf_tensor_shapes
+from hyperrl.sharding.models import (
+    ModelShape,
+    VisionShape,
+    check_tensor_parallel,
+    hf_tensor_shapes,
+    vision_tensor_shapes,
+)
 from hyperrl.sharding.spec import Box, Spec
 
 __all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
@@ -66,7 +78,8 @@ def padded_vocab(n: int) -> int:
 
 
 def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert_placement: str = "linear",
-                   dtype=torch.bfloat16, offset: int = 0, stacked_experts: bool = False) -> DstLayout:
+                   dtype=torch.bfloat16, offset: int = 0, stacked_experts: bool = False,
+                   vision_dp: bool = False) -> DstLayout:
     """vLLM's parameter layout on a ``dp × tp`` mesh (see module doc). ``ep`` ∈ {1, dp·tp} — or ``tp``:
     experts split over each TP group's ranks and replicated over the ``dp`` replicas (the transformers TP
     engine's layout of a mixture, :mod:`hyperrl.rollout.tp`; vLLM's own when ``dp = 1``).
@@ -75,7 +88,15 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
     ``mlp.experts.down_proj [E, H, I]`` (``w2_weight``) — instead of the checkpoint's per-expert
     tensors; whole experts only (``tp = 1`` or expert parallelism, linear placement): a
     tensor-parallel ``w13`` interleaves the gate and up halves of every expert, which whole-tensor
-    blocks of ``gate_up_proj`` cannot express."""
+    blocks of ``gate_up_proj`` cannot express. ``vision_dp``: a vision-language model's tower whole on every
+    rank (vLLM's ``mm_encoder_tp_mode="data"``) instead of tensor-parallel like the language model."""
+    if vision_dp and cfg.vision is None:
+        raise ValueError(f"vision_dp: {cfg.name} has no vision tower")
+    if cfg.vision is not None:
+        text = rollout_layout(replace(cfg, vision=None), tp=tp, dp=dp, ep=ep, expert_placement=expert_placement,
+                              dtype=dtype, offset=offset, stacked_experts=stacked_experts)
+        tower = _vision_layout(cfg.vision, Mesh.of(dp=dp, tp=tp, offset=offset), dtype, replicated=vision_dp)
+        return DstLayout(tower | {_vl_dst(n): _renamed(p, _vl_src) for n, p in text.params.items()})
     if ep not in (1, tp, dp * tp):
         raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1; ep=tp splits "
                          "the experts over each TP group)")
@@ -169,3 +190,61 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
     if not cfg.tied:
         add("lm_head.weight", [plain("lm_head.weight", col, (padded_vocab(cfg.vocab), cfg.hidden))])
     return DstLayout(params)
+
+
+def _vl_src(name: str) -> str:  # a text model's HF name → the vision-language model's (transformers ≥ 4.52)
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+
+
+def _vl_dst(name: str) -> str:  # a text model's vLLM parameter → vLLM's Qwen2.5-VL one (its hf_to_vllm_mapper)
+    return "language_model." + name
+
+
+def _renamed(p: DstParam, src) -> DstParam:
+    parts = tuple(replace(part, blocks=tuple(replace(b, src=src(b.src)) for b in part.blocks)) for part in p.parts)
+    return replace(p, parts=parts)
+
+
+def _vision_layout(v: VisionShape, mesh: Mesh, dtype, *, replicated: bool) -> dict[str, DstParam]:
+    """vLLM's ``visual.*`` parameters of a Qwen2.5-VL tower (see the module doc) from the HF ``model.visual.*``
+    tensors, on ``mesh`` (tensor-parallel over its ``tp`` axis unless ``replicated``)."""
+    tp = 1 if replicated else mesh.axis_size("tp")
+    for what, n in (("heads", v.heads), ("MLP width", v.intermediate), ("projector width", v.merger_hidden)):
+        if n % tp:
+            raise ValueError(f"rollout tp={tp}: the vision tower's {what} {n} is not divisible by {tp} (vLLM splits "
+                             f"it over the tensor-parallel ranks); serve the tower data-parallel "
+                             f"(mm_encoder_tp_mode='data', vision_dp=True) or choose tp dividing it")
+    shapes = vision_tensor_shapes(v)
+    axis = None if replicated else "tp"
+    rep = {n: ChunkRule(Spec.replicate(k)) for n, k in ((1, 1), (2, 2), (5, 5))}
+    col = {k: ChunkRule(Spec.shard(k, d0=axis)) if axis else rep[k] for k in (1, 2)}
+    row = ChunkRule(Spec.shard(2, d1=axis)) if axis else rep[2]
+    out: dict[str, DstParam] = {}
+
+    def add(name, parts):
+        out["visual." + name] = DstParam(dtype, mesh, tuple(parts))
+
+    def plain(name, rule=None):
+        shape = shapes["model.visual." + name]
+        return Part.plain("model.visual." + name, shape, rule or rep[len(shape)])
+
+    add("patch_embed.proj.weight", [plain("patch_embed.proj.weight")])
+    D = v.hidden
+    for i in range(v.depth):
+        b = f"blocks.{i}."
+        for n in ("norm1.weight", "norm2.weight", "attn.proj.bias", "mlp.down_proj.bias"):
+            add(b + n, [plain(b + n)])
+        for n in ("weight", "bias"):  # q, k and v thirds of the checkpoint's fused tensor, each split by heads
+            src = f"model.visual.{b}attn.qkv.{n}"
+            add(f"{b}attn.qkv.{n}", [Part.window(src, shapes[src], 0, k * D, D, col[len(shapes[src])])
+                                     for k in range(3)])
+            add(f"{b}mlp.gate_up_proj.{n}", [plain(f"{b}mlp.gate_proj.{n}", col[len(shapes[src])]),
+                                             plain(f"{b}mlp.up_proj.{n}", col[len(shapes[src])])])
+        add(b + "attn.proj.weight", [plain(b + "attn.proj.weight", row)])
+        add(b + "mlp.down_proj.weight", [plain(b + "mlp.down_proj.weight", row)])
+    add("merger.ln_q.weight", [plain("merger.ln_q.weight")])
+    add("merger.mlp.0.weight", [plain("merger.mlp.0.weight", col[2])])
+    add("merger.mlp.0.bias", [plain("merger.mlp.0.bias", col[1])])
+    add("merger.mlp.2.weight", [plain("merger.mlp.2.weight", row)])
+    add("merger.mlp.2.bias", [plain("merger.mlp.2.bias")])
+    return out

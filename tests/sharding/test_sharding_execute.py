@@ -18,6 +18,8 @@ CASES = {
     "experts_ep_round_robin": ("qwen3-moe-tiny", dict(fsdp=2, ep=2), dict(tp=2, dp=2, ep=4,
                                                                          expert_placement="round_robin")),
     "mla_shared_experts": ("deepseek-tiny", dict(fsdp=2, ep=2), dict(tp=4)),
+    # a vision-language model: the tower's fused attn.qkv split head-wise third by third, the projector, the LM
+    "vision_tower_tp": ("qwen2.5-vl-tiny", dict(fsdp=2), dict(tp=4)),
 }
 RUNS = [(c, "direct", False, 4096) for c in CASES] + [(c, "direct", True, 1 << 20) for c in CASES] + \
     [(c, "full_gather", False, 1 << 16) for c in ("dense_colocated", "experts_ep_round_robin", "uneven_disjoint")]

@@ -4,6 +4,7 @@ real transformers model of that config saves, and plan exactly."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,6 +31,12 @@ FAMILIES = {
         **ATTN, "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
         "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "n_group": 1, "topk_group": 1}),
+    # a vision-language model: the tower (4 heads, so tp=2 splits it) and the projector beside a Qwen2 language model
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
+        "text_config": {**ATTN, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                    "rope_theta": 1e6}},
+        "vision_config": {"depth": 2, "hidden_size": 16, "intermediate_size": 24, "num_heads": 4,
+                          "out_hidden_size": 32, "fullatt_block_indexes": [1]}}),
 }
 
 
@@ -48,6 +55,9 @@ def _checkpoint(tmp_path, family):
 def test_layouts_from_config_json_name_the_saved_tensors_and_plan_exactly(tmp_path, family):
     saved = _checkpoint(tmp_path, family)
     cfg = from_hf_config(tmp_path)  # the directory; the file works too
+    if family == "qwen2_5_vl":  # the file keeps the original names; the model (and its publisher) holds these
+        saved = {("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)): v
+                 for k, v in saved.items()}
     assert hf_tensor_shapes(cfg) == saved  # every tensor the checkpoint holds, by name and shape
     ep = 2 if cfg.experts else 1
     src = trainer_layout(cfg, fsdp=2, tp=1, ep=ep, dtype=torch.float32)
@@ -84,3 +94,55 @@ def test_cli_plans_a_config_json_colocated(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hyperrl.cli", "plan", "--model", str(tmp_path / "missing.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--model:" in bad.stderr and "no such file" in bad.stderr
+    # a vision-language model: its tower is planned too; a tower tp cannot split is named, --vision-dp replicates it
+    cmd = [sys.executable, "-m", "hyperrl.cli", "plan", "--model", "qwen2.5-vl-3b", "--trainer", "fsdp=2",
+           "--rollout", "tp=8", "--json"]
+    split = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert split.returncode != 0 and "MLP width 3420 is not divisible by 8" in split.stderr
+    whole = subprocess.run(cmd + ["--vision-dp", "--compare", "vllm-m2n"], capture_output=True, text=True,
+                           timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    info = json.loads(whole.stdout)
+    assert info["wire_bytes"] == info["recv_min_bytes"] and info["hyperrl_over_m2n"] < 1
+
+
+def test_vision_tower_follows_vllm_tensor_parallel_rules():
+    """vLLM's Qwen2.5-VL tower at tp=2, by hand: rank r's ``attn.qkv`` is its half of the q heads, then of the k
+    heads, then of the v heads of the checkpoint's fused [q; k; v] (``QKVParallelLinear`` on an already fused
+    tensor); ``gate_up_proj`` its half of gate then of up (biases alike); ``attn.proj`` its column half with the
+    whole bias; the projector's ``mlp.0`` a row half, ``mlp.2`` a column half; norms and the patch Conv3d whole.
+    The language model is served as ``language_model.model.*``."""
+    cfg = from_hf_config({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"][2]})
+    assert cfg.vision.merger_hidden == 64 and cfg.qkv_bias and not cfg.qk_norm
+    src = trainer_layout(cfg, fsdp=2, dtype=torch.float32)
+    dst = rollout_layout(cfg, tp=2, dtype=torch.float32, offset=2)
+    full = random_state(src, seed=3)
+    want = expected_destination(dst, full)
+    plan = reshard_plan(src, dst)
+    verify(plan)
+    got = simulate(plan, full)
+    v, D, I = "model.visual.blocks.0.", 16, 24
+    for r in (0, 1):
+        mine = got[2 + r]
+        h = slice(r * D // 2, (r + 1) * D // 2)
+        for n in ("weight", "bias"):
+            qkv = full[v + "attn.qkv." + n]
+            assert torch.equal(mine["visual.blocks.0.attn.qkv." + n], torch.cat([qkv[h], qkv[D:][h], qkv[2 * D:][h]]))
+            half = slice(r * I // 2, (r + 1) * I // 2)
+            assert torch.equal(mine["visual.blocks.0.mlp.gate_up_proj." + n],
+                               torch.cat([full[v + "mlp.gate_proj." + n][half], full[v + "mlp.up_proj." + n][half]]))
+        assert torch.equal(mine["visual.blocks.0.attn.proj.weight"], full[v + "attn.proj.weight"][:, h])
+        assert torch.equal(mine["visual.blocks.0.attn.proj.bias"], full[v + "attn.proj.bias"])
+        assert torch.equal(mine["visual.merger.mlp.0.weight"], full["model.visual.merger.mlp.0.weight"][r * 32:][:32])
+        assert torch.equal(mine["visual.merger.mlp.2.weight"],
+                           full["model.visual.merger.mlp.2.weight"][:, r * 32:][:, :32])
+        assert torch.equal(mine["visual.patch_embed.proj.weight"], full["model.visual.patch_embed.proj.weight"])
+        assert torch.equal(mine["language_model.model.norm.weight"], full["model.language_model.norm.weight"])
+        assert all(torch.equal(mine[n], t) for n, t in want[2 + r].items())
+    # the tower whole on every rank (vLLM's mm_encoder_tp_mode="data"): the fused qkv arrives as the checkpoint has it
+    rep = rollout_layout(cfg, tp=2, dtype=torch.float32, offset=2, vision_dp=True)
+    got = simulate(reshard_plan(src, rep), full)
+    assert torch.equal(got[3]["visual.blocks.0.attn.qkv.weight"], full[v + "attn.qkv.weight"])
+    # a tower whose widths tp cannot split is named, with the way out
+    with pytest.raises(ValueError, match="vision tower's heads 4 is not divisible by 8.*mm_encoder_tp_mode"):
+        rollout_layout(replace(cfg, heads=8, kv_heads=8), tp=8, dtype=torch.float32)
