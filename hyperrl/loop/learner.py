@@ -121,16 +121,20 @@ class Learner:
         B = batch.batch_size[0]
         totals: dict[str, float] = {}
         order = torch.randperm(B, generator=torch.Generator().manual_seed(seed))
+        # the rows' images are the one per-row payload far larger than their tokens: a mini-batch is planned on the
+        # rest, and each micro-batch gathers its own rows' images only — a shuffled copy of every image of the step
+        # would grow the update's memory with the images per step (benchmarks/vision.py --what memory)
+        light = batch.exclude("pixel_values") if "pixel_values" in batch.keys() else batch
         for _ in range(epochs):
             for idx in order.tensor_split(mini_batches):  # the same count on every rank, maybe empty
-                mini = batch[idx]
+                mini = light[idx]
                 norm = self.parallel.global_normalizer(T.Normalizer.from_mask(mini["action_mask"], length_const))
                 step_terms: dict[str, float] = {}
                 for micro in self.parallel.pad_micro_batches(micro_batches(mini, micro_batch_tokens)):
                     if micro is None:  # this rank has run out: a zero-weight pass keeps FSDP in step
                         (loss_fn(trim_padding(batch[:1]), norm).loss * 0.0).backward()
                         continue
-                    out = loss_fn(trim_padding(mini[torch.tensor(micro)]), norm)
+                    out = loss_fn(trim_padding(batch[idx[torch.tensor(micro)]]), norm)
                     (out.loss * self.parallel.loss_scale).backward()
                     for k, v in out.terms.items():
                         step_terms[k] = step_terms.get(k, 0.0) + float(v.detach()) * self.parallel.loss_scale
