@@ -22,6 +22,7 @@ match").
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -130,10 +131,18 @@ def expand_placeholders(ids: list[int], image_token_id: int, grids, merge: int =
     return out
 
 
+_ROPE_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → its rope-index module, found once
+
+
 def _rope_owner(model):
-    """The module that computes a VLM's rope index (``get_rope_index``; Qwen2/2.5/3-VL's inner model)."""
+    """The module that computes a VLM's rope index (``get_rope_index``; Qwen2/2.5/3-VL's inner model), found once per
+    model (every forward asks)."""
+    owner = _ROPE_OWNERS.get(model)
+    if owner is not None:
+        return owner
     for m in model.modules():
         if callable(getattr(type(m), "get_rope_index", None)):
+            _ROPE_OWNERS[model] = m
             return m
     raise VisionError(f"{type(model).__name__}: no get_rope_index (not a Qwen-VL family model); its positions "
                       "cannot be computed here")

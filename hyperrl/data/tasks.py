@@ -241,19 +241,24 @@ class FileTask:
             except Exception as e:  # noqa: BLE001 - the tokenizer's or its chat template's error, for this row
                 raise DataError(f"{s.source}: the prompt cannot be encoded ({type(e).__name__}: {e}); fix the row, "
                                 "or the tokenizer (model.tokenizer) and its chat template") from None
-            if self.max_len and len(ids) > self.max_len:
+            n = self._length(s, ids)
+            if self.max_len and n > self.max_len:
                 if self.overlong == "error":
-                    raise DataError(f"{s.source}: prompt of {len(ids)} tokens > data.max_prompt_length="
+                    raise DataError(f"{s.source}: prompt of {n} tokens > data.max_prompt_length="
                                     f"{self.max_len} ({which}); raise it, or set data.overlong_prompts to filter or "
                                     "truncate")
                 if self.overlong == "filter":
                     self.filtered += 1
                     continue
-                ids = ids[-self.max_len:]
+                ids, n = ids[-self.max_len:], self.max_len
             self._ids[s.source] = ids
-            self.longest_prompt = max(self.longest_prompt, len(ids))
+            self.longest_prompt = max(self.longest_prompt, n)
             keep.append(s)
         return PromptDataset(keep, ds.skipped)
+
+    def _length(self, sample: Sample, ids: list[int]) -> int:
+        """The prompt's length as the engine sees it (what ``max_prompt_length`` and the context bound count)."""
+        return len(ids)
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """The next ``k`` rows of the resumable cursor (refill rounds read on)."""
@@ -295,19 +300,37 @@ class VisionFileTask(FileTask):
     :func:`hyperrl.data.images.vision_samples`, each image decoded once — for a vision-language model: a
     placeholder is written as the model's vision tokens (what the Qwen-VL chat template writes for an image) before
     the prompt is encoded, then expanded to its image's ``t·h·w / merge²`` placeholders; the images go through the
-    model's ``image_processor`` (resized by its rules) once, when first asked for, and are kept."""
+    model's ``image_processor`` (resized by its rules) when a row is drawn — the last :attr:`KEEP` rows' pixels are
+    kept, not every row's (a dataset's pixels would not fit in memory). ``max_prompt_length`` and the context bound
+    count a prompt with its images expanded (each image's grid from its size by the processor's own rule, at load);
+    ``overlong_prompts: truncate`` is refused (a cut could split an image's placeholders)."""
 
     IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
+    KEEP = 1024
 
     def __init__(self, tokenizer, image_processor, train, val=None, rewards=("gsm8k_exact",), *, image_key=None,
                  **kw):
-        self.image_processor, self.image_key, self._images, self._vision = image_processor, image_key, {}, {}
+        from collections import OrderedDict
+
+        self.image_processor, self.image_key, self._images, self._vision = image_processor, image_key, {}, OrderedDict()
         self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
             raise ValueError("data with images: the tokenizer has no <|image_pad|> token — a vision-language "
                              "model's tokenizer is needed")
+        if kw.get("max_prompt_length") and kw.get("overlong_prompts") == "truncate":
+            raise ValueError("data.overlong_prompts=truncate with images: a cut could split an image's placeholders; "
+                             "use error or filter")
         self.merge = int(getattr(image_processor, "merge_size", 2))
         super().__init__(tokenizer, train, val, rewards, **kw)
+
+    def _length(self, sample: Sample, ids: list[int]) -> int:
+        """``ids`` with each image's one placeholder counted as its ``patches / merge²`` (the processor's
+        ``get_number_of_image_patches`` from the image's size: nothing is resized here)."""
+        extra = 0
+        for im in self._images[sample.source]:
+            patches = self.image_processor.get_number_of_image_patches(im.height, im.width, {})
+            extra += patches // self.merge ** 2 - 1
+        return len(ids) + extra
 
     def _read(self, src, prompt_key: str) -> PromptDataset:
         from hyperrl.data.images import vision_samples
@@ -330,14 +353,18 @@ class VisionFileTask(FileTask):
     def vision(self, sample: Sample):
         """The row's ``(pixel_values [p, D], image_grid_thw [n, 3])`` from the model's image processor, or None for
         a row without images."""
-        if sample.source not in self._vision:
-            images = self._images[sample.source]
-            if not images:
-                self._vision[sample.source] = None
-            else:
-                out = self.image_processor(images=list(images), return_tensors="pt")
-                self._vision[sample.source] = (out["pixel_values"], out["image_grid_thw"])
-        return self._vision[sample.source]
+        key = sample.source
+        if key in self._vision:
+            self._vision.move_to_end(key)
+            return self._vision[key]
+        images, got = self._images[key], None
+        if images:
+            out = self.image_processor(images=list(images), return_tensors="pt")
+            got = (out["pixel_values"], out["image_grid_thw"])
+        self._vision[key] = got
+        if len(self._vision) > self.KEEP:
+            self._vision.popitem(last=False)
+        return got
 
     def encode(self, sample: Sample) -> list[int]:
         """The prompt's ids with each image's placeholder expanded to its grid."""

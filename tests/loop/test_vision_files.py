@@ -80,3 +80,31 @@ def test_images_for_a_text_model_are_refused_naming_row_and_column(tmp_path):
     verl, _ = _files(tmp_path)
     with pytest.raises(DataError, match=r"verl.parquet:0: column 'images' holds images but the model is text-only"):
         build_trainer(_config(tmp_path, [verl]))
+
+
+def test_prompt_bounds_count_each_image_expanded(tmp_path):
+    """``max_prompt_length`` and ``longest_prompt`` (the context check) count a prompt as the engine sees it: a
+    56 × 56 board is 4 × 4 patches = 4 placeholders after the 2 × 2 merge, not the one the prompt writes."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from hyperrl.multimodal import VISION_SPECIAL_TOKENS
+    from hyperrl.tokenizer import char_tokenizer
+
+    buf = io.BytesIO()
+    draw_board(tuple("rgby"), 2, 28).save(buf, format="PNG")
+    rows = [{"prompt": "<image>c1?", "images": [{"bytes": buf.getvalue(), "path": None}], "answer": "g"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "big.parquet")
+    tok = char_tokenizer(specials=VISION_SPECIAL_TOKENS)
+    proc = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, temporal_patch_size=2,
+                                    merge_size=2)
+    files = [str(tmp_path / "big.parquet")]
+    task = VisionFileTask(tok, proc, files)
+    ids = task.encode(task.dataset.samples[0])
+    assert ids.count(task.image_token_id) == 4 and task.longest_prompt == len(ids) == 10  # <bos> + 3 + 3 + 3 chars
+    assert len(VisionFileTask(tok, proc, files, max_prompt_length=10).dataset) == 1
+    with pytest.raises(DataError, match=r"big.parquet:0: prompt of 10 tokens > data.max_prompt_length=9"):
+        VisionFileTask(tok, proc, files, max_prompt_length=9)
+    with pytest.raises(DataError, match="dataset is empty"):  # filtered out: the one row is over the bound
+        VisionFileTask(tok, proc, files, max_prompt_length=9, overlong_prompts="filter")
+    with pytest.raises(ValueError, match="truncate with images"):
+        VisionFileTask(tok, proc, files, max_prompt_length=9, overlong_prompts="truncate")
