@@ -72,8 +72,10 @@ def main():
     ap.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--full-vocab", action="store_true", help="algo.distill.full_vocab: the reverse KL over the "
                     "whole next-token distribution as a loss term (on-policy GKD) instead of the sampled advantage")
-    ap.add_argument("--student", nargs="*", default=[], help="more overrides for the students only, e.g. "
-                    "--algo.entropy_coef=0")
+    ap.add_argument("--jsd-beta", type=float, default=1.0, help="with --full-vocab: algo.distill.jsd_beta (1 the "
+                    "reverse KL, 0 the forward KL(teacher ‖ student), between: GKD's generalized JSD)")
+    ap.add_argument("--student", action="extend", nargs="*", default=[], help="more overrides for the students only "
+                    "(repeatable), e.g. --student=--algo.entropy_coef=0 --student=--rollout.n=4")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
@@ -89,7 +91,7 @@ def main():
             opd = [f"--run.out_dir={tmp}/opd{s}", f"--run.seed={s}", f"--algo.distill.teacher={teacher}",
                    f"--algo.distill.coef={args.coef}", f"--algo.distill.task_coef={args.task_coef}",
                    f"--algo.distill.whiten={args.whiten}", f"--algo.distill.full_vocab={args.full_vocab}",
-                   *args.student]
+                   *([f"--algo.distill.jsd_beta={args.jsd_beta}"] if args.full_vocab else []), *args.student]
             res[s] = {"opd": _until(opd, args.target, args.eval_every, args.max_steps),
                       "rl": _until([f"--run.out_dir={tmp}/rl{s}", f"--run.seed={s}"], args.target, args.eval_every,
                                    args.max_steps)}
@@ -108,7 +110,9 @@ def main():
     body = (f"Teacher: {src}, held-out exact {teacher_eval:.3f}. Students: fresh random tiny Qwen3s (the default "
             f"architecture), `--algo.distill.teacher=<its hf/> --algo.distill.coef={args.coef} "
             f"--algo.distill.task_coef={args.task_coef} --algo.distill.whiten={args.whiten} "
-            f"--algo.distill.full_vocab={args.full_vocab}{''.join(' ' + x for x in args.student)}` against RL from "
+            f"--algo.distill.full_vocab={args.full_vocab}"
+            f"{f' --algo.distill.jsd_beta={args.jsd_beta}' if args.full_vocab else ''}"
+            f"{''.join(' ' + x for x in args.student)}` against RL from "
             "scratch (the default), the same seeds; "
             f"held-out exact every {args.eval_every} steps, stopping at ≥ {args.target}:\n\n"
             + table(["seed", "OPD step", "OPD train s", "RL step", "RL train s", "step ratio OPD/RL"], rows)

@@ -53,6 +53,9 @@ def _check_files(cfg: TrainConfig) -> None:
     from hyperrl.tokenizer import TOKENIZER_FILES
 
     d = cfg.algo.distill
+    if d is not None and d.jsd_beta != 1.0 and not d.full_vocab:
+        raise ConfigError(f"algo.distill.jsd_beta={d.jsd_beta}: the divergence of the full-vocabulary term — set "
+                          "algo.distill.full_vocab=true (the sampled per-token advantage is the reverse KL's sample)")
     if d is not None and d.full_vocab:
         why = [w for w, bad in (("algo.distill.teachers (one teacher: algo.distill.teacher)", bool(d.teachers)),
                                 ("optim.pack_tokens", cfg.optim.pack_tokens > 0), ("run.cp", cfg.run.cp > 1),

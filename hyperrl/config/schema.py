@@ -247,6 +247,9 @@ class DistillConfig(_Frozen):
                              "loss_distill weighted by coef (on-policy GKD, Agarwal et al. 2024) instead of the "
                              "sampled per-token advantage; the task advantage still weighs task_coef. One teacher; "
                              "not with packing or run.cp")
+    jsd_beta: float = Field(1.0, ge=0, le=1, description="full_vocab only: the divergence, as TRL GKDTrainer's beta — "
+                            "1 the reverse KL(student ‖ teacher) (default), 0 the forward KL(teacher ‖ student), "
+                            "between them the generalized Jensen-Shannon divergence of GKD")
 
     @model_validator(mode="after")
     def _one_source(self):

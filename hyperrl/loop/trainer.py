@@ -146,20 +146,20 @@ class Trainer:
             out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
         d = self.cfg.algo.distill
         if d is not None and d.full_vocab:  # on-policy GKD: the whole next-token distribution toward the teacher's
-            out = out + self._full_vocab_distill(part, norm, d.coef)
+            out = out + self._full_vocab_distill(part, norm, d.coef, d.jsd_beta)
         if self.critic is not None:
             c = self.cfg.algo.critic
             values = self.forwards.values(self.critic, part)
             out = out + T.critic_loss(part, values, clip=c.value_clip, agg=p.agg, normalizer=norm, coef=c.value_coef)
         return out if router is None else out + router
 
-    def _full_vocab_distill(self, part: TensorDict, norm: T.Normalizer, coef: float) -> T.LossOutput:
-        """``loss_distill = coef · agg(KL(π_s(·|s_t) ‖ π_t(·|s_t)))`` over the action tokens, the teacher's
-        distribution from a no-grad forward of the same micro-batch."""
+    def _full_vocab_distill(self, part: TensorDict, norm: T.Normalizer, coef: float, beta: float) -> T.LossOutput:
+        """``loss_distill = coef · agg(JSD_β(π_s(·|s_t), π_t(·|s_t)))`` over the action tokens (β = 1: the reverse
+        KL), the teacher's distribution from a no-grad forward of the same micro-batch."""
         a, s = self.forwards.log_softmax(self.policy, part)
         with torch.no_grad():
             _, t = self.forwards.log_softmax(self.preparer.teachers[None], part)
-        kl = T.full_vocab_reverse_kl(s, t)  # [b, T − a]
+        kl = T.full_vocab_jsd(s, t, beta)  # [b, T − a]
         m = part["action_mask"][:, a:]
         loss = coef * T.aggregate(kl, m, self.pipeline.agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs,
                                   length_const=norm.length_const)

@@ -54,6 +54,7 @@ from hyperrl.transforms.correction import (
 from hyperrl.transforms.distill import (
     add_distill_advantages,
     distill_advantages,
+    full_vocab_jsd,
     full_vocab_reverse_kl,
     scale_advantages,
 )
@@ -134,7 +135,7 @@ __all__ = [
     "masked_whiten",
     "scores_to_token_rewards", "group_stats", "GroupStats", "dense_group_index",
     # distillation
-    "distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl",
+    "distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl", "full_vocab_jsd",
     # objectives
     "Objective", "ppo_clip", "gspo", "cispo", "sapo", "gmpo", "reinforce", "dppo_tv", "dppo_kl", "dro", "topr",
     "clip_cov", "kl_cov", "value_loss",

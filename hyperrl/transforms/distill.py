@@ -12,10 +12,13 @@ the teacher on the states it visits. Added to a task advantage with weight ``w``
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDict
 
-__all__ = ["distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl"]
+__all__ = ["distill_advantages", "add_distill_advantages", "scale_advantages", "full_vocab_reverse_kl",
+           "full_vocab_jsd"]
 
 
 def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor, *,
@@ -69,3 +72,25 @@ def full_vocab_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor
                          f"{tuple(teacher_logp.shape)} distributions differ in shape (one vocabulary is required)")
     s, t = student_logp.float(), teacher_logp.detach().float()
     return (s.exp() * (s - t)).sum(-1)
+
+
+def full_vocab_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """The generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024) as TRL's ``GKDTrainer`` defines its
+    ``beta``, per position ``[..., V] → [...]`` in fp32: with the mixture ``M = β·π_t + (1 − β)·π_s``,
+    ``JSD_β = β·KL(π_t ‖ M) + (1 − β)·KL(π_s ‖ M)``; the ends are the plain divergences — ``β = 0`` the forward
+    ``KL(π_t ‖ π_s)`` (the teacher's distribution as a soft label: supervised on the student's own states),
+    ``β = 1`` the reverse ``KL(π_s ‖ π_t)`` (:func:`full_vocab_reverse_kl`) — TRL's special cases: the mixture's JSD
+    itself tends to 0 at either end (``M`` → one of the two), so the ends are not its limits. Gradient through the
+    student only."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"full_vocab_jsd: beta={beta} must be in [0, 1] (0 forward KL, 1 reverse KL)")
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"full_vocab_jsd: student {tuple(student_logp.shape)} and teacher "
+                         f"{tuple(teacher_logp.shape)} distributions differ in shape (one vocabulary is required)")
+    s, t = student_logp.float(), teacher_logp.detach().float()
+    if beta == 1.0:
+        return (s.exp() * (s - t)).sum(-1)
+    if beta == 0.0:
+        return (t.exp() * (t - s)).sum(-1)
+    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1.0 - beta) * (s.exp() * (s - m)).sum(-1)

@@ -154,6 +154,65 @@ def test_full_vocab_reverse_kl_golden():
         full_vocab_reverse_kl(s, torch.zeros(1, 3))
 
 
+def test_full_vocab_jsd_golden_and_its_ends():
+    from hyperrl.transforms import full_vocab_jsd, full_vocab_reverse_kl
+
+    s = torch.tensor([[0.5, 0.5]]).log()  # the student
+    t = torch.tensor([[0.9, 0.1]]).log()  # the teacher
+    # β = 0.5: M = (0.7, 0.3); KL(t ‖ M) = 0.9·log(0.9/0.7) + 0.1·log(0.1/0.3) = 0.226183 − 0.109861 = 0.116321,
+    # KL(s ‖ M) = 0.5·log(0.5/0.7) + 0.5·log(0.5/0.3) = −0.168236 + 0.255413 = 0.087177; JSD = 0.101749
+    torch.testing.assert_close(full_vocab_jsd(s, t, 0.5), torch.tensor([0.101749]), atol=2e-6, rtol=0)
+    # β = 0: the forward KL(t ‖ s) = 0.9·log(1.8) + 0.1·log(0.2) = 0.529008 − 0.160944 = 0.368064
+    torch.testing.assert_close(full_vocab_jsd(s, t, 0.0), torch.tensor([0.368064]), atol=2e-6, rtol=0)
+    assert torch.equal(full_vocab_jsd(s, t, 1.0), full_vocab_reverse_kl(s, t))  # β = 1: the reverse KL
+    with pytest.raises(ValueError, match="beta=1.5 must be in"):
+        full_vocab_jsd(s, t, 1.5)
+
+
+def test_full_vocab_jsd_properties():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hyperrl.transforms import full_vocab_jsd
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(0, 2**31 - 1), st.floats(0.01, 0.99))  # the interior: the ends are TRL's special cases
+    def check(seed, beta):
+        g = torch.Generator().manual_seed(seed)
+        s = torch.randn(3, 7, generator=g).log_softmax(-1)
+        t = torch.randn(3, 7, generator=g).log_softmax(-1)
+        d = full_vocab_jsd(s, t, beta)
+        assert (d >= -1e-6).all() and full_vocab_jsd(s, s, beta).abs().max() < 1e-6  # a divergence
+        # the roles swap with β ↔ 1 − β: the same mixture, the same two KL terms
+        torch.testing.assert_close(d, full_vocab_jsd(t, s, 1.0 - beta), atol=1e-5, rtol=1e-5)
+        # the gradient reaches the student only
+        x = s.clone().requires_grad_()
+        y = t.clone().requires_grad_()
+        full_vocab_jsd(x, y, beta).sum().backward()
+        assert y.grad is None or not y.grad.any()
+
+    check()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_full_vocab_jsd_equals_trls_gkd_loss(beta):
+    """TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` (unreduced, summed over the vocabulary) on the same logits."""
+    from trl.experimental.gkd import GKDTrainer
+
+    from hyperrl.transforms import full_vocab_jsd
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 11, generator=g), 3 * torch.randn(2, 5, 11, generator=g)
+    theirs = GKDTrainer.generalized_jsd_loss(s, t, beta=beta, reduction="none").sum(-1)
+    torch.testing.assert_close(full_vocab_jsd(s.log_softmax(-1), t.log_softmax(-1), beta), theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_jsd_beta_without_the_full_vocabulary_term_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="algo.distill.jsd_beta=0.5: .*set algo.distill.full_vocab=true"):
+        load_config(None, [f"--run.out_dir={tmp_path}", f"--algo.distill.teacher={tmp_path}",
+                           "--algo.distill.jsd_beta=0.5"])
+
+
 def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path):
     """loss_distill = coef · token-mean of KL(π_s(·|s_t) ‖ π_t(·|s_t)) over the action tokens (computed by hand
     from the two models' logits here); 0 for a teacher equal to the student; the advantages are the task's
