@@ -36,6 +36,18 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def run_child(code: str, *args, cwd) -> dict:
+    """Run ``code`` in a fresh Python process (``python -c code *args`` in ``cwd``) and return the JSON object its
+    last stdout line holds — a measurement no earlier allocation of this process can colour (peak RSS)."""
+    import json
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    if r.returncode:
+        raise RuntimeError(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def append_results(title: str, body: str) -> None:
     exe = os.path.relpath(sys.executable)
     exe = exe if exe.startswith(".venv") else "python"

@@ -18,8 +18,6 @@ it, and the memory it costs at a real vocabulary.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import append_results, table  # noqa: E402
+from benchmarks._common import append_results, run_child, table  # noqa: E402
 
 _MEM = r"""
 import json, resource, sys
@@ -62,11 +60,7 @@ def _mismatch(steps: int, fp32: bool, out: str, seed: int) -> tuple[list[dict], 
 
 
 def _memory(ckpt: Path, out: str, fp32: bool, rows: int, response: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", _MEM, str(ROOT), str(ckpt), out, str(fp32), str(rows), str(response)],
-                       capture_output=True, text=True, cwd=ROOT)
-    if r.returncode:
-        raise RuntimeError(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(_MEM, ROOT, ckpt, out, fp32, rows, response, cwd=ROOT)
 
 
 def main():

@@ -13,7 +13,6 @@ same steps on an older commit (a ``git worktree``) side by side. Appends to RESU
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import append_results, table  # noqa: E402
+from benchmarks._common import append_results, run_child, table  # noqa: E402
 
 _CHILD = r"""
 import json, resource, sys
@@ -61,11 +60,7 @@ print(json.dumps({"built_mib": built / 1024, "peak_mib": peak / 1024}))
 
 
 def _run(src: Path, ckpt: Path, out: str, rows: int, budget: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(ckpt), out, str(rows), str(budget)],
-                       capture_output=True, text=True, cwd=src)
-    if r.returncode:
-        raise RuntimeError(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, src, ckpt, out, rows, budget, cwd=src)
 
 
 def main():

@@ -21,8 +21,6 @@ update's memory should not.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import append_results, table  # noqa: E402
+from benchmarks._common import append_results, run_child, table  # noqa: E402
 
 CONFIG = ROOT / "configs" / "vision.yaml"
 # Qwen-VL's rendering of an image part (what hyperrl's shapes prompt writes) and of text parts
@@ -145,11 +143,7 @@ print(json.dumps({"rows": rows, "patches": patches, "before_mib": before, "peak_
 
 
 def run_memory(prompts: int, budget: int, cell: int) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT), str(prompts), str(budget), str(cell)],
-                       capture_output=True, text=True, cwd=ROOT)
-    if r.returncode:
-        raise RuntimeError(r.stderr[-3000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_child(_CHILD, ROOT, prompts, budget, cell, cwd=ROOT)
 
 
 def main():

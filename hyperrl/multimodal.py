@@ -29,10 +29,20 @@ import torch
 
 __all__ = ["pack_vision", "row_patches", "model_inputs", "VisionError", "VisionSpec", "vision_spec",
            "expand_placeholders", "rope_positions", "forward_inputs", "suppress_outputs", "vision_identity",
-           "VISION_SPECIAL_TOKENS"]
+           "VISION_SPECIAL_TOKENS", "IMAGE_TEXT", "image_token_id"]
 
 # the Qwen-VL family's vision special tokens, in the order a tokenizer built for it adds them
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"  # one image, as the Qwen-VL chat template writes it
+
+
+def image_token_id(tokenizer, who: str) -> int:
+    """The tokenizer's ``<|image_pad|>`` id; a tokenizer without it is an error naming ``who`` needs it."""
+    i = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    if i is None or i == tokenizer.unk_token_id:
+        raise ValueError(f"{who}: the tokenizer has no <|image_pad|> token; use a vision-language model's tokenizer "
+                         "(model.vision builds the character tokenizer with the vision tokens)")
+    return i
 
 
 class VisionError(ValueError):

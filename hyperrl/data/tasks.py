@@ -22,7 +22,7 @@ from typing import Literal
 
 from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample, render_chat
 from hyperrl.data.incode import InCodeTask, held_out_split
-from hyperrl.multimodal import expand_placeholders
+from hyperrl.multimodal import IMAGE_TEXT, expand_placeholders, image_token_id
 from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
@@ -305,7 +305,6 @@ class VisionFileTask(FileTask):
     count a prompt with its images expanded (each image's grid from its size by the processor's own rule, at load);
     ``overlong_prompts: truncate`` is refused (a cut could split an image's placeholders)."""
 
-    IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
     KEEP = 1024
 
     def __init__(self, tokenizer, image_processor, train, val=None, rewards=("gsm8k_exact",), *, image_key=None,
@@ -313,10 +312,7 @@ class VisionFileTask(FileTask):
         from collections import OrderedDict
 
         self.image_processor, self.image_key, self._images, self._vision = image_processor, image_key, {}, OrderedDict()
-        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
-            raise ValueError("data with images: the tokenizer has no <|image_pad|> token — a vision-language "
-                             "model's tokenizer is needed")
+        self.image_token_id = image_token_id(tokenizer, "data with images")
         if kw.get("max_prompt_length") and kw.get("overlong_prompts") == "truncate":
             raise ValueError("data.overlong_prompts=truncate with images: a cut could split an image's placeholders; "
                              "use error or filter")
@@ -348,7 +344,7 @@ class VisionFileTask(FileTask):
     def _encode(self, prompt) -> list[int]:
         from hyperrl.data.images import placeholders_as_text
 
-        return super()._encode(placeholders_as_text(prompt, self.IMAGE_TEXT))
+        return super()._encode(placeholders_as_text(prompt, IMAGE_TEXT))
 
     def vision(self, sample: Sample):
         """The row's ``(pixel_values [p, D], image_grid_thw [n, 3])`` from the model's image processor, or None for

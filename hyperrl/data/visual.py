@@ -23,7 +23,7 @@ import torch
 
 from hyperrl.data.incode import InCodeTask, held_out_split
 from hyperrl.data.parquet import Sample
-from hyperrl.multimodal import expand_placeholders
+from hyperrl.multimodal import IMAGE_TEXT, expand_placeholders, image_token_id
 from hyperrl.tokenizer import encode_prompt
 
 __all__ = ["PALETTE", "ShapesTask", "draw_board", "IMAGE_PROMPT"]
@@ -31,7 +31,7 @@ __all__ = ["PALETTE", "ShapesTask", "draw_board", "IMAGE_PROMPT"]
 # colour letter → RGB (well apart in every channel a random patch embedding could read)
 PALETTE = {"r": (220, 40, 40), "g": (40, 180, 60), "b": (40, 80, 220), "y": (230, 210, 40), "w": (235, 235, 235),
            "k": (20, 20, 20), "m": (200, 50, 200), "c": (40, 200, 210)}
-IMAGE_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>"  # one image, as the Qwen-VL chat template writes it
+IMAGE_PROMPT = IMAGE_TEXT  # one image, as the Qwen-VL chat template writes it
 
 
 def draw_board(board: tuple[str, ...], grid: int, cell: int):
@@ -63,10 +63,7 @@ class ShapesTask(InCodeTask):
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
-            raise ValueError("task shapes: the tokenizer has no <|image_pad|> token; use a vision-language model's "
-                             "tokenizer (model.vision builds the character tokenizer with the vision tokens)")
+        self.image_token_id = image_token_id(self.tokenizer, "task shapes")
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         boards = list(itertools.product(self.colours, repeat=self.grid * self.grid))
         self._train, self._eval = held_out_split(boards, self.held_out_frac, self.split_seed, 13)

@@ -399,9 +399,7 @@ def _checkpoint_views(p) -> list:
     checkpoint tensor (a vision tower's fused ``attn.qkv`` as its q, k and v thirds) that lie end to end and
     cover it are one view of the whole tensor: vLLM's loader takes it under its checkpoint name once."""
     L = p.local_shape(0)
-    stride = [1] * len(L)
-    for d in range(len(L) - 2, -1, -1):
-        stride[d] = stride[d + 1] * L[d + 1]
+    stride = _strides(L)
     out, windows = [], []
     for j, part in enumerate(p.parts):
         for b in part.blocks:

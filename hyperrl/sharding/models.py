@@ -119,6 +119,12 @@ def vision_tensor_shapes(v: VisionShape, prefix: str = "model.visual.") -> dict[
     return out
 
 
+def language_model_name(name: str) -> str:
+    """A text model's tensor name as a vision-language model holds it (transformers ≥ 4.52:
+    ``model.layers.0.…`` → ``model.language_model.layers.0.…``; ``lm_head.weight`` unchanged)."""
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+
+
 def hf_tensor_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     """The HF checkpoint's tensor names and shapes, in state-dict order. A vision-language model: the tower
     first, then the language model, named as the model holds them (``model.visual.*``,
@@ -126,8 +132,7 @@ def hf_tensor_shapes(cfg: ModelShape) -> dict[str, tuple[int, ...]]:
     ``visual.*`` / ``model.*``, and vLLM's loader takes either."""
     if cfg.vision is not None:
         text = hf_tensor_shapes(replace(cfg, vision=None))
-        return vision_tensor_shapes(cfg.vision) | {
-            ("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v for k, v in text.items()}
+        return vision_tensor_shapes(cfg.vision) | {language_model_name(k): v for k, v in text.items()}
     H, out = cfg.hidden, {"model.embed_tokens.weight": (cfg.vocab, cfg.hidden)}
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
@@ -263,6 +268,16 @@ _MLA = ("deepseek_v3",)
 _VL = ("qwen2_5_vl",)
 
 
+def _number(c: dict, key: str, *aliases: str, missing: str, default: int | None = None) -> int:
+    """``c[key]`` (or the first of ``aliases`` set) as an int; ``default`` when none is, else ``missing`` raised."""
+    for k in (key, *aliases):
+        if c.get(k) is not None:
+            return int(c[k])
+    if default is None:
+        raise ValueError(missing)
+    return default
+
+
 def _vision_shape(c: dict, where: str) -> VisionShape:
     """A Qwen2.5-VL config's ``vision_config`` as a :class:`VisionShape` (a missing number named)."""
     v = c.get("vision_config")
@@ -270,12 +285,8 @@ def _vision_shape(c: dict, where: str) -> VisionShape:
         raise ValueError(f"{where}: qwen2_5_vl without a vision_config")
 
     def need(key, *aliases, default=None):
-        for k in (key, *aliases):
-            if v.get(k) is not None:
-                return int(v[k])
-        if default is None:
-            raise ValueError(f"{where}: vision_config.{key} is missing (qwen2_5_vl needs it)")
-        return default
+        return _number(v, key, *aliases, default=default,
+                       missing=f"{where}: vision_config.{key} is missing (qwen2_5_vl needs it)")
 
     return VisionShape(depth=need("depth"), hidden=need("hidden_size", "embed_dim"), heads=need("num_heads"),
                        intermediate=need("intermediate_size"), out_hidden=need("out_hidden_size"),
@@ -304,21 +315,17 @@ def from_hf_config(source) -> ModelShape:
     if kind not in _DENSE + _MOE + _MLA + _VL:
         raise ValueError(f"{where}: model_type {kind!r} is not modelled; supported: "
                          f"{', '.join(_DENSE + _MOE + _MLA + _VL)}")
+    name = c.get("_name_or_path") or Path(where).parent.name or kind  # ("config", a dict: no parent name)
     if kind in _VL:
         text = {**c, **(c.get("text_config") or {}), "model_type": "qwen2"}
         text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
-        shape = from_hf_config(text)
-        name = c.get("_name_or_path") or (Path(where).parent.name if where != "config" else "") or kind
-        return replace(shape, name=name, vision=_vision_shape(c, where))
+        return replace(from_hf_config(text), name=name, vision=_vision_shape(c, where))
 
     def need(key, *aliases):  # aliases: names other releases write for the same number
-        for k in (key, *aliases):
-            if c.get(k) is not None:
-                return int(c[k])
-        raise ValueError(f"{where}: {key!r} is missing ({kind} needs it)")
+        return _number(c, key, *aliases, missing=f"{where}: {key!r} is missing ({kind} needs it)")
 
     H, heads = need("hidden_size"), need("num_attention_heads")
-    common = dict(name=c.get("_name_or_path") or Path(where).parent.name or kind, hidden=H,
+    common = dict(name=name, hidden=H,
                   layers=need("num_hidden_layers"), heads=heads,
                   kv_heads=int(c.get("num_key_value_heads") or heads),
                   head_dim=int(c.get("head_dim") or H // heads), intermediate=need("intermediate_size"),

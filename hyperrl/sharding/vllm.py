@@ -28,6 +28,7 @@ from hyperrl.sharding.models import (
     VisionShape,
     check_tensor_parallel,
     hf_tensor_shapes,
+    language_model_name,
     vision_tensor_shapes,
 )
 from hyperrl.sharding.spec import Box, Spec
@@ -96,7 +97,7 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
         text = rollout_layout(replace(cfg, vision=None), tp=tp, dp=dp, ep=ep, expert_placement=expert_placement,
                               dtype=dtype, offset=offset, stacked_experts=stacked_experts)
         tower = _vision_layout(cfg.vision, Mesh.of(dp=dp, tp=tp, offset=offset), dtype, replicated=vision_dp)
-        return DstLayout(tower | {_vl_dst(n): _renamed(p, _vl_src) for n, p in text.params.items()})
+        return DstLayout(tower | {_vl_dst(n): _renamed(p, language_model_name) for n, p in text.params.items()})
     if ep not in (1, tp, dp * tp):
         raise ValueError(f"ep={ep}: vLLM expert parallelism spans all dp×tp={dp * tp} ranks (or ep=1; ep=tp splits "
                          "the experts over each TP group)")
@@ -190,10 +191,6 @@ def rollout_layout(cfg: ModelShape, *, tp: int, dp: int = 1, ep: int = 1, expert
     if not cfg.tied:
         add("lm_head.weight", [plain("lm_head.weight", col, (padded_vocab(cfg.vocab), cfg.hidden))])
     return DstLayout(params)
-
-
-def _vl_src(name: str) -> str:  # a text model's HF name → the vision-language model's (transformers ≥ 4.52)
-    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
 def _vl_dst(name: str) -> str:  # a text model's vLLM parameter → vLLM's Qwen2.5-VL one (its hf_to_vllm_mapper)

@@ -63,15 +63,24 @@ def scale_advantages(batch: TensorDict, *, coef: float = 1.0) -> TensorDict:
     return batch.copy().set("advantages", coef * batch["advantages"])
 
 
+def _pair(student_logp: torch.Tensor, teacher_logp: torch.Tensor, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two log-distributions in fp32, the teacher's detached (one vocabulary is required)."""
+    if student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"{who}: student {tuple(student_logp.shape)} and teacher {tuple(teacher_logp.shape)} "
+                         "distributions differ in shape (one vocabulary is required)")
+    return student_logp.float(), teacher_logp.detach().float()
+
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """``KL(p ‖ q) = Σ_v p(v)·(log p(v) − log q(v))`` over the last dim."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
 def full_vocab_reverse_kl(student_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
     """``KL(π_s ‖ π_t) = Σ_v π_s(v)·(log π_s(v) − log π_t(v))`` per position ``[..., V] → [...]`` in fp32: the
     reverse KL over the whole next-token distribution (on-policy GKD, Agarwal et al. 2024, with the student's
     own samples as the states); its gradient flows through the student's log-probabilities only."""
-    if student_logp.shape != teacher_logp.shape:
-        raise ValueError(f"full_vocab_reverse_kl: student {tuple(student_logp.shape)} and teacher "
-                         f"{tuple(teacher_logp.shape)} distributions differ in shape (one vocabulary is required)")
-    s, t = student_logp.float(), teacher_logp.detach().float()
-    return (s.exp() * (s - t)).sum(-1)
+    return _kl(*_pair(student_logp, teacher_logp, "full_vocab_reverse_kl"))
 
 
 def full_vocab_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta: float) -> torch.Tensor:
@@ -84,13 +93,10 @@ def full_vocab_jsd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, beta:
     student only."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"full_vocab_jsd: beta={beta} must be in [0, 1] (0 forward KL, 1 reverse KL)")
-    if student_logp.shape != teacher_logp.shape:
-        raise ValueError(f"full_vocab_jsd: student {tuple(student_logp.shape)} and teacher "
-                         f"{tuple(teacher_logp.shape)} distributions differ in shape (one vocabulary is required)")
-    s, t = student_logp.float(), teacher_logp.detach().float()
+    s, t = _pair(student_logp, teacher_logp, "full_vocab_jsd")
     if beta == 1.0:
-        return (s.exp() * (s - t)).sum(-1)
+        return _kl(s, t)
     if beta == 0.0:
-        return (t.exp() * (t - s)).sum(-1)
+        return _kl(t, s)
     m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
-    return beta * (t.exp() * (t - m)).sum(-1) + (1.0 - beta) * (s.exp() * (s - m)).sum(-1)
+    return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m)
