@@ -46,7 +46,7 @@ from hyperrl.models.policy import (
 from hyperrl.rewards import build_rewards
 from hyperrl.rollout.engines import ENGINES, EngineContext
 from hyperrl.rollout.publisher import Publisher
-from hyperrl.rollout.workers import EXECUTORS
+from hyperrl.rollout.workers import EXECUTORS, REMOTE_EXECUTORS
 
 __all__ = ["build", "build_trainer", "build_models"]
 
@@ -68,9 +68,10 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     policy.train()
     if m.lm_head_fp32:  # before the engine and the reference copy it: both sides compute the head in fp32
         fp32_lm_head(policy)
-    eng = cfg.rollout.engine
+    eng, a = cfg.rollout.engine, getattr(cfg, "async")
+    remote = a.max_staleness is not None and a.executor.name in REMOTE_EXECUTORS  # the workers build the engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
-                        tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None)
+                        tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None, remote=remote)
     engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
     policy, reference = build_reference(cfg, policy, "ref_logprobs" in pipeline.needs)
     critic = build_critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
@@ -209,28 +210,24 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     toolbox = Toolbox([t.model_dump() for t in cfg.tools]) if cfg.tools else None  # MCP servers start here
     env_fn = ENVIRONMENTS.factory(cfg.env.name).fn if cfg.env is not None else None
-    try:
-        if getattr(env_fn, "takes_tools", False):
-            make_env = functools.partial(make_env, toolbox.tools if toolbox is not None else None)
-        if getattr(env_fn, "owns_loop", False):
-            make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox)
-    except BaseException:
-        if toolbox is not None:
-            toolbox.close()
-        raise
     a = getattr(cfg, "async")
     asynchronous = a.max_staleness is not None
     if trainer is None:
         trainer = PreferenceTrainer if cfg.algo.preference is not None else AsyncTrainer if asynchronous else \
             SyncTrainer
-    if issubclass(trainer, AsyncTrainer) != asynchronous:
-        raise ConfigError(f"async.max_staleness={a.max_staleness}: {trainer.__name__} needs " +
-                          ("the staleness bound η ≥ 0 set (async.max_staleness)" if not asynchronous else
-                           "it unset (null): set is the asynchronous loop (AsyncTrainer)"))
-    workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine) if asynchronous else None
+    workers = None
     try:
-        if workers is not None:
+        if issubclass(trainer, AsyncTrainer) != asynchronous:
+            raise ConfigError(f"async.max_staleness={a.max_staleness}: {trainer.__name__} needs " +
+                              ("the staleness bound η ≥ 0 set (async.max_staleness)" if not asynchronous else
+                               "it unset (null): set is the asynchronous loop (AsyncTrainer)"))
+        if asynchronous:
+            workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine)
             engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
+        if getattr(env_fn, "takes_tools", False):
+            make_env = functools.partial(make_env, toolbox.tools if toolbox is not None else None)
+        if getattr(env_fn, "owns_loop", False):
+            make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox)
         return _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env,
                          rewards, workers, hooks, toolbox)
     except BaseException:

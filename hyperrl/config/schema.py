@@ -194,9 +194,10 @@ class RolloutConfig(_Frozen):
                                          "at once — agent programs, environments' steps (a tool's wait)")
     delta_publication: bool = Field(False, description="publish only the elements whose bits changed since the "
                                     "engine's version (indices + values per tensor, checksummed; a full publication "
-                                    "when the engine holds another version) — into the transformers engines, in one "
-                                    "process or under torchrun (each planned slice's delta on the wire, TP included); "
-                                    "metrics delta_frac, publish_bytes")
+                                    "when the engine holds another version) — into the transformers and vLLM engines, "
+                                    "in one process, under torchrun (each planned slice's delta on the wire, TP "
+                                    "included) or to Ray actors (only the deltas in the object store); metrics "
+                                    "delta_frac, publish_bytes")
     delta_encoding: Literal["sparse", "xor_zstd"] = Field("sparse", description="with delta_publication: the "
                                                           "changed elements as int32 indices + values (sparse), or the "
                                                           "xor of the bits compressed by zstd (xor_zstd: 2.6-4x fewer "

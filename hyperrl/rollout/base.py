@@ -122,6 +122,7 @@ class WeightTransaction:
         self.expected, self.version, self.current, self.partial = expected, version, current, partial
         self.aliases = dict(aliases or {})
         self.staged: dict[str, torch.Tensor] = {}
+        self.kept: dict[str, torch.Tensor] = {}  # a keeps_copy engine's copies of the staged pieces
 
     def _refuse(self, why: str) -> WeightPublishError:
         return WeightPublishError(f"{why}; refusing version {self.version} (still serving version {self.current})")
@@ -169,11 +170,20 @@ class WeightTransaction:
 class TransactionalEngine:
     """``begin / stage / commit / abort`` and ``load_weights`` over the engine's ``_expected()``
     (``name → tensor`` with the shapes it accepts), ``_aliases`` and ``_apply(staged)``; the
-    version is bumped only after ``_apply`` returns."""
+    version is bumped only after ``_apply`` returns.
+
+    Deltas (:meth:`stage_deltas`) apply to the weights the engine serves — ``_expected()`` when those
+    are its own tensors. An engine whose weights live elsewhere (``weights_elsewhere``: vLLM's worker,
+    Ray actors) applies them to a copy of what it last committed: it starts keeping one (``keeps_copy``;
+    one more copy of the model in this process's memory) when the first delta arrives — that delta is
+    refused for want of a base, the publisher's full publication follows, and later deltas apply."""
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
     capabilities: Capabilities = Capabilities()
+    weights_elsewhere = False
+    keeps_copy = False
+    _held: tuple[int, dict] | None = None  # (version, pieces): the copy a keeps_copy engine serves
 
     def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
         """Open the publication of ``version``; ``base``: it is a delta against that version (refused unless the
@@ -186,12 +196,23 @@ class TransactionalEngine:
         self._txn = WeightTransaction(self._expected(), version, self.policy_version, partial=partial,
                                       aliases=self._aliases)
 
+    def _delta_base(self) -> Mapping[str, torch.Tensor]:
+        """What a delta applies to: the served weights (a ``keeps_copy`` engine: its copy of them)."""
+        return self._held[1] if self.weights_elsewhere else self._expected()
+
     def stage_deltas(self, deltas) -> None:
         """Stage ``name → TensorDelta`` pieces (:mod:`hyperrl.rollout.delta`): each applied to the weight this
         engine serves now and its checksum verified before it is staged; a failure aborts the transaction."""
         if self._txn is None:
             raise WeightPublishError("stage_deltas() without begin(version, base=...)")
-        current = self._expected()
+        if self.weights_elsewhere and (self._held is None or self._held[0] != self.policy_version):
+            version = self._txn.version
+            self.abort()
+            self.keeps_copy = True  # from the next publication on
+            raise DeltaError(f"a delta against version {self.policy_version}, but this engine holds no copy of it to "
+                             f"apply the delta to (it keeps one from its next full publication); refusing version "
+                             f"{version}")
+        current = self._delta_base()
         items = deltas.items() if hasattr(deltas, "items") else deltas
         self.stage((name, d.apply(current[name], name)) if name in current else (name, d.values) for name, d in items)
 
@@ -199,10 +220,15 @@ class TransactionalEngine:
         if self._txn is None:
             raise WeightPublishError("stage() without begin(version)")
         try:
-            self._txn.add_all(pieces, self._stage_one)
+            self._txn.add_all(pieces, self._stage_kept if self.keeps_copy else self._stage_one)
         except Exception:
             self.abort()
             raise
+
+    def _stage_kept(self, name: str, t: torch.Tensor) -> None:
+        """``_stage_one``, and a copy of the piece kept (as published: the engine's dtype) as the next delta base."""
+        self._stage_one(name, t)
+        self._txn.kept[name] = t.detach().clone()
 
     def _stage_one(self, name: str, t: torch.Tensor) -> None:
         self._txn.add(name, t)
@@ -218,6 +244,8 @@ class TransactionalEngine:
             self._on_abort()
             raise
         self._version = txn.version
+        if self.keeps_copy:
+            self._held = (txn.version, {**self._held[1], **txn.kept} if txn.partial and self._held else txn.kept)
 
     def prepare(self) -> None:
         """Check the staged publication complete — what :meth:`commit` checks before applying — so

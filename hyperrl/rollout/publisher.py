@@ -172,9 +172,11 @@ class Publisher:
         """This rank's local source shards, cast to what the destination reads."""
         return {k: local(p).detach().to(self.src[k].dtype) for k, p in model.named_parameters() if k in self.src}
 
-    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's destination pieces, by engine parameter name."""
-        into = self.engine.buffers() if self.engine is not None and self.engine.capabilities.buffers else None
+    def gather(self, model: torch.nn.Module, *, buffers: bool = True) -> dict[str, torch.Tensor]:
+        """This rank's destination pieces, by engine parameter name (``buffers``: into an in-place engine's own
+        slots when it has them)."""
+        into = self.engine.buffers() if buffers and self.engine is not None and self.engine.capabilities.buffers \
+            else None
         extra = {} if into is None else {"into": into}  # executors ``(plan, rank, shards)`` stay valid
         return self.executor(self.plan, self.rank, self.shards(model), **extra)
 
@@ -196,9 +198,11 @@ class Publisher:
             self._publish_full(model, version)
             return
         # the next base is a copy: pieces may be views of the live weights
-        pieces = {k: v.detach().clone() for k, v in self._gather(model, version).items()}
+        pieces = {k: v.detach().clone() for k, v in self._gather(model, version, buffers=False).items()}
         full = sum(v.numel() * v.element_size() for v in pieces.values())
         base = getattr(self, "_base", None)
+        if base is None and getattr(self.engine, "weights_elsewhere", False):
+            self.engine.keeps_copy = True  # deltas follow: the engine keeps the copy they apply to from this one on
         if base is not None:
             try:
                 self._publish_delta(pieces, version, base, full)
@@ -283,10 +287,10 @@ class Publisher:
         self.engine.commit()
         return pieces
 
-    def _gather(self, model: torch.nn.Module, version: int) -> dict[str, torch.Tensor]:
+    def _gather(self, model: torch.nn.Module, version: int, *, buffers: bool = True) -> dict[str, torch.Tensor]:
         """:meth:`gather`, an executor's failure reported as a ``WeightPublishError`` naming the version."""
         try:
-            return self.gather(model)
+            return self.gather(model, buffers=buffers)
         except Exception as e:
             raise WeightPublishError(f"publication of version {version} failed in {type(self.executor).__name__}: "
                                      f"{e!r}; still serving version {self.engine.policy_version}") from e

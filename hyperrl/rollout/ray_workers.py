@@ -24,10 +24,11 @@ import itertools
 import math
 import os
 import threading
+from dataclasses import replace
 
 import torch
 
-from hyperrl.rollout.base import Capabilities, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError
 from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
@@ -44,14 +45,15 @@ class _Flag:
 
 
 class _EngineActor:
-    """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`)."""
+    """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`), built from
+    ``spec`` (with ``model``, the object every transformers actor is born from, when there is one)."""
 
-    def __init__(self, model, pad_id: int, born: int, weights, version: int, threads: int, device: str = "cpu"):
-        from hyperrl.rollout.hf import TransformersEngine
-
+    def __init__(self, spec, model, born: int, weights, version: int, threads: int, keep: bool = False):
         self.threads = threads
         self._threads()
-        self.engine = TransformersEngine(model, pad_id=pad_id, version=born, device=device)
+        self.engine = spec.build(version=born, **({"model": model} if model is not None else {}))
+        if keep and self.engine.weights_elsewhere:  # the group publishes deltas: keep the copy they apply to
+            self.engine.keeps_copy = True
         if weights is not None and version > born:  # a restart: the current version, checked like any publication
             self.engine.load_weights(weights, version)
         self._aborted: set[int] = set()
@@ -68,6 +70,14 @@ class _EngineActor:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
                 "version": self.engine.policy_version}
 
+    def describe(self) -> dict:
+        """What the group engine publishes into (read from this engine, the group's first): its layout,
+        the shapes and dtypes it accepts, its tied names, pad id and capabilities."""
+        e = self.engine
+        return {"layout": e.layout(1), "expected": {k: (tuple(v.shape), v.dtype) for k, v in e._expected().items()},
+                "aliases": dict(e._aliases), "pad_id": e.pad_id, "capabilities": e.capabilities,
+                "device": str(getattr(e, "device", "cpu"))}
+
     def generate_requests(self, requests, sampling, call: int, stop_after: int | None):
         self._threads()
         flag = decode_flag(_Flag(self._aborted, call), stop_after)
@@ -83,10 +93,22 @@ class _EngineActor:
         self._threads()
         return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
 
-    def prepare(self, weights, version: int) -> None:
+    def prepare(self, weights, version: int, keep: bool = False) -> None:
+        """Stage a full publication (``keep``: the group publishes deltas — an engine whose weights live
+        elsewhere starts keeping the copy they apply to)."""
         self._threads()
+        if keep and self.engine.weights_elsewhere:
+            self.engine.keeps_copy = True
         self.engine.begin(version)
         self.engine.stage(weights)
+        self.engine.prepare()
+
+    def prepare_delta(self, deltas, version: int, base: int) -> None:
+        """Stage a delta publication against ``base`` (refused by an engine serving another version; each
+        tensor's checksum verified after it is applied)."""
+        self._threads()
+        self.engine.begin(version, base=base)
+        self.engine.stage_deltas(deltas)
         self.engine.prepare()
 
     def commit(self) -> int:
@@ -166,7 +188,7 @@ class RayWorker:
     def restart(self) -> None:
         """A new actor serving the group's current version (its object), counted against
         ``max_restarts``; past them the worker fails with an error naming it."""
-        self.restart_at(self.group.policy_version, self.group._weights)
+        self.restart_at(self.group.policy_version, self.group.current_weights())
 
     def restart_at(self, version: int, weights) -> None:
         import ray
@@ -189,35 +211,53 @@ class RayWorker:
 
 class RayEngine(TransactionalEngine):
     """The engine protocol over a group of actor engines: ``layout`` and the checks of each piece
-    are the local engine's (names, shapes, finite values — before anything is shipped);
-    ``commit`` publishes to every actor in two phases (module doc)."""
+    are the group's first engine's (names, shapes, finite values — before anything is shipped);
+    ``commit`` publishes to every actor in two phases (module doc). A delta publication is applied
+    here first (to the group's copy of its version: checksums verified before anything is
+    shipped), then only the deltas travel, each actor applying them to what it serves; an actor at
+    another version, or a checksum it cannot verify, aborts the publication everywhere (the
+    publisher then publishes the full weights). ``source``: a local
+    :class:`~hyperrl.rollout.hf.TransformersEngine` (each actor gets a copy of its model) or an
+    :class:`~hyperrl.rollout.engines.EngineSpec` each actor builds its engine from (vLLM: the
+    learner's process never starts one)."""
 
-    capabilities = Capabilities(keyed=True, resumable=True)
+    weights_elsewhere = True
 
-    def __init__(self, engine, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
+    def __init__(self, source, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
                  timeout_s: float):
         import ray
 
+        from hyperrl.rollout.engines import EngineSpec
         from hyperrl.rollout.hf import TransformersEngine
 
-        if type(engine) is not TransformersEngine or engine.shared:  # (subclasses — the TP engine — split it)
-            raise ValueError(f"async.executor=ray: rollout workers copy a transformers engine (rollout.engine: "
-                             f"transformers, share_weights: false, tp: 1), got {type(engine).__name__}")
         if workers < 1:
             raise ValueError(f"async.executor.workers={workers}: must be ≥ 1")
-        self.pad_id, self.num_cpus, self.threads = engine.pad_id, num_cpus, threads
-        # an engine on an accelerator: each actor gets one of its own (Ray sets its visible devices)
-        self.device = torch.device(engine.device).type
+        if isinstance(source, EngineSpec):
+            self._spec, self._model, self._born, self._gpus = source, None, 0, source.gpus
+        elif type(source) is TransformersEngine and not source.shared:  # (subclasses — the TP engine — split it)
+            device = torch.device(source.device).type  # on an accelerator each actor gets one (Ray sets it)
+            self._spec = EngineSpec("hyperrl.rollout.hf:TransformersEngine", {"pad_id": source.pad_id,
+                                                                             "device": device})
+            self._model, self._born, self._gpus = ray.put(source.model.cpu()), source.policy_version, \
+                float(device == "cuda")  # every actor is born from this object
+        else:
+            raise ValueError(f"async.executor=ray: rollout workers copy a transformers engine (rollout.engine: "
+                             f"transformers, share_weights: false, tp: 1) or build a vLLM engine each "
+                             f"(rollout.engine: vllm), got {type(source).__name__}")
+        self.num_cpus, self.threads = num_cpus, threads
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
-        self._version = self._born = engine.policy_version
-        self._layout = engine.layout(1)
-        self._meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in engine._expected().items()}
-        self._aliases = dict(engine._aliases)
-        self._model = ray.put(engine.model.cpu())  # every actor is born from this object
-        self._weights = None  # the current version's pieces (None: the born model is the current version)
+        self._version = self._born
+        self._weights = None  # the current version's pieces (None: the born model — or the kept copy — is current)
+        self._deltas = None  # (base, deltas) of the delta publication being staged
         actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
         self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
                         for i, a in enumerate(actors)]
+        d = ray.get(self.workers[0].actor.describe.remote(), timeout=self.timeout_s)
+        self._layout, self._aliases, self.pad_id = d["layout"], d["aliases"], d["pad_id"]
+        self._meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in d["expected"].items()}
+        # what the group can do: its engines' generation; publication is the group's own (no buffers to fill, no
+        # adapters path, never the trainer's modules)
+        self.capabilities = replace(d["capabilities"], buffers=False, lora_adapters=False, shared_weights=False)
 
     @property
     def policy_version(self) -> int:
@@ -232,10 +272,10 @@ class RayEngine(TransactionalEngine):
         return self._meta
 
     def _start(self, version: int, weights):
-        """A new actor (not yet waited for) serving ``version``: the born model, then ``weights``."""
-        gpus = {"num_gpus": 1} if self.device == "cuda" else {}
+        """A new actor (not yet waited for) serving ``version``: the born engine, then ``weights``."""
+        gpus = {"num_gpus": self._gpus} if self._gpus else {}
         return _actor_class().options(num_cpus=self.num_cpus, scheduling_strategy="SPREAD", **gpus).remote(
-            self._model, self.pad_id, self._born, weights, version, self.threads, self.device)
+            self._spec, self._model, self._born, weights, version, self.threads, self.keeps_copy)
 
     def _ready(self, name: str, actor, version: int):
         """``actor`` once it answers (deadline ``timeout_s``) serving ``version``; else killed and an error."""
@@ -269,27 +309,60 @@ class RayEngine(TransactionalEngine):
                 refused[w] = _cause(e)
         return ok, dead, refused, stuck
 
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        super().begin(version, partial=partial, base=base)
+        self._deltas = None
+
+    def stage_deltas(self, deltas) -> None:
+        """Apply ``deltas`` to the group's copy (checked here, before anything is shipped); :meth:`_apply`
+        ships the deltas themselves."""
+        deltas = dict(deltas.items() if hasattr(deltas, "items") else deltas)
+        super().stage_deltas(deltas)
+        self._deltas = (self._held[0], {k: d for k, d in deltas.items() if k not in self._aliases})
+
+    def _on_abort(self) -> None:
+        self._deltas = None
+
+    def current_weights(self):
+        """The current version's pieces for an actor born again (an object in Ray's store; None: the born
+        engine is the current version)."""
+        import ray
+
+        if self._weights is None and self._held is not None and self._held[0] == self._version:
+            self._weights = ray.put(dict(self._held[1]))
+        return self._weights
+
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
-        pieces = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
         live = [w for w in self.workers if w.error is None]
-        _, dead, refused, stuck = self._gather({w: w.actor.prepare.remote(pieces, version) for w in live})
+        full, self._weights = None, None
+        if self._deltas is not None:
+            base, deltas = self._deltas
+            ref = ray.put(deltas)  # one copy for all actors: only the changed elements
+            calls = {w: w.actor.prepare_delta.remote(ref, version, base) for w in live}
+        else:
+            full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
+            calls = {w: w.actor.prepare.remote(full, version, self.keeps_copy) for w in live}
+        _, dead, refused, stuck = self._gather(calls)
         if refused or stuck:
             for w in live:
                 if w not in dead:
                     w.actor.cancel.remote()
             if refused:
                 w, e = next(iter(refused.items()))
-                raise WeightPublishError(f"{w.name} refused version {version}: {e}; the group still serves "
-                                         f"version {self._version}")
+                cls = DeltaError if isinstance(e, DeltaError) else WeightPublishError  # a delta: publisher goes full
+                raise cls(f"{w.name} refused version {version}: {e}; the group still serves version {self._version}")
             raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:g} s while "
                               f"staging version {version}; the group still serves version {self._version}")
         _, dead2, refused2, stuck2 = self._gather({w: w.actor.commit.remote() for w in live if w not in dead})
-        self._weights = pieces
-        for w in dead + dead2 + list(refused2) + stuck2:  # gone (or wedged) mid-publication: born again at V+1
+        self._weights = full
+        gone = dead + dead2 + list(refused2) + stuck2
+        if gone and full is None:  # born again from the whole new version
+            full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})
+        for w in gone:  # gone (or wedged) mid-publication: born again at V+1
             try:
-                w.restart_at(version, pieces)
+                w.restart_at(version, full)
             except WorkerError as e:
                 w.error = e  # its driver thread reports it at its next generation
 

@@ -48,7 +48,10 @@ class VLLMEngine(TransactionalEngine):
     """vLLM as a rollout engine: token-id prompts in, a validated trajectory batch out (log-probs of the sampled
     tokens, processed as sampled); weights published in place through the ``WeightSyncExtension`` worker
     (``transport``: ``shm``, ``file`` or CUDA IPC) in one all-or-nothing transaction; LoRA adapters through
-    vLLM's LoRA path when ``lora_rank`` is set."""
+    vLLM's LoRA path when ``lora_rank`` is set. Deltas apply to the engine's copy of its last version (vLLM's
+    worker keeps its weights packed: they are not read back) and the whole new version goes to the worker."""
+
+    weights_elsewhere = True
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,

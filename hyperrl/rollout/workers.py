@@ -26,14 +26,17 @@ from __future__ import annotations
 from hyperrl.registry import Registry
 from hyperrl.rollout.worker_base import LIVE, LocalWorker, WorkerDied, WorkerError, Workers, decode_flag
 
-__all__ = ["EXECUTORS", "register_executor", "PARKING_EXECUTORS", "Workers", "LocalWorker", "WorkerError",
-           "WorkerDied", "LIVE", "decode_flag"]
+__all__ = ["EXECUTORS", "register_executor", "PARKING_EXECUTORS", "REMOTE_EXECUTORS", "Workers", "LocalWorker",
+           "WorkerError", "WorkerDied", "LIVE", "decode_flag"]
 
 
 EXECUTORS: Registry = Registry("rollout executor")
 register_executor = EXECUTORS.register
 # executors whose workers can park a generation with its KV cache kept (async.kv_cache: keep), known at load
 PARKING_EXECUTORS = frozenset({"thread"})
+# executors whose workers build engines in their own processes: the run's engine factory may describe its engine
+# (an EngineSpec) instead of starting one in the learner's process
+REMOTE_EXECUTORS = frozenset({"ray"})
 
 
 @register_executor("thread")
@@ -50,7 +53,8 @@ _RAY_HINT = "pip install -c constraints.txt -e '.[async]' (Ray is the async extr
 def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: int = 1, address: str | None = None,
                  max_restarts: int = 10, timeout_s: float = 120.0) -> Workers:
     """``workers`` Ray actors (``num_cpus`` each, spread over the cluster's nodes, ``threads`` torch
-    threads each), every one a copy of the run's engine born serving its version. A publication
+    threads each), every one a copy of the run's engine born serving its version (a transformers
+    engine's model; a vLLM engine is started by each actor from its description, one per actor). A publication
     reaches all of them through one engine (two-phase: every worker stages and checks the
     pieces, then all commit; a refusal or a stuck worker aborts everywhere). A worker that dies
     is restarted — serving the current version — up to ``max_restarts`` times each; its requests

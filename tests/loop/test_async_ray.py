@@ -246,3 +246,62 @@ def test_a_killed_ray_run_resumes_losslessly(cluster, tmp_path):
     a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=_Recording),
                                             after_resume=_assert_serving)
     assert_every_sample_trained_once(cfg, a, b, state, live_end)
+
+
+def _assert_serving_cast(tr):
+    """Every worker serves the learner's version, bit for bit what a full publication casts and sends."""
+    for w in tr.collector.workers:
+        assert w.info()["version"] == tr.version
+        got = _served(w)
+        for k, p in tr.policy.named_parameters():
+            want = p.detach().to(got[k].dtype)
+            assert torch.equal(got[k].view(torch.int16), want.view(torch.int16)), (w.name, k)
+
+
+def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_weights(cluster, tmp_path):
+    """``rollout.delta_publication`` into Ray actors (bf16 engines, fp32 master): the group applies each delta
+    to its copy of its version (checksums verified before anything is shipped), only the deltas travel, every
+    actor applies them; after every step each actor is bit-identical to a full publication. An actor at another
+    version, and an actor whose weights were damaged (its checksum fails), each make the publisher fall back to
+    the full weights, named — and every actor is exact again."""
+    tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--model.dtype=bfloat16", "--optim.lr=1e-5",
+                            "--rollout.delta_publication=true"), trainer=AsyncTrainer, max_staleness=1)
+    pub = tr.publisher.publisher
+    try:
+        fracs = []
+        for _ in range(3):
+            fracs.append(tr.step()["delta_frac"])
+            _assert_serving_cast(tr)
+        assert fracs[0] == 1.0 and all(0 < f < 0.3 for f in fracs[1:]), fracs  # the first has no base
+        assert "delta_fallback" not in pub.last and pub.last["publish_bytes"] < pub.last["publish_full_bytes"]
+        victim = tr.collector.workers[1]
+
+        def skew(a):  # the actor's engine claims the version before the group's
+            a.engine._version -= 1
+
+        tr.collector.stop_workers()  # publications by hand from here (steps would find versions they did not make)
+
+        def publish_after(fn):  # ``fn`` in the actor, then the next version published
+            if fn is not None:
+                ray.get(victim.actor.__ray_call__.remote(fn))
+            tr.publisher.publish(tr.version + 1)
+            tr.version += 1
+            return pub.last
+
+        said = publish_after(skew)["delta_fallback"]
+        assert pub.last["delta_frac"] == 1.0
+        assert "rollout-worker-1 refused version" in said and "this engine serves version" in said, said
+        _assert_serving_cast(tr)
+
+        def damage(a):  # one row of one weight changed behind the group's back
+            with torch.no_grad():
+                a.engine.model.model.layers[0].mlp.down_proj.weight[0] += 1.0
+
+        said = publish_after(damage)["delta_fallback"]
+        assert pub.last["delta_frac"] == 1.0
+        assert "rollout-worker-1 refused" in said and "model.layers.0.mlp.down_proj.weight: checksum mismatch" in said
+        _assert_serving_cast(tr)
+        assert publish_after(None)["delta_frac"] < 0.3 and "delta_fallback" not in pub.last  # deltas again
+        _assert_serving_cast(tr)
+    finally:
+        tr.close()

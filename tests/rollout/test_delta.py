@@ -115,6 +115,23 @@ def test_after_n_delta_publications_the_engine_is_bit_identical_to_a_full_public
     assert m["publish_bytes"] < m["publish_full_bytes"] / 2 and tr.engine.policy_version == 6
 
 
+def test_the_asynchronous_trainer_publishes_deltas_bit_identical_to_full(tmp_path):
+    """η = 1 on the thread executor: each publication (the collector paused) a delta into the engine
+    the worker generates from; after every step the engine holds exactly what a full publication would."""
+    from hyperrl.loop.trainer import AsyncTrainer
+
+    tr = _trainer(tmp_path, "--async.max_staleness=1")
+    assert isinstance(tr, AsyncTrainer)
+    try:
+        fracs = []
+        for _ in range(4):
+            fracs.append(tr.step()["delta_frac"])
+            _engine_equals_a_full_publication(tr)
+    finally:
+        tr.close()
+    assert fracs[0] == 1.0 and all(0.0 < f < 0.3 for f in fracs[1:]), fracs
+
+
 def test_an_engine_at_another_version_gets_a_full_publication(tmp_path):
     tr = _trainer(tmp_path)
     tr.step()
@@ -237,8 +254,6 @@ def test_delta_publication_into_the_tp_engine_under_tp_x_fsdp(tmp_path):
 def test_delta_publication_is_refused_where_it_does_not_run_yet():
     from hyperrl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"rollout.delta_publication with asynchronous rollout workers"):
-        load_config(None, ["--rollout.delta_publication=true", "--async.max_staleness=1"])
     with pytest.raises(ConfigError, match=r"rollout.delta_publication with an engine sharing the trainer's weights"):
         load_config(None, ["--rollout.delta_publication=true", "--rollout.engine={name: transformers, "
                                                                "share_weights: true}"])

@@ -155,3 +155,25 @@ def test_vllm_serves_a_mixture_of_experts_and_publications_reach_its_fused_exper
     assert max(r["trainer"]["mismatch"]) < 1e-5  # every step's rollout from the weights just published
     cap = r["capture"]
     assert cap["ok"] or ("routed_experts" in cap["error"] and "Model Runner V2" in cap["error"])
+
+
+def test_vllm_engines_in_ray_actors_train_within_eta_and_serve_the_learners_weights(reports):
+    """``rollout.engine=vllm`` with ``async.executor: {name: ray, workers: 2}`` at η = 1: the learner's
+    process builds no vLLM engine (each actor builds its own); the group's layout is vLLM's fused one, read
+    from an actor; publications land mid-generation (requests aborted in vLLM and resumed); a killed actor is
+    born again at the current version; every sample trained once, every token within η; after the run both
+    actors serve the learner's version and weights (their log-probs = the policy's forward)."""
+    r = _part(reports, "check_vllm_ray")
+    assert r["group"] == "RayEngine" and r["built_here"] == [] and r["actor_engines"] == ["VLLMEngine"] * 2
+    assert r["pids"] == 2 and "model.layers.0.mlp.gate_up_proj.weight" in r["layout_sample"]
+    assert r["trained"] == r["distinct"] == 6 * 4 * 4 and r["conservation"] and r["evicted"] == 0
+    assert max(r["staleness"]) <= 1 and max(r["token_staleness"]) <= 1
+    assert any(p > 0 for p in r["partial"]), "no request was resumed across a publication"
+    assert r["restarts"] == [0, 1] and r["versions"] == [r["learner_version"]] * 2 == [6, 6]
+    assert r["served_versions"] == [[6], [6]] and max(r["gaps"]) < 1e-4 and r["actors_agree"]
+    assert "lora_adapters with async.executor=ray" in r["lora_refused"]
+    # delta publication into the actors' vLLM engines (each applies it to its copy of its version; the born-again
+    # actor keeps one from its restart): after the first, every publication a delta, and after the run each
+    # actor's copy is bit for bit a full publication's pieces
+    assert r["delta_frac"][0] == 1.0 and all(f < 1.0 for f in r["delta_frac"][1:]), r["delta_frac"]
+    assert r["held_exact"] == [True, True]
