@@ -229,6 +229,13 @@ def check_combinations(cfg: TrainConfig) -> None:
             why.append(f"model.dtype ({m.dtype}) differs from model.param_dtype ({m.param_dtype})")
         if why:
             raise ConfigError("rollout.engine.share_weights: " + "; ".join(why) + " — set share_weights: false")
+    if eng.name == "vllm" and eng.args.get("transport") is not None:
+        from hyperrl.rollout.transports import transport_class
+
+        try:
+            transport_class(eng.args["transport"]).check_available()
+        except ValueError as e:
+            raise ConfigError(f"rollout.engine.{e}") from None
     if eng.name == "vllm" and eng.args.get("lora_adapters"):
         if m.lora is None:
             raise ConfigError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")

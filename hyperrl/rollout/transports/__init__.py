@@ -12,14 +12,16 @@ A transport is one small class in a registry (``TRANSPORTS``), with both of its 
   name, tensor)`` pairs, each cloned out of the transport.
 
 Built-ins: ``shm`` (one /dev/shm segment, the CPU default), ``file`` (a safetensors file),
-``cuda_ipc`` (CUDA IPC handles). A new transport (NCCL, vLLM's native weight-transfer API) is one
-file registering one class.
+``cuda_ipc`` (CUDA IPC handles); ``vllm_ipc`` and ``vllm_nccl`` — vLLM's own weight-transfer engines
+(:mod:`~hyperrl.rollout.transports.vllm_native`: a commit is vLLM's round trip, driven with the
+pieces hyperrl staged, in its checkpoint views). A new transport is one file registering one class.
 """
 
-from hyperrl.rollout.transports.base import TRANSPORTS, Transport, register_transport, view_of
+from hyperrl.rollout.transports.base import TRANSPORTS, Transport, register_transport, transport_class, view_of
 from hyperrl.rollout.transports.cuda_ipc import CudaIpcTransport
 from hyperrl.rollout.transports.file import FileTransport
 from hyperrl.rollout.transports.shm import ShmTransport
+from hyperrl.rollout.transports.vllm_native import LLMClient, StagedSource, VLLMIpcTransport, VLLMNcclTransport
 
-__all__ = ["TRANSPORTS", "Transport", "register_transport", "view_of", "ShmTransport", "FileTransport",
-           "CudaIpcTransport"]
+__all__ = ["TRANSPORTS", "Transport", "register_transport", "transport_class", "view_of", "ShmTransport",
+           "FileTransport", "CudaIpcTransport", "VLLMIpcTransport", "VLLMNcclTransport", "LLMClient", "StagedSource"]

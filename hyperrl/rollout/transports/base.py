@@ -9,10 +9,17 @@ import torch
 
 from hyperrl.registry import Registry
 
-__all__ = ["TRANSPORTS", "register_transport", "Transport", "view_of"]
+__all__ = ["TRANSPORTS", "register_transport", "Transport", "view_of", "transport_class"]
 
 TRANSPORTS: Registry = Registry("vllm weight transport")
 register_transport = TRANSPORTS.register
+
+
+def transport_class(name: str):
+    """The transport class registered as ``name`` (an error naming the registered ones otherwise)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport={name!r}: one of {', '.join(TRANSPORTS.names())}")
+    return TRANSPORTS.get(name)
 
 
 def view_of(t: torch.Tensor, offset: int, shape) -> torch.Tensor:
@@ -31,9 +38,15 @@ class Transport(ABC):
 
     name = ""
     in_place = False
+    native = False  # vLLM's own weight-transfer round (send), not a payload for hyperrl's worker load
 
     def __init__(self, shapes: dict[str, torch.Tensor], dtype: torch.dtype):
         self.shapes, self.dtype = shapes, dtype
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``ValueError`` naming the fix where this transport cannot run in this process."""
+        return None  # a default hook: hyperrl's own transports run wherever the engine does
 
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """What the transaction keeps for the checked piece ``t`` (default: a CPU copy in ``dtype``)."""

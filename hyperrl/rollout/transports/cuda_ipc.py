@@ -18,6 +18,12 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
 
+    @classmethod
+    def check_available(cls) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("transport=cuda_ipc: CUDA IPC needs a CUDA GPU (torch.cuda.is_available() is False); use "
+                             "transport=shm on CPU")
+
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.dtype).contiguous()  # stays on its device
 
