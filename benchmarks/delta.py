@@ -9,6 +9,7 @@ that both engines hold bit-identical weights, and appends the table to benchmark
     python benchmarks/delta.py --lrs 1e-6 3e-6 1e-5 --steps 5
     python benchmarks/delta.py --world 2 --lrs 1e-6 --steps 5   # FSDP2 over 2 gloo processes, an engine per rank
     python benchmarks/delta.py --world 2 --codecs sparse xor_zstd   # the two encodings side by side
+    python benchmarks/delta.py --ray 1 --lrs 1e-6 --steps 5   # into a Ray actor: the object store is the wire
 
 With ``--world N`` the master weights are FSDP2-sharded over N gloo processes and each rank's engines receive the
 other ranks' shards through the direct plan — the delta as each slice's changed elements on the wire; times are the
@@ -65,6 +66,61 @@ def run(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "sparse"
                      t_delta, t_full, t_full / t_delta])
     a, b = (e.model.state_dict() for e in engines)
     assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a), "delta ≠ full publication"
+    return rows
+
+
+def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "sparse", actors: int = 1) -> list[list]:
+    """The same steps, each publication into a group of ``actors`` Ray actors (a transformers engine each): the
+    delta group's pieces travel as deltas through Ray's object store, the full group's as the whole weights —
+    each timed end to end (gather, cast, encode, the group's check, the object store, every actor's apply and
+    commit)."""
+    import ray
+
+    from hyperrl.rollout.engines import ENGINES, EngineContext
+    from hyperrl.rollout.publisher import Publisher
+    from hyperrl.rollout.ray_workers import RayEngine
+    from hyperrl.tokenizer import char_tokenizer
+
+    policy = _model(layers, seed)
+    cfg = policy.config
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    tok = char_tokenizer()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2 * actors, include_dashboard=False, log_to_driver=False)
+    try:
+        groups = [RayEngine(ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16,
+                                                                        seed, tempfile.mkdtemp(), tok)),
+                            workers=actors, num_cpus=1, threads=2, max_restarts=0, timeout_s=600) for _ in range(2)]
+        pubs = [Publisher.for_engine(policy, e) for e in groups]
+        pubs[0].publish(policy, 1, delta=codec)
+        pubs[1].publish(policy, 1)
+        rows, g = [], torch.Generator().manual_seed(seed)
+        for step in range(1, steps + 1):
+            ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
+            policy(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            pubs[0].publish(policy, step + 1, delta=codec)
+            t_delta = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            pubs[1].publish(policy, step + 1)
+            t_full = time.perf_counter() - t0
+            last = pubs[0].last
+            assert "delta_fallback" not in last or step == 1, last
+            rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
+                         last["publish_full_bytes"] / 2**20, last["publish_full_bytes"] / last["publish_bytes"],
+                         t_delta, t_full, t_full / t_delta])
+        served = [ray.get(w.actor.__ray_call__.remote(lambda a: a.engine.model.state_dict()))
+                  for grp in groups for w in grp.workers]
+        assert all(torch.equal(x[k].view(torch.int16), served[0][k].view(torch.int16)) for x in served[1:]
+                   for k in served[0]), "delta ≠ full publication"
+        for grp in groups:
+            grp.close()
+    finally:
+        if started:
+            ray.shutdown()
     return rows
 
 
@@ -138,9 +194,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--codecs", nargs="+", default=["sparse"], help="delta encodings, side by side (sparse, xor_zstd)")
     ap.add_argument("--world", type=int, default=1, help="gloo processes (FSDP2 over them; 1: one process)")
+    ap.add_argument("--ray", type=int, default=0, help="publish into Ray actors (this many per group; 0: no Ray)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
-    if args.world > 1:
+    if args.ray:
+        rows = [r for lr in args.lrs for c in args.codecs for r in run_ray(lr, args.steps, args.layers, codec=c,
+                                                                               actors=args.ray)]
+        where = (f"one learner process publishing into {args.ray} Ray actor(s) per group (a transformers engine "
+                 "each; the pieces through Ray's object store: the deltas, or the whole weights)")
+    elif args.world > 1:
         rows = [r for lr in args.lrs for c in args.codecs for r in run_dist(lr, args.steps, args.layers, args.world,
                                                                                  codec=c)]
         where = (f"FSDP2 over {args.world} gloo processes, an engine per rank (the other ranks' shards on the wire by "

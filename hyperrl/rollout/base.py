@@ -127,7 +127,9 @@ class WeightTransaction:
     def _refuse(self, why: str) -> WeightPublishError:
         return WeightPublishError(f"{why}; refusing version {self.version} (still serving version {self.current})")
 
-    def add(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def add(self, name: str, t: torch.Tensor, *, finite_checked: bool = False) -> torch.Tensor:
+        """Check and stage ``t`` as ``name`` (``finite_checked``: the caller checked its values already — a
+        delta's new elements)."""
         want = self.expected.get(name)
         if want is None:
             raise self._refuse(f"unknown parameters [{name!r}]")
@@ -135,7 +137,7 @@ class WeightTransaction:
             raise self._refuse(f"{name}: staged twice")
         if tuple(t.shape) != tuple(want.shape):
             raise self._refuse(f"{name}: shape {list(t.shape)}, engine has {list(want.shape)}")
-        if t.is_floating_point() and not _all_finite(t):
+        if not finite_checked and t.is_floating_point() and not _all_finite(t):
             raise self._refuse(f"{name}: contains NaN/inf")
         self.staged[name] = t
         return t

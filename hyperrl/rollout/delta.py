@@ -24,8 +24,8 @@ import torch
 
 from hyperrl.rollout.base import DeltaError
 
-__all__ = ["TensorDelta", "encode_delta", "apply_delta", "tensor_checksum", "DeltaError", "SliceDelta", "encode_slice",
-           "apply_slice", "execute_direct_delta", "CODECS"]
+__all__ = ["TensorDelta", "encode_delta", "apply_delta", "apply_delta_", "undo_delta_", "tensor_checksum",
+           "DeltaError", "SliceDelta", "encode_slice", "apply_slice", "execute_direct_delta", "CODECS"]
 
 CODECS = ("sparse", "xor_zstd")
 _KINDS = ("dense", "sparse", "xor_zstd")  # a slice header's kind code is the index
@@ -145,6 +145,48 @@ def apply_delta(base: torch.Tensor, delta: TensorDelta, name: str = "tensor") ->
         raise DeltaError(f"{name}: checksum mismatch after applying the delta (the engine's base differs from the "
                          "publisher's, or the delta was damaged)")
     return out
+
+
+def apply_delta_(t: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> tuple:
+    """:func:`apply_delta` in place: ``t`` (contiguous) becomes the new tensor, its checksum verified; returns
+    the undo — what :func:`undo_delta_` needs to restore ``t`` exactly (the changed elements' old values, the
+    old tensor of a dense delta, the xor of an xor one). A mismatch restores ``t`` and raises :class:`DeltaError`
+    naming ``name``."""
+    if delta.numel != t.numel():
+        raise DeltaError(f"{name}: a delta of {delta.numel} elements for a tensor of {t.numel()}")
+    flat = t.detach().view(-1)
+    if delta.kind == "dense":
+        undo = ("dense", None, flat.clone())
+        flat.copy_(delta.values.to(device=flat.device, dtype=flat.dtype))
+    elif delta.kind == "xor_zstd":
+        bits = flat.view(_BITS[flat.element_size()])
+        try:
+            x = _xor_decompress(delta.values.cpu(), bits.dtype, bits.numel()).to(bits.device)
+        except DeltaError as e:
+            raise DeltaError(f"{name}: {e}") from None
+        bits.bitwise_xor_(x)
+        undo = ("xor_zstd", None, x)
+    else:
+        idx = delta.indices.long().to(flat.device)
+        undo = ("sparse", idx, flat[idx].clone())
+        flat[idx] = delta.values.to(device=flat.device, dtype=flat.dtype)
+    if tensor_checksum(t) != delta.checksum:
+        undo_delta_(t, undo)
+        raise DeltaError(f"{name}: checksum mismatch after applying the delta (the engine's base differs from the "
+                         "publisher's, or the delta was damaged)")
+    return undo
+
+
+def undo_delta_(t: torch.Tensor, undo: tuple) -> None:
+    """Restore ``t`` from :func:`apply_delta_`'s undo (bit for bit)."""
+    kind, idx, old = undo
+    flat = t.detach().view(-1)
+    if kind == "dense":
+        flat.copy_(old)
+    elif kind == "xor_zstd":
+        flat.view(_BITS[flat.element_size()]).bitwise_xor_(old)
+    else:
+        flat[idx] = old
 
 
 class SliceDelta(NamedTuple):

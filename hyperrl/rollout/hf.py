@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
-from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
@@ -103,11 +103,48 @@ class TransformersEngine(TransactionalEngine):
         current = self.model.state_dict()
         with torch.no_grad():
             for name, t in staged.items():
-                if t.data_ptr() != current[name].data_ptr():  # shared weights arrive as themselves
+                if t.data_ptr() != current[name].data_ptr():  # shared weights (and applied deltas) are in place
                     current[name].copy_(t.to(current[name].dtype))
-        self._failed = None
+        self._failed, self._undo = None, []
+
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        super().begin(version, partial=partial, base=base)
+        self._undo = []
+
+    def stage_deltas(self, deltas) -> None:
+        """Apply each delta in place to the weight served now (:func:`~hyperrl.rollout.delta.apply_delta_`: its
+        checksum verified, an undo kept) and stage that weight itself — the commit copies nothing; a refusal or
+        an abort undoes every delta applied so far, so the engine serves ``V`` bit for bit. Only a delta's new
+        elements are checked finite (the others were when ``V`` was committed). Over the trainer's own weights
+        (``shared``): the transaction's copying path."""
+        if self.shared:
+            return super().stage_deltas(deltas)
+        from hyperrl.rollout.delta import apply_delta_
+
+        if self._txn is None:
+            raise WeightPublishError("stage_deltas() without begin(version, base=...)")
+        current, txn = self._expected(), self._txn
+        try:
+            with torch.no_grad():
+                for name, d in (deltas.items() if hasattr(deltas, "items") else deltas):
+                    t = current.get(name)
+                    if t is None or name in txn.staged:
+                        txn.add(name, d.values)  # refused: an unknown name, or staged twice
+                    if d.kind != "xor_zstd" and d.values.is_floating_point() and not _all_finite(d.values):
+                        raise txn._refuse(f"{name}: contains NaN/inf")
+                    self._undo.append((t, apply_delta_(t, d, name)))
+                    txn.add(name, t, finite_checked=d.kind != "xor_zstd")
+        except Exception:
+            self.abort()
+            raise
 
     def _on_abort(self) -> None:
+        from hyperrl.rollout.delta import undo_delta_
+
+        with torch.no_grad():
+            for t, undo in reversed(getattr(self, "_undo", [])):  # deltas applied in place: V restored exactly
+                undo_delta_(t, undo)
+        self._undo = []
         if self.shared:  # the served weights are the trainer's: they no longer equal version V
             self._failed = "a publication was refused while the engine shares the trainer's weights"
 

@@ -197,8 +197,11 @@ class Publisher:
             self._base = None
             self._publish_full(model, version)
             return
-        # the next base is a copy: pieces may be views of the live weights
-        pieces = {k: v.detach().clone() for k, v in self._gather(model, version, buffers=False).items()}
+        # the next base must not change under it: a piece that is a view of the live weights (same dtype, the
+        # identity plan) is copied; a cast or a fresh buffer is already its own
+        live = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        pieces = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v
+                  for k, v in self._gather(model, version, buffers=False).items()}
         full = sum(v.numel() * v.element_size() for v in pieces.values())
         base = getattr(self, "_base", None)
         if base is None and getattr(self.engine, "weights_elsewhere", False):

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError, _all_finite
 from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
@@ -212,11 +212,12 @@ class RayWorker:
 class RayEngine(TransactionalEngine):
     """The engine protocol over a group of actor engines: ``layout`` and the checks of each piece
     are the group's first engine's (names, shapes, finite values — before anything is shipped);
-    ``commit`` publishes to every actor in two phases (module doc). A delta publication is applied
-    here first (to the group's copy of its version: checksums verified before anything is
-    shipped), then only the deltas travel, each actor applying them to what it serves; an actor at
-    another version, or a checksum it cannot verify, aborts the publication everywhere (the
-    publisher then publishes the full weights). ``source``: a local
+    ``commit`` publishes to every actor in two phases (module doc). A delta publication is checked
+    here (names, sizes, the new elements finite), then only the deltas travel, each actor applying
+    them to what it serves and verifying every checksum; an actor at another version, or a checksum
+    it cannot verify, aborts the publication everywhere (the publisher then publishes the full
+    weights). An actor born again gets the last full publication with the deltas since applied to
+    it. ``source``: a local
     :class:`~hyperrl.rollout.hf.TransformersEngine` (each actor gets a copy of its model) or an
     :class:`~hyperrl.rollout.engines.EngineSpec` each actor builds its engine from (vLLM: the
     learner's process never starts one)."""
@@ -247,7 +248,8 @@ class RayEngine(TransactionalEngine):
         self.num_cpus, self.threads = num_cpus, threads
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self._version = self._born
-        self._weights = None  # the current version's pieces (None: the born model — or the kept copy — is current)
+        self._weights = None  # the last full publication's pieces (None: the born engine is the current version)
+        self._chain: list = []  # (version, deltas) published since it
         self._deltas = None  # (base, deltas) of the delta publication being staged
         actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
         self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
@@ -255,6 +257,7 @@ class RayEngine(TransactionalEngine):
         d = ray.get(self.workers[0].actor.describe.remote(), timeout=self.timeout_s)
         self._layout, self._aliases, self.pad_id = d["layout"], d["aliases"], d["pad_id"]
         self._meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in d["expected"].items()}
+        self._full_bytes = sum(t.numel() * t.element_size() for t in self._meta.values())
         # what the group can do: its engines' generation; publication is the group's own (no buffers to fill, no
         # adapters path, never the trainer's modules)
         self.capabilities = replace(d["capabilities"], buffers=False, lora_adapters=False, shared_weights=False)
@@ -314,29 +317,55 @@ class RayEngine(TransactionalEngine):
         self._deltas = None
 
     def stage_deltas(self, deltas) -> None:
-        """Apply ``deltas`` to the group's copy (checked here, before anything is shipped); :meth:`_apply`
-        ships the deltas themselves."""
-        deltas = dict(deltas.items() if hasattr(deltas, "items") else deltas)
-        super().stage_deltas(deltas)
-        self._deltas = (self._held[0], {k: d for k, d in deltas.items() if k not in self._aliases})
+        """Check each delta here — a known name, its size, its new elements finite — before anything is
+        shipped; :meth:`_apply` ships the deltas themselves, and every actor applies them to what it serves
+        and verifies each checksum (the group keeps no copy to apply them to: the actors' are the copies)."""
+        if self._txn is None:
+            raise WeightPublishError("stage_deltas() without begin(version, base=...)")
+        txn, deltas = self._txn, dict(deltas.items() if hasattr(deltas, "items") else deltas)
+        try:
+            for name, d in deltas.items():
+                want = self._meta.get(name)
+                if want is None or name in txn.staged:
+                    txn.add(name, d.values)  # refused: an unknown name, or staged twice
+                if d.numel != want.numel():
+                    raise txn._refuse(f"{name}: a delta of {d.numel} elements for a tensor of {want.numel()}")
+                if d.kind != "xor_zstd" and d.values.is_floating_point() and not _all_finite(d.values):
+                    raise txn._refuse(f"{name}: contains NaN/inf")
+                txn.staged[name] = want  # a placeholder: the actors hold the tensors
+        except Exception:
+            self.abort()
+            raise
+        self._deltas = (self.policy_version, {k: d for k, d in deltas.items() if k not in self._aliases})
+
+    def _stage_kept(self, name: str, t: torch.Tensor) -> None:
+        self._stage_one(name, t)  # the group keeps no copy (``keeps_copy`` tells the actors to keep theirs)
 
     def _on_abort(self) -> None:
         self._deltas = None
 
     def current_weights(self):
         """The current version's pieces for an actor born again (an object in Ray's store; None: the born
-        engine is the current version)."""
+        engine is the current version): the last full publication with the deltas since applied to it."""
         import ray
 
-        if self._weights is None and self._held is not None and self._held[0] == self._version:
-            self._weights = ray.put(dict(self._held[1]))
+        from hyperrl.rollout.delta import apply_delta_
+
+        if self._chain:
+            if self._weights is None:
+                raise WorkerError(f"no full publication to rebuild version {self._version} from")
+            pieces = {k: v.clone() for k, v in ray.get(self._weights).items()}
+            for version, deltas in self._chain:
+                for name, d in deltas.items():
+                    apply_delta_(pieces[name], d, f"{name} (version {version})")
+            self._weights, self._chain = ray.put(pieces), []
         return self._weights
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
         live = [w for w in self.workers if w.error is None]
-        full, self._weights = None, None
+        full = None
         if self._deltas is not None:
             base, deltas = self._deltas
             ref = ray.put(deltas)  # one copy for all actors: only the changed elements
@@ -356,10 +385,15 @@ class RayEngine(TransactionalEngine):
             raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:g} s while "
                               f"staging version {version}; the group still serves version {self._version}")
         _, dead2, refused2, stuck2 = self._gather({w: w.actor.commit.remote() for w in live if w not in dead})
-        self._weights = full
+        if full is not None:
+            self._weights, self._chain = full, []
+        else:
+            self._chain.append((version, deltas))
+            if sum(d.nbytes for _, ds in self._chain for d in ds.values()) >= self._full_bytes:
+                self.current_weights()  # the deltas since the last full publication outweigh it: fold them in
         gone = dead + dead2 + list(refused2) + stuck2
-        if gone and full is None:  # born again from the whole new version
-            full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})
+        if gone:
+            full = self.current_weights()  # born again from the whole new version
         for w in gone:  # gone (or wedged) mid-publication: born again at V+1
             try:
                 w.restart_at(version, full)

@@ -27,7 +27,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from hyperrl.rollout.base import WeightPublishError
+from hyperrl.rollout.base import TransactionalEngine, WeightPublishError
 from hyperrl.rollout.hf import TransformersEngine
 
 __all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead", "GroupExperts"]
@@ -187,6 +187,9 @@ class TPTransformersEngine(TransformersEngine):
 
     def _expected(self):
         return self._expect
+
+    # deltas apply to copies and are staged like any piece (the group decides together at commit), not in place
+    stage_deltas = TransactionalEngine.stage_deltas
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():

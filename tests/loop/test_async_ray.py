@@ -259,11 +259,12 @@ def _assert_serving_cast(tr):
 
 
 def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_weights(cluster, tmp_path):
-    """``rollout.delta_publication`` into Ray actors (bf16 engines, fp32 master): the group applies each delta
-    to its copy of its version (checksums verified before anything is shipped), only the deltas travel, every
-    actor applies them; after every step each actor is bit-identical to a full publication. An actor at another
-    version, and an actor whose weights were damaged (its checksum fails), each make the publisher fall back to
-    the full weights, named — and every actor is exact again."""
+    """``rollout.delta_publication`` into Ray actors (bf16 engines, fp32 master): the group checks each delta
+    (names, sizes, new elements finite), only the deltas travel, every actor applies them and verifies the
+    checksums; after every step each actor is bit-identical to a full publication. An actor at another version,
+    and an actor whose weights were damaged (its checksum fails), each make the publisher fall back to the full
+    weights, named — and every actor is exact again; an actor born again after deltas (the last full
+    publication + the deltas since, or those folded in) is exact too."""
     tr = build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--model.dtype=bfloat16", "--optim.lr=1e-5",
                             "--rollout.delta_publication=true"), trainer=AsyncTrainer, max_staleness=1)
     pub = tr.publisher.publisher
@@ -302,6 +303,17 @@ def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_we
         assert "rollout-worker-1 refused" in said and "model.layers.0.mlp.down_proj.weight: checksum mismatch" in said
         _assert_serving_cast(tr)
         assert publish_after(None)["delta_frac"] < 0.3 and "delta_fallback" not in pub.last  # deltas again
+        _assert_serving_cast(tr)
+        # an actor born again gets the last full publication with the deltas since applied to it
+        assert publish_after(None)["delta_frac"] < 0.3 and len(tr.engine._chain) == 2
+        ray.kill(victim.actor, no_restart=True)
+        victim.restart()
+        _assert_serving_cast(tr)
+        tr.engine._full_bytes = 0  # deltas outweighing the last full publication are folded into it at once
+        publish_after(None)
+        assert tr.engine._chain == [] and "delta_fallback" not in pub.last
+        ray.kill(victim.actor, no_restart=True)
+        victim.restart()
         _assert_serving_cast(tr)
     finally:
         tr.close()
