@@ -35,6 +35,66 @@ def test_apply_of_encode_is_the_new_tensor_bit_for_bit(n, frac, dtype, seed, cod
         assert d.kind in ("xor_zstd", "dense", "sparse") and (d.kind != "xor_zstd" or d.nbytes < n * new.element_size())
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.floats(0.0, 1.0), st.sampled_from([torch.bfloat16, torch.float32]),
+       st.integers(0, 2**16), st.sampled_from(["sparse", "xor_zstd"]), st.booleans())
+def test_in_place_apply_is_the_new_tensor_and_its_undo_the_old_one_bit_for_bit(n, frac, dtype, seed, codec, damage):
+    """:func:`apply_delta_` makes the engine's own tensor the new one (no copy); its undo — or a checksum that
+    fails on a damaged base, which undoes itself — leaves the old bits exactly."""
+    from hyperrl.rollout.delta import apply_delta_, undo_delta_
+
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g).to(dtype)
+    new = base.clone()
+    hit = torch.rand(n, generator=g) < frac
+    new[hit] = torch.randn(int(hit.sum()), generator=g).to(dtype)
+    d = encode_delta(new, base, codec)
+    t = base.clone()
+    if damage and d.kind != "dense":  # the receiver's base differs where the delta does not write
+        keep = (new.view(bits) == base.view(bits)).nonzero().flatten()
+        if keep.numel():
+            t[keep[0]] = t[keep[0]] + 1
+            before = t.clone()
+            with pytest.raises(DeltaError, match="w: checksum mismatch"):
+                apply_delta_(t, d, "w")
+            assert torch.equal(t.view(bits), before.view(bits))  # restored: nothing half-applied
+            return
+    undo = apply_delta_(t, d, "w")
+    assert torch.equal(t.view(bits), new.view(bits))
+    undo_delta_(t, undo)
+    assert torch.equal(t.view(bits), base.view(bits))
+
+
+def test_an_engine_refusing_a_delta_midway_serves_its_version_bit_for_bit():
+    """The transformers engine applies deltas in place: a checksum failing on the second tensor undoes the
+    first, and an abort after staging undoes everything — the engine serves V exactly."""
+    from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout.hf import TransformersEngine
+
+    eng = TransformersEngine(tiny_qwen3(40, seed=0).to(torch.bfloat16))
+    before = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    names = [k for k, _ in eng.model.named_parameters()][:2]
+    new = {k: before[k].clone() for k in names}
+    for k in names:
+        new[k].view(-1)[:3] += 1.0
+    deltas = {k: encode_delta(new[k], before[k]) for k in names}
+    deltas[names[1]] = deltas[names[1]]._replace(checksum=deltas[names[1]].checksum + 1)  # damaged
+    eng.begin(1, base=0)
+    with pytest.raises(DeltaError, match=f"{names[1]}: checksum mismatch"):
+        eng.stage_deltas(deltas)
+    assert eng.policy_version == 0 and all(torch.equal(eng.model.state_dict()[k], before[k]) for k in before)
+    eng.begin(1, base=0)
+    eng.stage_deltas({names[0]: encode_delta(new[names[0]], before[names[0]])})
+    assert not torch.equal(eng.model.state_dict()[names[0]], before[names[0]])  # applied in place, not committed
+    eng.abort()
+    assert all(torch.equal(eng.model.state_dict()[k], before[k]) for k in before)
+    eng.begin(1, base=0, partial=True)
+    eng.stage_deltas({names[0]: encode_delta(new[names[0]], before[names[0]])})
+    eng.commit()
+    assert eng.policy_version == 1 and torch.equal(eng.model.state_dict()[names[0]], new[names[0]])
+
+
 def test_xor_zstd_carries_a_sparse_change_in_fewer_bytes_than_indices_and_values():
     """A bf16 tensor whose low bits moved in 5 % of the elements (what lr 1e-6 does to a bf16 policy): the compressed
     xor is smaller than sparse indices + values, and rebuilds the tensor bit for bit."""
