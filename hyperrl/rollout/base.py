@@ -127,6 +127,19 @@ class WeightTransaction:
     def _refuse(self, why: str) -> WeightPublishError:
         return WeightPublishError(f"{why}; refusing version {self.version} (still serving version {self.current})")
 
+    def check_delta(self, name: str, delta) -> None:
+        """What can be checked of a delta before it is applied: a known name, not staged twice, the number of
+        elements, its new elements finite (an xor delta's are known only once applied)."""
+        want = self.expected.get(name)
+        if want is None:
+            raise self._refuse(f"unknown parameters [{name!r}]")
+        if name in self.staged:
+            raise self._refuse(f"{name}: staged twice")
+        if delta.numel != want.numel():
+            raise self._refuse(f"{name}: a delta of {delta.numel} elements for a tensor of {want.numel()}")
+        if delta.kind != "xor_zstd" and delta.values.is_floating_point() and not _all_finite(delta.values):
+            raise self._refuse(f"{name}: contains NaN/inf")
+
     def add(self, name: str, t: torch.Tensor, *, finite_checked: bool = False) -> torch.Tensor:
         """Check and stage ``t`` as ``name`` (``finite_checked``: the caller checked its values already — a
         delta's new elements)."""
@@ -198,6 +211,12 @@ class TransactionalEngine:
         self._txn = WeightTransaction(self._expected(), version, self.policy_version, partial=partial,
                                       aliases=self._aliases)
 
+    def expect_deltas(self) -> None:
+        """A publisher's notice that delta publications follow: an engine whose weights live elsewhere starts
+        keeping the copy they apply to (from the publication under way on)."""
+        if self.weights_elsewhere:
+            self.keeps_copy = True
+
     def _delta_base(self) -> Mapping[str, torch.Tensor]:
         """What a delta applies to: the served weights (a ``keeps_copy`` engine: its copy of them)."""
         return self._held[1] if self.weights_elsewhere else self._expected()
@@ -216,7 +235,15 @@ class TransactionalEngine:
                              f"{version}")
         current = self._delta_base()
         items = deltas.items() if hasattr(deltas, "items") else deltas
-        self.stage((name, d.apply(current[name], name)) if name in current else (name, d.values) for name, d in items)
+
+        def applied():
+            for name, d in items:
+                if name not in current:
+                    raise DeltaError(f"{name}: this engine holds no copy of it to apply a delta to; refusing version "
+                                     f"{self._txn.version}")
+                yield name, d.apply(current[name], name)
+
+        self.stage(applied())
 
     def stage(self, pieces) -> None:
         if self._txn is None:
@@ -246,8 +273,10 @@ class TransactionalEngine:
             self._on_abort()
             raise
         self._version = txn.version
-        if self.keeps_copy:
-            self._held = (txn.version, {**self._held[1], **txn.kept} if txn.partial and self._held else txn.kept)
+        if self.keeps_copy:  # a partial publication updates the copy of the version it was staged on, else none
+            held = self._held if self._held is not None and self._held[0] == txn.current else None
+            self._held = (txn.version, {**held[1], **txn.kept}) if txn.partial and held else \
+                None if txn.partial else (txn.version, txn.kept)
 
     def prepare(self) -> None:
         """Check the staged publication complete — what :meth:`commit` checks before applying — so

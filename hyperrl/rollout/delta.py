@@ -165,7 +165,7 @@ def apply_delta_(t: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> t
         except DeltaError as e:
             raise DeltaError(f"{name}: {e}") from None
         bits.bitwise_xor_(x)
-        undo = ("xor_zstd", None, x)
+        undo = ("xor_zstd", None, delta.values)  # compressed: decompressed again only to undo
     else:
         idx = delta.indices.long().to(flat.device)
         undo = ("sparse", idx, flat[idx].clone())
@@ -184,7 +184,8 @@ def undo_delta_(t: torch.Tensor, undo: tuple) -> None:
     if kind == "dense":
         flat.copy_(old)
     elif kind == "xor_zstd":
-        flat.view(_BITS[flat.element_size()]).bitwise_xor_(old)
+        bits = flat.view(_BITS[flat.element_size()])
+        bits.bitwise_xor_(_xor_decompress(old.cpu(), bits.dtype, bits.numel()).to(bits.device))
     else:
         flat[idx] = old
 

@@ -142,10 +142,7 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         extra["lora_rank"] = ctx.lora["r"]
     if routed_experts:
         extra["routed_experts"] = True
-    if transport is not None:
-        from hyperrl.rollout.transports import transport_class
-
-        transport_class(transport).check_available()  # an unknown name, a GPU transport on CPU: refused, named
+    if transport is not None:  # checked at load (hyperrl.config.checks) and by the engine
         extra["transport"] = transport
     if any(n.endswith("mlp.experts.gate_up_proj") for n, _ in ctx.policy.named_parameters()):
         extra["stacked_experts"] = True  # transformers ≥ 5 stacks a mixture's experts; the checkpoint does not

@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
-from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
@@ -127,11 +127,8 @@ class TransformersEngine(TransactionalEngine):
         try:
             with torch.no_grad():
                 for name, d in (deltas.items() if hasattr(deltas, "items") else deltas):
-                    t = current.get(name)
-                    if t is None or name in txn.staged:
-                        txn.add(name, d.values)  # refused: an unknown name, or staged twice
-                    if d.kind != "xor_zstd" and d.values.is_floating_point() and not _all_finite(d.values):
-                        raise txn._refuse(f"{name}: contains NaN/inf")
+                    txn.check_delta(name, d)
+                    t = current[name]
                     self._undo.append((t, apply_delta_(t, d, name)))
                     txn.add(name, t, finite_checked=d.kind != "xor_zstd")
         except Exception:

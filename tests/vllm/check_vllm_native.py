@@ -87,6 +87,31 @@ def run() -> dict:
         res["source_names_equal_checkpoint"] = sorted(sent) == sorted(ckpt)
         res["source_values_equal_checkpoint"] = all(torch.equal(sent[k], ckpt[k]) for k in ckpt)
         res["source_replays"] = [m.name for m in src.metadata()] == [n for n, _ in src]  # re-iterable, one order
+
+        # a native round failing midway (vLLM loads as tensors arrive): the engine then serves no known version —
+        # it refuses to generate and to publish (the transport is faked: its data plane needs CUDA)
+        class Failing:
+            native, name = True, "vllm_nccl"
+
+            def stage(self, name, t):
+                return t
+
+            def send(self, *a):
+                raise RuntimeError("NCCL error: unhandled system error")
+
+            def close(self):
+                pass
+
+        shm, eng.weight_transport, eng._native_backend = eng.weight_transport, Failing(), "nccl"
+        res["broken"] = []
+        for call in (lambda: eng.load_weights(staged, 1), lambda: eng.generate(prompts, sp),
+                     lambda: eng.begin(2)):
+            try:
+                call()
+                res["broken"].append(None)
+            except Exception as e:  # noqa: BLE001
+                res["broken"].append(f"{type(e).__name__}: {e}")
+        eng.weight_transport = shm
     finally:
         eng.close()
     return res

@@ -9,10 +9,17 @@ import torch
 
 from hyperrl.registry import Registry
 
-__all__ = ["TRANSPORTS", "register_transport", "Transport", "view_of", "transport_class"]
+__all__ = ["TRANSPORTS", "register_transport", "Transport", "view_of", "transport_class", "need_cuda"]
 
 TRANSPORTS: Registry = Registry("vllm weight transport")
 register_transport = TRANSPORTS.register
+
+
+def need_cuda(name: str, what: str) -> None:
+    """Refuse transport ``name`` (``what`` needs CUDA) on a process without a CUDA GPU, naming the fix."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"transport={name}: {what} needs a CUDA GPU (torch.cuda.is_available() is False); use "
+                         "transport=shm on CPU")
 
 
 def transport_class(name: str):

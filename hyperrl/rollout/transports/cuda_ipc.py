@@ -7,7 +7,7 @@ import pickle
 
 import torch
 
-from hyperrl.rollout.transports.base import Transport, register_transport, view_of
+from hyperrl.rollout.transports.base import Transport, need_cuda, register_transport, view_of
 
 __all__ = ["CudaIpcTransport"]
 
@@ -20,9 +20,7 @@ class CudaIpcTransport(Transport):
 
     @classmethod
     def check_available(cls) -> None:
-        if not torch.cuda.is_available():
-            raise ValueError("transport=cuda_ipc: CUDA IPC needs a CUDA GPU (torch.cuda.is_available() is False); use "
-                             "transport=shm on CPU")
+        need_cuda(cls.name, "CUDA IPC")
 
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.dtype).contiguous()  # stays on its device

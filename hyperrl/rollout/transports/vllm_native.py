@@ -31,7 +31,7 @@ import socket
 
 import torch
 
-from hyperrl.rollout.transports.base import Transport, register_transport, view_of
+from hyperrl.rollout.transports.base import Transport, need_cuda, register_transport, view_of
 
 __all__ = ["LLMClient", "StagedSource", "VLLMIpcTransport", "VLLMNcclTransport"]
 
@@ -53,6 +53,7 @@ class LLMClient:
         self.llm.collective_rpc("update_weights", args=(update_info,))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """(``weight_version``: the protocol's label for serving front ends; the worker method takes none.)"""
         self.llm.collective_rpc("finish_weight_update")
 
 
@@ -108,9 +109,7 @@ class _NativeTransport(Transport):
     @classmethod
     def check_available(cls) -> None:
         """Refuse where vLLM's trainer side cannot run (no CUDA in this process), naming the fix."""
-        if not torch.cuda.is_available():
-            raise ValueError(f"transport={cls.name}: vLLM's {cls.vllm_backend} weight transfer needs a CUDA GPU in "
-                             "the trainer's process (torch.cuda.is_available() is False); use transport=shm on CPU")
+        need_cuda(cls.name, f"vLLM's {cls.vllm_backend} weight transfer (its trainer side, in this process)")
 
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.dtype).contiguous()  # stays on its device (vLLM's engines read it there)
