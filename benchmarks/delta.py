@@ -38,32 +38,10 @@ def run(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "sparse"
     from hyperrl.tokenizer import char_tokenizer
 
     policy = _model(layers, seed)  # fp32 master weights
-    cfg = policy.config
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     tok = char_tokenizer()
     engines = [ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16, seed,
                                                            tempfile.mkdtemp(), tok)) for _ in range(2)]
-    pubs = [Publisher.for_engine(policy, e) for e in engines]
-    pubs[0].publish(policy, 1, delta=codec)  # the first: full (no base)
-    pubs[1].publish(policy, 1)
-    rows = []
-    g = torch.Generator().manual_seed(seed)
-    for step in range(1, steps + 1):
-        ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
-        loss = policy(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        pubs[0].publish(policy, step + 1, delta=codec)
-        t_delta = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        pubs[1].publish(policy, step + 1)
-        t_full = time.perf_counter() - t0
-        last = pubs[0].last
-        rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
-                     last["publish_full_bytes"] / 2**20, last["publish_full_bytes"] / last["publish_bytes"],
-                     t_delta, t_full, t_full / t_delta])
+    rows = _timed_steps(policy, [Publisher.for_engine(policy, e) for e in engines], lr, steps, codec, seed)
     a, b = (e.model.state_dict() for e in engines)
     assert all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a), "delta ≠ full publication"
     return rows
@@ -82,8 +60,6 @@ def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "spa
     from hyperrl.tokenizer import char_tokenizer
 
     policy = _model(layers, seed)
-    cfg = policy.config
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
     tok = char_tokenizer()
     started = not ray.is_initialized()
     if started:
@@ -92,26 +68,7 @@ def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "spa
         groups = [RayEngine(ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16,
                                                                         seed, tempfile.mkdtemp(), tok)),
                             workers=actors, num_cpus=1, threads=2, max_restarts=0, timeout_s=600) for _ in range(2)]
-        pubs = [Publisher.for_engine(policy, e) for e in groups]
-        pubs[0].publish(policy, 1, delta=codec)
-        pubs[1].publish(policy, 1)
-        rows, g = [], torch.Generator().manual_seed(seed)
-        for step in range(1, steps + 1):
-            ids = torch.randint(0, cfg.vocab_size, (4, 64), generator=g)
-            policy(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            pubs[0].publish(policy, step + 1, delta=codec)
-            t_delta = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            pubs[1].publish(policy, step + 1)
-            t_full = time.perf_counter() - t0
-            last = pubs[0].last
-            assert "delta_fallback" not in last or step == 1, last
-            rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
-                         last["publish_full_bytes"] / 2**20, last["publish_full_bytes"] / last["publish_bytes"],
-                         t_delta, t_full, t_full / t_delta])
+        rows = _timed_steps(policy, [Publisher.for_engine(policy, e) for e in groups], lr, steps, codec, seed)
         served = [ray.get(w.actor.__ray_call__.remote(lambda a: a.engine.model.state_dict()))
                   for grp in groups for w in grp.workers]
         assert all(torch.equal(x[k].view(torch.int16), served[0][k].view(torch.int16)) for x in served[1:]
@@ -121,6 +78,33 @@ def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "spa
     finally:
         if started:
             ray.shutdown()
+    return rows
+
+
+def _timed_steps(policy, pubs, lr: float, steps: int, codec: str, seed: int) -> list[list]:
+    """``steps`` AdamW steps of ``policy`` (a causal-LM loss on random tokens), each published by ``pubs[0]`` as a
+    delta and by ``pubs[1]`` in full, each timed end to end: one table row per step (the first publications, with
+    no base yet, are untimed)."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    pubs[0].publish(policy, 1, delta=codec)  # the first: full (no base)
+    pubs[1].publish(policy, 1)
+    rows, g = [], torch.Generator().manual_seed(seed)
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, policy.config.vocab_size, (4, 64), generator=g)
+        policy(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        pubs[0].publish(policy, step + 1, delta=codec)
+        t_delta = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pubs[1].publish(policy, step + 1)
+        t_full = time.perf_counter() - t0
+        last = pubs[0].last
+        assert "delta_fallback" not in last or step == 1, last
+        rows.append([codec, f"{lr:g}", step, last["delta_frac"], last["publish_bytes"] / 2**20,
+                     last["publish_full_bytes"] / 2**20, last["publish_full_bytes"] / last["publish_bytes"],
+                     t_delta, t_full, t_full / t_delta])
     return rows
 
 

@@ -188,10 +188,10 @@ class TransactionalEngine:
     version is bumped only after ``_apply`` returns.
 
     Deltas (:meth:`stage_deltas`) apply to the weights the engine serves — ``_expected()`` when those
-    are its own tensors. An engine whose weights live elsewhere (``weights_elsewhere``: vLLM's worker,
-    Ray actors) applies them to a copy of what it last committed: it starts keeping one (``keeps_copy``;
-    one more copy of the model in this process's memory) when the first delta arrives — that delta is
-    refused for want of a base, the publisher's full publication follows, and later deltas apply."""
+    are its own tensors. An engine whose weights live elsewhere (``weights_elsewhere``: vLLM's worker
+    keeps them packed) applies them to a copy of what it last committed, kept (``keeps_copy``; one more
+    copy of the model in this process's memory) once a publisher announces deltas (:meth:`expect_deltas`);
+    a delta that finds no copy is refused and the publisher's full publication follows."""
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
@@ -238,6 +238,7 @@ class TransactionalEngine:
 
         def applied():
             for name, d in items:
+                self._txn.check_delta(name, d)  # an unknown name is refused as such, not as a missing copy
                 if name not in current:
                     raise DeltaError(f"{name}: this engine holds no copy of it to apply a delta to; refusing version "
                                      f"{self._txn.version}")

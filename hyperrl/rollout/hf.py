@@ -75,6 +75,7 @@ class TransformersEngine(TransactionalEngine):
         self._routing = Routing(self.model) if is_moe(self.model) else None
         self._vision = vision_spec(self.model)  # a vision-language model: images beside the prompts
         self._version, self._failed = version, None
+        self._undo: list = []  # (weight, undo) of the deltas applied in place by the open publication
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
         for name, p in self.model.named_parameters():
@@ -107,10 +108,6 @@ class TransformersEngine(TransactionalEngine):
                     current[name].copy_(t.to(current[name].dtype))
         self._failed, self._undo = None, []
 
-    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
-        super().begin(version, partial=partial, base=base)
-        self._undo = []
-
     def stage_deltas(self, deltas) -> None:
         """Apply each delta in place to the weight served now (:func:`~hyperrl.rollout.delta.apply_delta_`: its
         checksum verified, an undo kept) and stage that weight itself — the commit copies nothing; a refusal or
@@ -139,7 +136,7 @@ class TransformersEngine(TransactionalEngine):
         from hyperrl.rollout.delta import undo_delta_
 
         with torch.no_grad():
-            for t, undo in reversed(getattr(self, "_undo", [])):  # deltas applied in place: V restored exactly
+            for t, undo in reversed(self._undo):  # deltas applied in place: V restored exactly
                 undo_delta_(t, undo)
         self._undo = []
         if self.shared:  # the served weights are the trainer's: they no longer equal version V

@@ -136,6 +136,16 @@ def _actor_class():
     return _ACTOR
 
 
+def _kill(actor) -> None:
+    """Kill ``actor`` for good (no restart by Ray: its handle starts a new one); one already gone is fine."""
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001, S110 — already gone
+        pass
+
+
 def _cause(e: BaseException) -> BaseException:
     """The actor's own exception inside Ray's wrapper."""
     return getattr(e, "cause", None) or e
@@ -196,16 +206,12 @@ class RayWorker:
         self.restart_at(self.group.policy_version, self.group.current_weights())
 
     def restart_at(self, version: int, weights) -> None:
-        import ray
 
         if self.restarts >= self.group.max_restarts:
             raise WorkerError(f"{self.name} died and was restarted {self.restarts} times already "
                               f"(async.executor.max_restarts={self.group.max_restarts}); giving up")
         self.restarts += 1
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception:  # noqa: BLE001, S110 — already gone
-            pass
+        _kill(self.actor)
         self.actor = self.group._ready(self.name, self.group._start(version, weights), version)
 
     def info(self) -> dict:
@@ -317,10 +323,6 @@ class RayEngine(TransactionalEngine):
                 refused[w] = _cause(e)
         return ok, dead, refused, stuck
 
-    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
-        super().begin(version, partial=partial, base=base)
-        self._deltas = None
-
     def expect_deltas(self) -> None:
         """Deltas follow: every actor's engine keeps what they apply to (if it needs a copy) from the
         publication under way on — and an actor born again, from its start."""
@@ -411,14 +413,10 @@ class RayEngine(TransactionalEngine):
         """Abort the staged publication on ``workers`` and wait for it (a cancel runs after the actor's staging
         call, never beside it); ``stuck`` actors — or any whose cancel does not return in time — are killed:
         their handles start them again, at the group's version, when their driver threads next call them."""
-        import ray
 
         late = self._gather({w: w.actor.cancel.remote() for w in workers})[3] if workers else []
         for w in stuck + late:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # noqa: BLE001, S110 — already gone
-                pass
+            _kill(w.actor)
 
     def generate(self, prompts, sampling, n: int = 1, *, group_offset: int = 0):
         """Plain generation (evaluation) on the first worker."""
@@ -430,10 +428,7 @@ class RayEngine(TransactionalEngine):
         if not ray.is_initialized():  # Ray is gone (a second close): any Ray call would start it again
             return
         for w in self.workers:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # noqa: BLE001, S110 — already gone
-                pass
+            _kill(w.actor)
 
 
 def _token_auth() -> bool:

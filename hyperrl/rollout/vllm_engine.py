@@ -52,6 +52,7 @@ class VLLMEngine(TransactionalEngine):
     worker keeps its weights packed: they are not read back) and the whole new version goes to the worker."""
 
     weights_elsewhere = True
+    _broken: str | None = None  # a native transfer failed midway: no version is served
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
@@ -90,9 +91,9 @@ class VLLMEngine(TransactionalEngine):
         if routed_experts:  # vLLM's own capture: CompletionOutput.routed_experts [seq_len, L, k]
             engine_kwargs["enable_return_routed_experts"] = True
         transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
-        native = transport_class(transport)
-        self._native_backend = getattr(native, "vllm_backend", "") or None
-        native.check_available()
+        chosen = transport_class(transport)
+        self._native_backend = getattr(chosen, "vllm_backend", "") or None
+        chosen.check_available()
         if self._native_backend:  # vLLM's own weight transfer: each worker holds vLLM's engine of that backend
             engine_kwargs["weight_transfer_config"] = {"backend": self._native_backend}
         try:
@@ -134,8 +135,6 @@ class VLLMEngine(TransactionalEngine):
     @property
     def policy_version(self) -> int:
         return self._version
-
-    _broken: str | None = None  # a native transfer failed midway: no version is served
 
     def _check_serving(self) -> None:
         if self._broken:

@@ -13,15 +13,21 @@ from hyperrl.rollout.delta import DeltaError, apply_delta, apply_slice, encode_d
 from tests.dist_helpers import run_gloo
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 400), st.floats(0.0, 1.0), st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
-       st.integers(0, 2**16), st.sampled_from(["sparse", "xor_zstd"]))
-def test_apply_of_encode_is_the_new_tensor_bit_for_bit(n, frac, dtype, seed, codec):
+def _changed_pair(n: int, frac: float, dtype, seed: int):
+    """A random ``base`` of ``n`` elements and ``new``: ``base`` with about ``frac`` of them redrawn."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n, generator=g).to(dtype)
     new = base.clone()
     hit = torch.rand(n, generator=g) < frac
     new[hit] = torch.randn(int(hit.sum()), generator=g).to(dtype)
+    return base, new
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.floats(0.0, 1.0), st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+       st.integers(0, 2**16), st.sampled_from(["sparse", "xor_zstd"]))
+def test_apply_of_encode_is_the_new_tensor_bit_for_bit(n, frac, dtype, seed, codec):
+    base, new = _changed_pair(n, frac, dtype, seed)
     d = encode_delta(new, base, codec)
     out = apply_delta(base, d)
     assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
@@ -44,11 +50,7 @@ def test_in_place_apply_is_the_new_tensor_and_its_undo_the_old_one_bit_for_bit(n
     from hyperrl.rollout.delta import apply_delta_, undo_delta_
 
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(n, generator=g).to(dtype)
-    new = base.clone()
-    hit = torch.rand(n, generator=g) < frac
-    new[hit] = torch.randn(int(hit.sum()), generator=g).to(dtype)
+    base, new = _changed_pair(n, frac, dtype, seed)
     d = encode_delta(new, base, codec)
     t = base.clone()
     if damage and d.kind != "dense":  # the receiver's base differs where the delta does not write

@@ -45,6 +45,7 @@ class Transport(ABC):
 
     name = ""
     in_place = False
+    on_device = False  # staged pieces stay on their device (the worker reads them there), else a CPU copy
     native = False  # vLLM's own weight-transfer round (send), not a payload for hyperrl's worker load
 
     def __init__(self, shapes: dict[str, torch.Tensor], dtype: torch.dtype):
@@ -56,8 +57,10 @@ class Transport(ABC):
         return None  # a default hook: hyperrl's own transports run wherever the engine does
 
     def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """What the transaction keeps for the checked piece ``t`` (default: a CPU copy in ``dtype``)."""
-        return t.detach().to("cpu", self.dtype).contiguous()
+        """What the transaction keeps for the checked piece ``t``: a copy in ``dtype`` — on CPU, or where ``t`` is
+        (``on_device``)."""
+        t = t.detach()
+        return (t.to(dtype=self.dtype) if self.on_device else t.to("cpu", self.dtype)).contiguous()
 
     def buffers(self) -> dict[str, torch.Tensor] | None:
         """The destination slot of every parameter (an in-place transport), else None."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pickle
 
-import torch
-
 from hyperrl.rollout.transports.base import Transport, need_cuda, register_transport, view_of
 
 __all__ = ["CudaIpcTransport"]
@@ -16,14 +14,11 @@ __all__ = ["CudaIpcTransport"]
 class CudaIpcTransport(Transport):
     """The CUDA IPC transport (see the module doc)."""
 
-    name = "cuda_ipc"
+    name, on_device = "cuda_ipc", True
 
     @classmethod
     def check_available(cls) -> None:
         need_cuda(cls.name, "CUDA IPC")
-
-    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self.dtype).contiguous()  # stays on its device
 
     def payload(self, staged, views, version: int) -> tuple:
         from torch.multiprocessing.reductions import reduce_tensor

@@ -28,6 +28,7 @@ sends fused and stacked parameters whole to every rank): across a resharding, hy
 from __future__ import annotations
 
 import socket
+from abc import abstractmethod
 
 import torch
 
@@ -99,7 +100,7 @@ class _NativeTransport(Transport):
     """Common driver half: pieces stay on their device; a commit is vLLM's own round (:meth:`send`), not
     hyperrl's worker load — so there is no payload and no worker half."""
 
-    native = True
+    native, on_device = True, True  # vLLM's engines read the pieces where they are
     vllm_backend = ""
 
     def __init__(self, shapes, dtype):
@@ -110,9 +111,6 @@ class _NativeTransport(Transport):
     def check_available(cls) -> None:
         """Refuse where vLLM's trainer side cannot run (no CUDA in this process), naming the fix."""
         need_cuda(cls.name, f"vLLM's {cls.vllm_backend} weight transfer (its trainer side, in this process)")
-
-    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self.dtype).contiguous()  # stays on its device (vLLM's engines read it there)
 
     def payload(self, staged, views, version: int) -> tuple:
         raise TypeError(f"transport={self.name} is vLLM's own round trip (send), not a hyperrl worker payload")
@@ -132,8 +130,9 @@ class _NativeTransport(Transport):
         finally:
             self._source.set({})  # no reference to the publication is kept
 
+    @abstractmethod
     def _trainer_init(self, client, source, llm):
-        raise NotImplementedError
+        """vLLM's trainer-side engine of this backend, rendezvoused with ``llm``'s workers through ``client``."""
 
     def close(self) -> None:
         if self._trainer is not None:
