@@ -107,10 +107,12 @@ class _EngineActor:
     def prepare_delta(self, deltas, version: int, base: int) -> None:
         """Stage a delta publication against ``base`` (refused by an engine serving another version; each
         tensor's checksum verified after it is applied)."""
+        from hyperrl.rollout.delta import from_wire
+
         self._threads()
         with self._publishing:
             self.engine.begin(version, base=base)
-            self.engine.stage_deltas(deltas)
+            self.engine.stage_deltas({k: from_wire(w) for k, w in deltas.items()})
             self.engine.prepare()
 
     def commit(self) -> int:
@@ -368,11 +370,14 @@ class RayEngine(TransactionalEngine):
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         import ray
 
+        from hyperrl.rollout.delta import to_wire
+
         live = [w for w in self.workers if w.error is None]
         full, deltas = None, None
         if self._deltas is not None:
             base, deltas = self._deltas
-            ref = ray.put(deltas)  # one copy for all actors: only the changed elements
+            # one copy for all actors, only the changed elements, as numpy arrays (no copy through the serializer)
+            ref = ray.put({k: to_wire(d) for k, d in deltas.items()})
             calls = {w: w.actor.prepare_delta.remote(ref, version, base) for w in live}
         else:
             full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
