@@ -26,8 +26,8 @@ from hyperrl.rollout import delta_kernels as kernels
 from hyperrl.rollout.base import DeltaError
 
 __all__ = ["TensorDelta", "encode_delta", "apply_delta", "apply_delta_", "undo_delta_", "tensor_checksum",
-           "DeltaError", "to_wire", "from_wire", "SliceDelta", "encode_slice", "apply_slice", "execute_direct_delta",
-           "CODECS"]
+           "DeltaError", "to_wire", "from_wire", "tensor_to_wire", "tensor_from_wire", "SliceDelta", "encode_slice",
+           "apply_slice", "execute_direct_delta", "CODECS"]
 
 CODECS = ("sparse", "xor_zstd")
 _KINDS = ("dense", "sparse", "xor_zstd")  # a slice header's kind code is the index
@@ -84,24 +84,36 @@ class TensorDelta(NamedTuple):
         return idx + self.values.numel() * self.values.element_size()
 
 
+def tensor_to_wire(t: torch.Tensor) -> tuple:
+    """``t`` as ``(numpy array of its bits, dtype name, shape)``: pickle 5 (Ray's object store) carries numpy arrays
+    as out-of-band buffers — one copy into the store, none out of it — where a torch tensor is pickled through
+    ``torch.save`` (a copy each way). :func:`tensor_from_wire` undoes it."""
+    t = t.detach().cpu()
+    return _flat(_bits(t)).numpy(), str(t.dtype).removeprefix("torch."), tuple(t.shape)
+
+
+def tensor_from_wire(w: tuple) -> torch.Tensor:
+    """The tensor a :func:`tensor_to_wire` tuple holds, over the received array — no copy. The object store's
+    arrays are read-only: the tensor is only to be read (engines copy what they stage)."""
+    array, dtype, shape = w
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
+
+
 def to_wire(d: TensorDelta) -> tuple:
-    """``d`` with its tensors as numpy arrays of their bits and the values' dtype named: pickle 5 (Ray's object
-    store) carries numpy arrays as out-of-band buffers — no copy into the store's serializer, none out of it —
-    where a torch tensor is pickled through ``torch.save`` (a copy each way). :func:`from_wire` undoes it."""
-    values = d.values.detach().cpu()
-    idx = None if d.indices is None else d.indices.detach().cpu().numpy()
-    return d.kind, idx, _bits(values).numpy(), str(values.dtype).removeprefix("torch."), d.numel, d.checksum, d.changed
+    """``d`` with its tensors in :func:`tensor_to_wire`'s form (no copy through Ray's serializer);
+    :func:`from_wire` undoes it."""
+    idx = None if d.indices is None else tensor_to_wire(d.indices)
+    return d.kind, idx, tensor_to_wire(d.values), d.numel, d.checksum, d.changed
 
 
 def from_wire(w: tuple) -> TensorDelta:
-    """The :class:`TensorDelta` a :func:`to_wire` tuple holds — its tensors over the received arrays, no copy (the
-    object store's arrays are read-only: a delta's tensors are only ever read)."""
-    kind, idx, values, dtype, numel, checksum, changed = w
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        idx = None if idx is None else torch.from_numpy(idx)
-        values = torch.from_numpy(values).view(getattr(torch, dtype))
-    return TensorDelta(kind, idx, values, numel, checksum, changed)
+    """The :class:`TensorDelta` a :func:`to_wire` tuple holds, its tensors over the received arrays (read-only: a
+    delta's tensors are only ever read)."""
+    kind, idx, values, numel, checksum, changed = w
+    idx = None if idx is None else tensor_from_wire(idx)
+    return TensorDelta(kind, idx, tensor_from_wire(values), numel, checksum, changed)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

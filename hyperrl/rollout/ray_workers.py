@@ -44,6 +44,21 @@ class _Flag:
         return self.call in self.aborted
 
 
+def _to_store(pieces: dict) -> dict:
+    """Weights for Ray's object store as numpy arrays (:func:`~hyperrl.rollout.delta.tensor_to_wire`: one copy into
+    the store, none out of it)."""
+    from hyperrl.rollout.delta import tensor_to_wire
+
+    return {k: tensor_to_wire(t) for k, t in pieces.items()}
+
+
+def _from_store(packed: dict) -> dict:
+    """:func:`_to_store`'s weights as (read-only) tensors over the store's arrays."""
+    from hyperrl.rollout.delta import tensor_from_wire
+
+    return {k: tensor_from_wire(w) for k, w in packed.items()}
+
+
 class _EngineActor:
     """One rollout engine in its own process (made a Ray actor by :func:`_actor_class`), built from
     ``spec`` (with ``model``, the object every transformers actor is born from, when there is one)."""
@@ -56,7 +71,7 @@ class _EngineActor:
         if keep:  # the group publishes deltas
             self.engine.expect_deltas()
         if weights is not None and version > born:  # a restart: the current version, checked like any publication
-            self.engine.load_weights(weights, version)
+            self.engine.load_weights(_from_store(weights), version)
         self._aborted: set[int] = set()
 
     def _threads(self) -> None:
@@ -101,7 +116,7 @@ class _EngineActor:
             if keep:
                 self.engine.expect_deltas()
             self.engine.begin(version)
-            self.engine.stage(weights)
+            self.engine.stage(_from_store(weights))
             self.engine.prepare()
 
     def prepare_delta(self, deltas, version: int, base: int) -> None:
@@ -360,11 +375,11 @@ class RayEngine(TransactionalEngine):
             if self._chain:
                 if self._weights is None:
                     raise WorkerError(f"no full publication to rebuild version {self._version} from")
-                pieces = {k: v.clone() for k, v in ray.get(self._weights).items()}
+                pieces = {k: v.clone() for k, v in _from_store(ray.get(self._weights)).items()}
                 for version, deltas in self._chain:
                     for name, d in deltas.items():
                         apply_delta_(pieces[name], d, f"{name} (version {version})")
-                self._weights, self._chain = ray.put(pieces), []
+                self._weights, self._chain = ray.put(_to_store(pieces)), []
             return self._weights
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
@@ -380,7 +395,7 @@ class RayEngine(TransactionalEngine):
             ref = ray.put({k: to_wire(d) for k, d in deltas.items()})
             calls = {w: w.actor.prepare_delta.remote(ref, version, base) for w in live}
         else:
-            full = ray.put({k: t for k, t in staged.items() if k not in self._aliases})  # one copy for all actors
+            full = ray.put(_to_store({k: t for k, t in staged.items() if k not in self._aliases}))  # one for all actors
             calls = {w: w.actor.prepare.remote(full, version, self._actors_keep) for w in live}
         _, dead, refused, stuck = self._gather(calls)
         if refused or stuck:
