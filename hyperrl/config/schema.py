@@ -197,7 +197,9 @@ class RolloutConfig(_Frozen):
                                     "when the engine holds another version) — into the transformers and vLLM engines, "
                                     "in one process, under torchrun (each planned slice's delta on the wire, TP "
                                     "included) or to Ray actors (only the deltas in the object store); metrics "
-                                    "delta_frac, publish_bytes")
+                                    "delta_frac, publish_bytes. It pays where the wire is slower than memory "
+                                    "(trainer and rollout on different machines): on one machine a full "
+                                    "publication is as fast (docs/rollout.md)")
     delta_encoding: Literal["sparse", "xor_zstd"] = Field("sparse", description="with delta_publication: the "
                                                           "changed elements as int32 indices + values (sparse), or the "
                                                           "xor of the bits compressed by zstd (xor_zstd: 2.6-4x fewer "
