@@ -103,7 +103,8 @@ def swap(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> tuple[np.ndar
     if idx.size and (idx[0] < 0 or idx[-1] >= n or not bool(np.all(idx[1:] > idx[:-1]))):
         return None
     steps = _steps(n, flat.itemsize)
-    cut = np.searchsorted(idx, [s for _, s, _ in steps] + [n])
+    # the steps' bounds in idx's own dtype: other keys would make numpy cast (copy) all of idx first
+    cut = np.searchsorted(idx, np.asarray([s for _, s, _ in steps] + [n], dtype=idx.dtype))
     old, xxh = np.empty_like(values), _xxhash().xxh3_64_intdigest
 
     def group(g):

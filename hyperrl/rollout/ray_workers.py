@@ -279,6 +279,8 @@ class RayEngine(TransactionalEngine):
         self._deltas = None  # (base, deltas) of the delta publication being staged
         self._actors_keep = False  # deltas follow: the actors' engines keep what they apply them to
         self._lock = threading.RLock()  # the last full publication and the chain: driver threads restart workers
+        self._folding = threading.Lock()  # one fold of the chain at a time
+        self._folder = self._folding_future = None  # the background fold's thread and its last run
         actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
         self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
                         for i, a in enumerate(actors)]
@@ -366,21 +368,53 @@ class RayEngine(TransactionalEngine):
 
     def current_weights(self):
         """The current version's pieces for an actor born again (an object in Ray's store; None: the born
-        engine is the current version): the last full publication with the deltas since applied to it."""
+        engine is the current version): the last full publication with the deltas since applied to it —
+        folded into one object (:meth:`_fold`) until no delta is left outside it."""
+        while True:
+            with self._lock:
+                if not self._chain:
+                    return self._weights
+            self._fold()
+
+    def _fold(self) -> None:
+        """Apply the chain of deltas to a copy of the last full publication and make that the full publication
+        (one fold at a time; the group's lock held only to read and swap, so publications go on meanwhile — a
+        delta committed during the fold stays in the chain, a full publication during it makes the fold moot)."""
         import ray
 
         from hyperrl.rollout.delta import apply_delta_
 
-        with self._lock:  # one fold at a time: a second restart waits and takes the folded object
-            if self._chain:
-                if self._weights is None:
-                    raise WorkerError(f"no full publication to rebuild version {self._version} from")
-                pieces = {k: v.clone() for k, v in _from_store(ray.get(self._weights)).items()}
-                for version, deltas in self._chain:
-                    for name, d in deltas.items():
-                        apply_delta_(pieces[name], d, f"{name} (version {version})")
-                self._weights, self._chain = ray.put(_to_store(pieces)), []
-            return self._weights
+        with self._folding:
+            with self._lock:
+                ref, chain = self._weights, list(self._chain)
+            if not chain:
+                return
+            if ref is None:
+                raise WorkerError(f"no full publication to rebuild version {chain[-1][0]} from")
+            pieces = {k: v.clone() for k, v in _from_store(ray.get(ref)).items()}
+            for version, deltas in chain:
+                for name, d in deltas.items():
+                    apply_delta_(pieces[name], d, f"{name} (version {version})")
+            folded = ray.put(_to_store(pieces))
+            with self._lock:
+                same = len(self._chain) >= len(chain) and all(a is b for a, b in zip(self._chain, chain))
+                if self._weights is ref and same:  # else a full publication came meanwhile: this fold is moot
+                    self._weights, self._chain = folded, self._chain[len(chain):]
+
+    def _fold_later(self) -> None:
+        """:meth:`_fold` on the group's folding thread, off the publication's path (a failure leaves the chain
+        for the next fold or restart, which raises it where it matters)."""
+        if self._folder is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._folder = ThreadPoolExecutor(1, thread_name_prefix="hyperrl-ray-fold")
+        if self._folding_future is None or self._folding_future.done():
+            self._folding_future = self._folder.submit(self._fold)
+
+    def folded(self) -> None:
+        """Wait for a fold running in the background (tests, :meth:`close`); its error, if any, is raised."""
+        if self._folding_future is not None:
+            self._folding_future.result()
 
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
         import ray
@@ -415,9 +449,14 @@ class RayEngine(TransactionalEngine):
             else:
                 self._chain.append((version, deltas))
         gone = dead + dead2 + list(refused2) + stuck2
+        if not gone:
+            with self._lock:
+                heavy = sum(d.nbytes for _, ds in self._chain for d in ds.values()) >= self._full_bytes
+            if heavy:
+                self._fold_later()  # deltas outweighing the model: folded into it, off the publication's path
+            return
         try:
-            if gone or sum(d.nbytes for _, ds in self._chain for d in ds.values()) >= self._full_bytes:
-                full = self.current_weights()  # born again from the whole new version; a long chain folded
+            full = self.current_weights()  # born again from the whole new version
         except Exception as e:  # noqa: BLE001 — the chain stays (folded at the next restart); the gone report it
             for w in gone:
                 w.error = WorkerError(f"{w.name}: died while version {version} was committed and could not be "
@@ -445,6 +484,9 @@ class RayEngine(TransactionalEngine):
     def close(self) -> None:
         import ray
 
+        if self._folder is not None:  # a background fold finishes (or fails) before Ray goes
+            self._folder.shutdown(wait=True)
+            self._folder = None
         if not ray.is_initialized():  # Ray is gone (a second close): any Ray call would start it again
             return
         for w in self.workers:

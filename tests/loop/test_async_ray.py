@@ -258,7 +258,7 @@ def _assert_serving_cast(tr):
             assert torch.equal(got[k].view(torch.int16), want.view(torch.int16)), (w.name, k)
 
 
-def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_weights(cluster, tmp_path):
+def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_weights(cluster, tmp_path, monkeypatch):
     """``rollout.delta_publication`` into Ray actors (bf16 engines, fp32 master): the group checks each delta
     (names, sizes, new elements finite), only the deltas travel, every actor applies them and verifies the
     checksums; after every step each actor is bit-identical to a full publication. An actor at another version,
@@ -309,9 +309,45 @@ def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_we
         ray.kill(victim.actor, no_restart=True)
         victim.restart()
         _assert_serving_cast(tr)
-        tr.engine._full_bytes = 0  # deltas outweighing the last full publication are folded into it at once
-        publish_after(None)
+        tr.engine._full_bytes = 0  # deltas outweighing the last full publication are folded into it, off the
+        publish_after(None)  # publication's path (a background thread)
+        tr.engine.folded()
         assert tr.engine._chain == [] and "delta_fallback" not in pub.last
+        ray.kill(victim.actor, no_restart=True)
+        victim.restart()
+        _assert_serving_cast(tr)
+        # publications go on during a fold: a delta committed meanwhile stays in the chain, a full publication
+        # meanwhile makes the fold moot — an actor born after either is exact
+        import hyperrl.rollout.ray_workers as rw
+
+        gate, entered, real = threading.Event(), threading.Event(), rw._from_store
+
+        def held(packed):  # the fold (its own thread) waits here until the test lets it go
+            if threading.current_thread().name.startswith("hyperrl-ray-fold"):
+                entered.set()
+                gate.wait(120)
+            return real(packed)
+
+        monkeypatch.setattr(rw, "_from_store", held)
+        publish_after(None)  # a delta: the chain outweighs the model → a fold starts and waits
+        assert entered.wait(120)
+        publish_after(None)  # committed during the fold
+        gate.set()
+        tr.engine.folded()
+        assert [v for v, _ in tr.engine._chain] == [tr.version]  # the fold swapped in only what it had read
+        ray.kill(victim.actor, no_restart=True)
+        victim.restart()
+        _assert_serving_cast(tr)
+        gate.clear()
+        entered.clear()
+        publish_after(None)
+        assert entered.wait(120)
+        pub.publish(tr.policy, tr.version + 1)  # a full publication during the fold
+        tr.version += 1
+        full = tr.engine._weights
+        gate.set()
+        tr.engine.folded()
+        assert tr.engine._chain == [] and tr.engine._weights is full  # the fold was moot: dropped
         ray.kill(victim.actor, no_restart=True)
         victim.restart()
         _assert_serving_cast(tr)
