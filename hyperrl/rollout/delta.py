@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hyperrl.rollout import delta_kernels as kernels
@@ -59,7 +60,12 @@ def _xor_decompress(payload: torch.Tensor, bits_dtype: torch.dtype, numel: int) 
         raise DeltaError(f"an xor_zstd payload of {x.numel()} elements for a slice of {numel}")
     return x
 
+# tensor_from_wire's tensors over the object store's read-only arrays are only read: torch's warning about them is
+# silenced for this module's calls only (a filter, not catch_warnings: that is not thread-safe)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", module=r"hyperrl\.rollout\.delta")
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INDEX = {4: np.int32, 8: np.int64}
 
 
 class TensorDelta(NamedTuple):
@@ -96,9 +102,7 @@ def tensor_from_wire(w: tuple) -> torch.Tensor:
     """The tensor a :func:`tensor_to_wire` tuple holds, over the received array — no copy. The object store's
     arrays are read-only: the tensor is only to be read (engines copy what they stage)."""
     array, dtype, shape = w
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
+    return torch.from_numpy(array).view(getattr(torch, dtype)).reshape(shape)
 
 
 def to_wire(d: TensorDelta) -> tuple:
@@ -135,22 +139,34 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return kernels.checksum(_flat(_bits(t.detach().cpu())).view(torch.uint8).numpy())  # the buffer itself: no copy
 
 
-def _scan(new: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The flat indices (int64, ascending) of the elements whose bits differ between ``new`` and ``base`` (same
-    shape and dtype), their new values, and :func:`tensor_checksum` of ``new``: on the CPU one threaded pass
+def _scan(new: torch.Tensor, base: torch.Tensor, index_bytes: int) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                         int, int]:
+    """Where ``new`` and ``base`` (same shape and dtype) differ bit for bit: ``(indices, values, changed,
+    checksum)`` — the flat indices (``index_bytes`` wide, ascending) and new values of the changed elements, or
+    None for both when they would be no smaller than the dense tensor (``changed × (index + value bytes) ≥ numel ×
+    value bytes``); how many changed; :func:`tensor_checksum` of ``new``. On the CPU one threaded pass
     (:func:`hyperrl.rollout.delta_kernels.scan`), on a GPU whole-tensor ops."""
     nb, ob = _flat(_bits(new.detach())), _flat(_bits(base.detach()))
+    n, item = nb.numel(), nb.element_size()
+    limit = (n * item - 1) // (index_bytes + item)  # the most changed elements a sparse delta is smaller at (-1: none)
     if nb.device.type != "cpu":
         changed = torch.nonzero(nb != ob).flatten()
-        return changed, nb[changed].view(new.dtype), tensor_checksum(nb)
-    idx, values, check = kernels.scan(nb.numpy(), ob.numpy())
-    return torch.from_numpy(idx), torch.from_numpy(values).view(new.dtype), check
+        k = changed.numel()
+        if k > limit:
+            return None, None, k, tensor_checksum(nb)
+        return changed.to(_BITS[index_bytes]), nb[changed].view(new.dtype), k, tensor_checksum(nb)
+    idx, values, k, check = kernels.scan(nb.numpy(), ob.numpy(), limit, _NP_INDEX[index_bytes])
+    if idx is None:
+        return None, None, k, check
+    return torch.from_numpy(idx), torch.from_numpy(values).view(new.dtype), k, check
 
 
 def _swap_(flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Write ``values`` at ``flat``'s indices ``idx`` in place; returns the old values there and the new
     :func:`tensor_checksum` — on the CPU in one threaded pass (:func:`hyperrl.rollout.delta_kernels.swap`) when
     the indices ascend (an encoder's always do), else by torch's indexing (which names an index out of range)."""
+    if idx.dim() != 1 or values.shape != idx.shape:  # before anything is written
+        raise DeltaError(f"{idx.numel()} indices and {values.numel()} values: a delta needs one value per index")
     values = values.to(device=flat.device, dtype=flat.dtype)
     if flat.device.type == "cpu" and idx.device.type == "cpu" and flat.is_contiguous():
         bits = _bits(flat)
@@ -173,16 +189,15 @@ def encode_delta(new: torch.Tensor, base: torch.Tensor, codec: str = "sparse") -
         raise ValueError(f"encode_delta: new {tuple(new.shape)} {new.dtype} against base {tuple(base.shape)} "
                          f"{base.dtype}; a delta needs one shape and dtype")
     flat, n = new.detach().reshape(-1), new.numel()
-    changed, values, check = _scan(new, base)
     index_dtype = torch.int32 if n < 2**31 else torch.int64
-    item, ibytes = new.element_size(), torch.empty((), dtype=index_dtype).element_size()
+    changed, values, k, check = _scan(new, base, index_dtype.itemsize)
     if codec == "xor_zstd" and new.is_floating_point():
         packed = _xor_compress(_flat(_bits(new)), _flat(_bits(base)))
-        if packed.numel() < n * item:
-            return TensorDelta("xor_zstd", None, packed, n, check, changed.numel())
-    if changed.numel() * (ibytes + item) >= n * item:
-        return TensorDelta("dense", None, flat.clone(), n, check, changed.numel())
-    return TensorDelta("sparse", changed.to(index_dtype), values, n, check, changed.numel())
+        if packed.numel() < n * new.element_size():
+            return TensorDelta("xor_zstd", None, packed, n, check, k)
+    if changed is None:  # the dense tensor is no bigger
+        return TensorDelta("dense", None, flat.clone(), n, check, k)
+    return TensorDelta("sparse", changed, values, n, check, k)
 
 
 def apply_delta(base: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> torch.Tensor:
@@ -267,15 +282,13 @@ def encode_slice(new: torch.Tensor, old: torch.Tensor, codec: str = "sparse") ->
     dtype) in ``codec`` (:data:`CODECS`), or the whole slice when that is smaller; the checksum of ``new``."""
     new, old = _flat(new.contiguous()), _flat(old.contiguous())
     n, item = new.numel(), new.element_size()
-    nb, ob = _bits(new), _bits(old)
-    changed, values, check = _scan(new, old)
-    changed, k = changed.to(torch.int32), changed.numel()
-    packed = _xor_compress(nb, ob) if codec == "xor_zstd" and k else None
+    changed, values, k, check = _scan(new, old, 4)
+    packed = _xor_compress(_bits(new), _bits(old)) if codec == "xor_zstd" and k else None
     if not k:  # nothing changed: an empty sparse slice
         payload, kind = torch.empty(0, dtype=torch.uint8), 1
     elif packed is not None and packed.numel() < n * item:
         payload, kind = packed, 2
-    elif packed is None and k * (4 + item) < n * item:
+    elif packed is None and changed is not None:
         payload, kind = torch.cat([changed.view(torch.uint8), values.view(torch.uint8)]), 1
     else:
         payload, kind = new.view(torch.uint8), 0

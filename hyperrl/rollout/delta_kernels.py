@@ -5,18 +5,20 @@ Why not torch's own ops: on the CPU ``torch.nonzero(new != base)`` writes a mask
 it back, its index kernels are single passes of their own, and each is a separate sweep of memory; numpy's
 comparison, ``flatnonzero``, fancy indexing and xxhash all release the GIL, so each step of :data:`BLOCK` bytes
 is compared, indexed, written and hashed while it sits in cache, and the steps run on ``torch.get_num_threads()``
-threads. Measured on this machine (2 cores, a 297 MiB bf16 embedding at 3 % changed): the scan ≈ 75 ms against
-≈ 220 ms for torch's three whole-tensor passes (benchmarks/delta.py's tables are the end-to-end figures).
+threads (or :func:`threads`' count). Measured on this machine (2 cores, a 297 MiB bf16 embedding at 3 % changed):
+the scan ≈ 75 ms against ≈ 220 ms for torch's three whole-tensor passes (benchmarks/delta.py: end to end).
 
 The checksum is xxh3-64 (the ``xxhash`` package) of the tensor's bytes by :data:`BLOCK`-byte blocks, then xxh3-64
 of those digests (little-endian ``uint64``): blocks so that threads can hash them, and so that a step hashes the
-bytes it has just compared or written — the block size is fixed, so sender and receiver agree whatever their
-thread counts.
+bytes it has just compared or written — the block size is part of the format (fixed: sender and receiver agree
+whatever their thread counts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,9 +26,10 @@ import torch
 
 from hyperrl.rollout.base import DeltaError
 
-__all__ = ["BLOCK", "checksum", "scan", "swap"]
+__all__ = ["BLOCK", "checksum", "scan", "swap", "threads"]
 
-BLOCK = 2 << 20  # bytes per step and per checksum block: a step's new, base and mask stay in cache
+BLOCK = 2 << 20  # bytes per step and per checksum block (the checksum's format): a step's data stays in cache
+_local = threading.local()
 
 
 def _xxhash():
@@ -39,8 +42,21 @@ def _xxhash():
     return xxhash
 
 
-@functools.lru_cache(maxsize=4)
+@contextlib.contextmanager
+def threads(n: int):
+    """Run this thread's kernels on ``n`` threads (1: in the calling thread, no pool) — a background job keeps
+    off the pool the publication's own passes use."""
+    before = getattr(_local, "threads", None)
+    _local.threads = n
+    try:
+        yield
+    finally:
+        _local.threads = before
+
+
+@functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
+    """One pool per thread count (a process sees one or two counts)."""
     return ThreadPoolExecutor(workers, thread_name_prefix="hyperrl-delta")
 
 
@@ -51,10 +67,10 @@ def _steps(n: int, item: int) -> list[tuple[int, int, int]]:
 
 
 def _run(fn, steps: list) -> list:
-    """``fn(group)`` over ``steps`` split into contiguous groups, one per thread (torch's intra-op count); the
-    groups' results concatenated in order."""
-    workers = max(1, min(torch.get_num_threads(), len(steps)))
-    if workers == 1:
+    """``fn(group)`` over ``steps`` split into contiguous groups, one per thread; the groups' results
+    concatenated in order."""
+    workers = getattr(_local, "threads", None) or torch.get_num_threads()
+    if workers <= 1 or len(steps) <= 1:
         return fn(steps)
     per = -(-len(steps) // workers)
     groups = [steps[i:i + per] for i in range(0, len(steps), per)]
@@ -67,38 +83,60 @@ def _combine(digests: list[int]) -> int:
     return h - (1 << 64) if h >= 1 << 63 else h
 
 
+def _check(name: str, a: np.ndarray) -> None:
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError(f"delta kernels: {name} must be 1-D and contiguous, got shape {a.shape}")
+
+
 def checksum(a: np.ndarray) -> int:
     """The checksum of a 1-D contiguous array's bytes (module doc)."""
+    _check("the array", a)
     xxh = _xxhash().xxh3_64_intdigest
     return _combine(_run(lambda g: [xxh(a[s:e]) for _, s, e in g], _steps(a.size, a.itemsize)))
 
 
-def scan(new: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """The flat indices (int64, ascending) where ``new`` and ``base`` (1-D, one integer dtype: bits) differ, ``new``'s
-    values there, and :func:`checksum` of ``new`` — one pass."""
+def scan(new: np.ndarray, base: np.ndarray, limit: int | None = None,
+         index_dtype=np.int64) -> tuple[np.ndarray | None, np.ndarray | None, int, int]:
+    """Where ``new`` and ``base`` (1-D, one dtype: bits) differ, in one pass: ``(indices, values, changed,
+    checksum)`` — the flat indices (``index_dtype``, ascending), ``new``'s values there, how many, and
+    :func:`checksum` of ``new``. Past ``limit`` changed elements (the caller sends the dense tensor then) only
+    the count and the checksum: ``indices`` and ``values`` are None (memory stays bounded by ``limit``)."""
+    _check("new", new)
+    _check("base", base)
+    if new.shape != base.shape or new.dtype != base.dtype:
+        raise ValueError(f"delta scan: new {new.shape} {new.dtype} against base {base.shape} {base.dtype}")
+    cap = new.size if limit is None else limit
     xxh = _xxhash().xxh3_64_intdigest
 
     def group(g):
-        mask, out = np.empty(g[0][2] - g[0][1], dtype=bool), []
+        mask, out, seen = np.empty(g[0][2] - g[0][1], dtype=bool), [], 0
         for _, s, e in g:
-            i = np.flatnonzero(np.not_equal(new[s:e], base[s:e], out=mask[:e - s]))
-            v = new[s:e][i]
-            i += s
-            out.append((i, v, xxh(new[s:e])))
+            m = np.not_equal(new[s:e], base[s:e], out=mask[:e - s])
+            if seen <= cap:  # a group past the cap proves the whole tensor is: it only counts from then on
+                i = np.flatnonzero(m)
+                seen += i.size
+                out.append((i.astype(index_dtype) + s, new[s:e][i], i.size, xxh(new[s:e])))
+            else:
+                out.append((None, None, int(np.count_nonzero(m)), xxh(new[s:e])))
         return out
 
     parts = _run(group, _steps(new.size, new.itemsize)) if new.size else []
-    if not parts:
-        return np.empty(0, dtype=np.int64), new[:0].copy(), _combine([])
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-            _combine([p[2] for p in parts]))
+    changed, check = sum(p[2] for p in parts), _combine([p[3] for p in parts])
+    if changed > cap:
+        return None, None, changed, check
+    idx = np.concatenate([p[0] for p in parts]) if parts else np.empty(0, dtype=index_dtype)
+    return idx, (np.concatenate([p[1] for p in parts]) if parts else new[:0].copy()), changed, check
 
 
 def swap(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, int] | None:
-    """Write ``values`` at the flat indices ``idx`` of ``flat`` (1-D, contiguous; values of its dtype) in place,
-    in one pass: returns the old values there (the undo) and :func:`checksum` of the new ``flat`` — or ``None``,
-    having written nothing, when ``idx`` is not strictly ascending within ``flat`` (the caller's general path then
-    applies it, or names the bad index)."""
+    """Write ``values`` at the flat indices ``idx`` of ``flat`` (1-D, contiguous) in place, in one pass: returns
+    the old values there (the undo) and :func:`checksum` of the new ``flat`` — or ``None``, having written nothing,
+    when ``idx`` is not strictly ascending within ``flat`` (the caller's general path then applies it, or names the
+    bad index). ``values``: one per index, of ``flat``'s dtype (checked before anything is written)."""
+    _check("the tensor", flat)
+    if idx.ndim != 1 or values.shape != idx.shape or values.dtype != flat.dtype:
+        raise DeltaError(f"{idx.size} indices and {values.size} values of {values.dtype} for a tensor of "
+                         f"{flat.dtype}: a delta needs one value of the tensor's dtype per index")
     n = flat.size
     if idx.size and (idx[0] < 0 or idx[-1] >= n or not bool(np.all(idx[1:] > idx[:-1]))):
         return None

@@ -24,6 +24,8 @@ import itertools
 import math
 import os
 import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -220,7 +222,7 @@ class RayWorker:
     def restart(self) -> None:
         """A new actor serving the group's current version (its object), counted against
         ``max_restarts``; past them the worker fails with an error naming it."""
-        self.restart_at(self.group.policy_version, self.group.current_weights())
+        self.restart_at(*self.group.current())
 
     def restart_at(self, version: int, weights) -> None:
 
@@ -281,6 +283,8 @@ class RayEngine(TransactionalEngine):
         self._lock = threading.RLock()  # the last full publication and the chain: driver threads restart workers
         self._folding = threading.Lock()  # one fold of the chain at a time
         self._folder = self._folding_future = None  # the background fold's thread and its last run
+        self._fold_failed = None  # (full publication, first delta's version) of a chain a background fold failed on
+        self._weights_version = self._born  # the version _weights holds
         actors = [self._start(self._version, None) for _ in range(workers)]  # they start in parallel
         self.workers = [RayWorker(self, i, self._ready(f"rollout-worker-{i}", a, self._version))
                         for i, a in enumerate(actors)]
@@ -367,22 +371,31 @@ class RayEngine(TransactionalEngine):
         self._deltas = None
 
     def current_weights(self):
-        """The current version's pieces for an actor born again (an object in Ray's store; None: the born
-        engine is the current version): the last full publication with the deltas since applied to it —
-        folded into one object (:meth:`_fold`) until no delta is left outside it."""
+        """The current version's pieces for an actor born again (:meth:`current`'s object)."""
+        return self.current()[1]
+
+    def current(self) -> tuple[int, object]:
+        """``(version, pieces)`` for an actor born again, one consistent pair: the pieces an object in Ray's store
+        (None: the born engine is that version) — the last full publication with the deltas since folded into it
+        (:meth:`_fold`, again while deltas committed meanwhile remain)."""
         while True:
             with self._lock:
                 if not self._chain:
-                    return self._weights
+                    return self._weights_version, self._weights
             self._fold()
 
     def _fold(self) -> None:
         """Apply the chain of deltas to a copy of the last full publication and make that the full publication
         (one fold at a time; the group's lock held only to read and swap, so publications go on meanwhile — a
-        delta committed during the fold stays in the chain, a full publication during it makes the fold moot)."""
+        delta committed during the fold stays in the chain, a full publication during it makes the fold moot,
+        and the fold stops as soon as it sees one)."""
         import ray
 
         from hyperrl.rollout.delta import apply_delta_
+
+        def moot() -> bool:
+            with self._lock:
+                return self._weights is not ref
 
         with self._folding:
             with self._lock:
@@ -393,26 +406,52 @@ class RayEngine(TransactionalEngine):
                 raise WorkerError(f"no full publication to rebuild version {chain[-1][0]} from")
             pieces = {k: v.clone() for k, v in _from_store(ray.get(ref)).items()}
             for version, deltas in chain:
+                if moot():
+                    return
                 for name, d in deltas.items():
                     apply_delta_(pieces[name], d, f"{name} (version {version})")
+            if moot():
+                return
             folded = ray.put(_to_store(pieces))
+            del pieces
             with self._lock:
                 same = len(self._chain) >= len(chain) and all(a is b for a, b in zip(self._chain, chain))
-                if self._weights is ref and same:  # else a full publication came meanwhile: this fold is moot
-                    self._weights, self._chain = folded, self._chain[len(chain):]
+                if self._weights is ref and same:
+                    self._weights, self._weights_version = folded, chain[-1][0]
+                    self._chain = self._chain[len(chain):]
+
+    def _fold_in_background(self) -> None:
+        """:meth:`_fold` on one kernel thread (the publication's passes keep the pool); a failure is said once
+        per chain (a warning naming it) and that chain is not folded again in the background — a restart folds
+        it and raises the error where it matters."""
+        from hyperrl.rollout import delta_kernels
+
+        with self._lock:
+            head = (self._weights, self._chain[0][0] if self._chain else None)
+        if head == self._fold_failed:
+            return
+        try:
+            with delta_kernels.threads(1):
+                self._fold()
+        except Exception as e:  # noqa: BLE001 — a background job: said, not raised
+            self._fold_failed = head
+            warnings.warn(f"the Ray group could not fold its delta chain (from version {head[1]}) into a full "
+                          f"copy for restarts: {e!r}; an actor born again will fold it and report the error",
+                          RuntimeWarning, stacklevel=1)
 
     def _fold_later(self) -> None:
-        """:meth:`_fold` on the group's folding thread, off the publication's path (a failure leaves the chain
-        for the next fold or restart, which raises it where it matters)."""
-        if self._folder is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._folder = ThreadPoolExecutor(1, thread_name_prefix="hyperrl-ray-fold")
-        if self._folding_future is None or self._folding_future.done():
-            self._folding_future = self._folder.submit(self._fold)
+        """:meth:`_fold_in_background` on the group's folding thread, off the publication's path; never raises
+        (it runs after the actors have committed)."""
+        try:
+            if self._folder is None:
+                self._folder = ThreadPoolExecutor(1, thread_name_prefix="hyperrl-ray-fold")
+            if self._folding_future is None or self._folding_future.done():
+                self._folding_future = self._folder.submit(self._fold_in_background)
+        except RuntimeError as e:  # the group closing, the interpreter exiting: restarts fold it themselves
+            warnings.warn(f"the Ray group's background fold was not started: {e!r}", RuntimeWarning, stacklevel=1)
 
     def folded(self) -> None:
-        """Wait for a fold running in the background (tests, :meth:`close`); its error, if any, is raised."""
+        """Wait for a fold running in the background (tests, :meth:`close`)."""
         if self._folding_future is not None:
             self._folding_future.result()
 
@@ -445,7 +484,7 @@ class RayEngine(TransactionalEngine):
         self._deltas = None
         with self._lock:
             if full is not None:
-                self._weights, self._chain = full, []
+                self._weights, self._weights_version, self._chain = full, version, []
             else:
                 self._chain.append((version, deltas))
         gone = dead + dead2 + list(refused2) + stuck2

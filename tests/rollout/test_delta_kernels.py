@@ -58,11 +58,15 @@ def test_scan_finds_exactly_the_changed_elements(n, frac, dtype, seed, block):
         sums = set()
         for t in (1, 2):
             torch.set_num_threads(t)
-            idx, values, check = kernels.scan(new, base)
+            idx, values, k, check = kernels.scan(new, base, index_dtype=np.int32)
             want = np.flatnonzero(new != base)
-            assert idx.dtype == np.int64 and np.array_equal(idx, want) and np.array_equal(values, new[want])
-            assert check == kernels.checksum(new.view(np.uint8))  # the scan's checksum is the tensor's
+            assert idx.dtype == np.int32 and np.array_equal(idx, want) and np.array_equal(values, new[want])
+            assert k == want.size and check == kernels.checksum(new.view(np.uint8))  # the tensor's checksum
             sums.add(check)
+            for limit in (want.size, want.size - 1, 0):  # past the limit only the count and the checksum
+                i, v, k2, c2 = kernels.scan(new, base, limit)
+                assert k2 == want.size and c2 == check
+                assert (i is None and v is None) == (want.size > limit)
         assert len(sums) == 1  # one checksum whatever the thread count
     finally:
         kernels.BLOCK = before
@@ -85,10 +89,25 @@ def test_swap_writes_exactly_the_delta_and_returns_what_it_overwrote(n, frac, se
 
 
 @pytest.mark.parametrize("bad", [[3, 1], [1, 1], [-1, 2], [2, 10]], ids=["descending", "repeated", "negative", "past"])
-def test_swap_declines_indices_it_cannot_write_in_one_pass_and_writes_nothing(bad, monkeypatch):
+@pytest.mark.parametrize("index", [np.int32, np.int64])
+def test_swap_declines_indices_it_cannot_write_in_one_pass_and_writes_nothing(bad, index, monkeypatch):
     monkeypatch.setattr(kernels, "BLOCK", 4)
     flat = np.arange(10, dtype=np.int16)
-    assert kernels.swap(flat, np.array(bad, dtype=np.int32), np.array([7, 7], dtype=np.int16)) is None
+    assert kernels.swap(flat, np.array(bad, dtype=index), np.array([7, 7], dtype=np.int16)) is None
+    assert np.array_equal(flat, np.arange(10, dtype=np.int16))
+
+
+@pytest.mark.parametrize("values", [np.array([7], dtype=np.int16), np.array([7, 7, 7], dtype=np.int16),
+                                    np.array([7, 7], dtype=np.int32)], ids=["too-few", "too-many", "dtype"])
+def test_swap_refuses_values_that_do_not_match_the_indices_before_writing(values, monkeypatch):
+    """A malformed delta (say a damaged slice header's count) is refused whole — no step has written anything
+    (threads would otherwise have written the steps before the one that failed)."""
+    from hyperrl.rollout.delta import DeltaError
+
+    monkeypatch.setattr(kernels, "BLOCK", 4)
+    flat = np.arange(10, dtype=np.int16)
+    with pytest.raises(DeltaError, match="indices and .* values"):
+        kernels.swap(flat, np.array([1, 8], dtype=np.int32), values)
     assert np.array_equal(flat, np.arange(10, dtype=np.int16))
 
 
@@ -140,3 +159,49 @@ def test_a_delta_on_the_wire_is_numpy_arrays_carried_out_of_band():
     assert torch.equal(back.indices, d.indices)
     assert torch.equal(back.values.view(torch.int16), d.values.view(torch.int16))
     assert back.values.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", ["empty", "bool", "strided", "int64-indices"])
+def test_encode_and_in_place_apply_of_odd_tensors(case, monkeypatch):
+    """0-element, bool and non-contiguous tensors, and a delta whose indices are int64, through encode →
+    apply_delta_ → undo: exact, never a partial write."""
+    from hyperrl.rollout.delta import TensorDelta, apply_delta, apply_delta_, undo_delta_
+
+    monkeypatch.setattr(kernels, "BLOCK", 8)
+    g = torch.Generator().manual_seed(0)
+    if case == "empty":
+        base = torch.empty(0, dtype=torch.bfloat16)
+        new = base.clone()
+    elif case == "bool":
+        base = torch.rand(300, generator=g) < 0.5
+        new = base.clone()
+        new[::17] = ~new[::17]
+    else:
+        base = torch.randn(40, 30, generator=g).to(torch.bfloat16)
+        new = base.clone()
+        new[::9, ::4] += 1
+        if case == "strided":
+            base, new = base.t(), new.t()  # non-contiguous views
+    d = encode_delta(new, base)
+    if case == "int64-indices":
+        d = TensorDelta(d.kind, d.indices.long(), d.values, d.numel, d.checksum, d.changed)
+    assert torch.equal(apply_delta(base, d), new)
+    t = base.contiguous().clone()
+    undo = apply_delta_(t, d)
+    assert torch.equal(t, new.contiguous())
+    undo_delta_(t, undo)
+    assert torch.equal(t, base.contiguous())
+
+
+def test_a_delta_whose_values_do_not_match_its_indices_leaves_the_tensor_as_it_was():
+    from hyperrl.rollout.delta import DeltaError, TensorDelta, apply_delta_
+
+    base = torch.randn(1000).to(torch.bfloat16)
+    new = base.clone()
+    new[::10] += 1
+    d = encode_delta(new, base)
+    bad = TensorDelta(d.kind, d.indices, d.values[:-1], d.numel, d.checksum, d.changed)
+    t = base.clone()
+    with pytest.raises(DeltaError, match="one value per index"):
+        apply_delta_(t, bad, "w")
+    assert torch.equal(t.view(torch.int16), base.view(torch.int16))
