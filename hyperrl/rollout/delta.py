@@ -134,8 +134,9 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """xxh3-64 of ``t``'s bytes (its dtype's bits, row-major) by 2 MiB blocks, then of the blocks' digests, as a
-    signed int64 (:func:`hyperrl.rollout.delta_kernels.checksum`). xxh3 rather than zlib's Adler-32: 13 ms against
-    91 ms over a 297 MiB bf16 embedding on this machine — a delta publication checksums every tensor twice."""
+    signed int64 (:func:`hyperrl.rollout.delta_kernels.checksum`). xxh3 rather than zlib's Adler-32: 9 ms against
+    86 ms over a 297 MiB bf16 embedding on this machine (benchmarks/delta_kernels.py) — a delta publication
+    checksums every tensor twice."""
     return kernels.checksum(_flat(_bits(t.detach().cpu())).view(torch.uint8).numpy())  # the buffer itself: no copy
 
 

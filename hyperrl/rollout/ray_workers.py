@@ -225,7 +225,6 @@ class RayWorker:
         self.restart_at(*self.group.current())
 
     def restart_at(self, version: int, weights) -> None:
-
         if self.restarts >= self.group.max_restarts:
             raise WorkerError(f"{self.name} died and was restarted {self.restarts} times already "
                               f"(async.executor.max_restarts={self.group.max_restarts}); giving up")
@@ -370,10 +369,6 @@ class RayEngine(TransactionalEngine):
     def _on_abort(self) -> None:
         self._deltas = None
 
-    def current_weights(self):
-        """The current version's pieces for an actor born again (:meth:`current`'s object)."""
-        return self.current()[1]
-
     def current(self) -> tuple[int, object]:
         """``(version, pieces)`` for an actor born again, one consistent pair: the pieces an object in Ray's store
         (None: the born engine is that version) — the last full publication with the deltas since folded into it
@@ -451,7 +446,7 @@ class RayEngine(TransactionalEngine):
             warnings.warn(f"the Ray group's background fold was not started: {e!r}", RuntimeWarning, stacklevel=1)
 
     def folded(self) -> None:
-        """Wait for a fold running in the background (tests, :meth:`close`)."""
+        """Wait for a fold running in the background (:meth:`close` waits for it too)."""
         if self._folding_future is not None:
             self._folding_future.result()
 
@@ -495,7 +490,7 @@ class RayEngine(TransactionalEngine):
                 self._fold_later()  # deltas outweighing the model: folded into it, off the publication's path
             return
         try:
-            full = self.current_weights()  # born again from the whole new version
+            _, full = self.current()  # born again from the whole new version
         except Exception as e:  # noqa: BLE001 — the chain stays (folded at the next restart); the gone report it
             for w in gone:
                 w.error = WorkerError(f"{w.name}: died while version {version} was committed and could not be "
@@ -511,7 +506,6 @@ class RayEngine(TransactionalEngine):
         """Abort the staged publication on ``workers`` and wait for it (a cancel runs after the actor's staging
         call, never beside it); ``stuck`` actors — or any whose cancel does not return in time — are killed:
         their handles start them again, at the group's version, when their driver threads next call them."""
-
         late = self._gather({w: w.actor.cancel.remote() for w in workers})[3] if workers else []
         for w in stuck + late:
             _kill(w.actor)
