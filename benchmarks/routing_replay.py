@@ -55,8 +55,8 @@ def overhead(args, tmp: str, repeat: int = 15) -> dict:
     try:
         from hyperrl.loop.collect import Timer
 
-        batch, _ = tr.collect(Timer())
-        f, routing = tr.forwards, tr.preparer.routing
+        batch = tr.collect(Timer()).batch
+        f, routing = tr.forwards, tr.preparer.routes.routing
         ways = {"no hooks": None, "compared (none)": (routing, "routed_experts", False),
                 "replayed (R3)": (routing, "routed_experts", True)}
         times = {k: [] for k in ways}

@@ -129,7 +129,7 @@ from hyperrl.loop.collect import Timer
 prompts, budget, cell = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 tr = build_trainer(_cfg(1, 0, "/tmp/vision_bench_mem", f"--rollout.prompts_per_step={prompts}", "--rollout.n=8",
                         f"--optim.micro_batch_tokens={budget}", f"--task.cell={cell}", "--algo.gate_threshold=1e9"))
-batch, _ = tr.collect(Timer())
+batch = tr.collect(Timer()).batch
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) / 1024
 rows, patches = batch.batch_size[0], int(batch["pixel_values"].shape[1])

@@ -8,8 +8,9 @@ The public API, one import away (``import hyperrl as hr``):
   correction, filters, …) and the plug-in contract :class:`Registry`;
 * the resharding planner — ``hr.sharding`` (meshes, specs, layouts, :func:`~hyperrl.sharding.reshard_plan`);
 * the loop — ``hr.load_config(path, overrides)``, ``hr.build(cfg)`` (the composition root: a ready
-  trainer), ``hr.train(cfg)`` (the outer loop of ``hyperrl train``), ``hr.SyncTrainer``,
-  ``hr.AsyncTrainer``, ``hr.TrainConfig``, ``hr.ConfigError``.
+  trainer), ``hr.train(cfg)`` (the outer loop of ``hyperrl train``), ``hr.Trainer`` (one class
+  for every kind of run; ``hr.SyncTrainer`` and ``hr.AsyncTrainer`` are its earlier names),
+  ``hr.TrainConfig``, ``hr.ConfigError``.
 
 The transforms and the planner import no training package (transformers, tokenizers, …); the loop
 names load on first use. Modules whose names start with ``_`` are private.

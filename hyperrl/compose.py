@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from hyperrl.agents.mcp import Toolbox
+from hyperrl.algorithms import term
 from hyperrl.config import ConfigError, TrainConfig, validate_config
 from hyperrl.data.tasks import make_task
 from hyperrl.device import pick_device, torch_dtype
@@ -28,13 +29,14 @@ from hyperrl.loop.evaluate import Evaluator
 from hyperrl.loop.generation import Generator, stop_ids_of
 from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.loop.pipeline import build_pipeline
-from hyperrl.loop.preference import PairCollector, PreferenceTrainer
+from hyperrl.loop.preference import PairCollector, PairEvaluator
 from hyperrl.loop.prepare import Forwards, Preparer
 from hyperrl.loop.publish import PolicyPublisher
 from hyperrl.loop.scoring import Scorer
-from hyperrl.loop.trainer import AsyncTrainer, SyncTrainer, Trainer
+from hyperrl.loop.trainer import Trainer
 from hyperrl.models.head import fp32_lm_head
 from hyperrl.models.lora import MergedView, is_lora, trainable_parameters
+from hyperrl.models.moe import is_moe
 from hyperrl.models.policy import (
     build_critic,
     build_image_processor,
@@ -183,8 +185,8 @@ def _check_context(cfg: TrainConfig, task, policy) -> None:
 
 def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=None, **async_overrides) -> Trainer:
     """Everything a config names, built once it has been checked (:func:`hyperrl.load_config`)
-    — see the module doc — and the trainer that runs it: :class:`~hyperrl.loop.trainer.AsyncTrainer`
-    when ``async.max_staleness`` is set, else :class:`~hyperrl.loop.trainer.SyncTrainer`.
+    — see the module doc — and the :class:`~hyperrl.loop.trainer.Trainer` that runs it (with the asynchronous
+    collector when ``async.max_staleness`` is set, the pair collector under ``algo.preference``).
     Every module, buffer and optimizer state lives on ``run.device``: fp32 master weights
     (``model.param_dtype``), compute in ``model.dtype``. ``trainer``: another trainer class over
     the same pieces; ``pipeline``: a :class:`~hyperrl.loop.pipeline.Pipeline` of your own in place of
@@ -212,15 +214,11 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     env_fn = ENVIRONMENTS.factory(cfg.env.name).fn if cfg.env is not None else None
     a = getattr(cfg, "async")
     asynchronous = a.max_staleness is not None
-    if trainer is None:
-        trainer = PreferenceTrainer if cfg.algo.preference is not None else AsyncTrainer if asynchronous else \
-            SyncTrainer
+    trainer = trainer or Trainer
+    if is_moe(policy):  # the router's load-balancing term, from the update's own forward
+        pipeline = pipeline.with_terms(term("router", coef=cfg.model.router_aux_loss_coef))
     workers = None
     try:
-        if issubclass(trainer, AsyncTrainer) != asynchronous:
-            raise ConfigError(f"async.max_staleness={a.max_staleness}: {trainer.__name__} needs " +
-                              ("the staleness bound η ≥ 0 set (async.max_staleness)" if not asynchronous else
-                               "it unset (null): set is the asynchronous loop (AsyncTrainer)"))
         if asynchronous:
             workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine)
             engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
@@ -281,9 +279,11 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
         teachers = build_teachers(cfg, tok, next(policy.parameters()).device)
     except ValueError as e:  # a teacher whose tokenizer is not the student's
         raise ConfigError(str(e)) from None
-    preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic, teachers=teachers)
-    if cfg.algo.preference is not None:  # pairs from the preference task, not rollouts
+    preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic, teachers=teachers,
+                        generator=generator, scorer=scorer)
+    if a.preference is not None:  # pairs from the preference task, not rollouts
         collector = PairCollector(task, parallel, r, o.micro_batch_tokens, tok.pad_token_id or 0)
+        evaluator = PairEvaluator(collector, preparer, task, parallel, pipeline, eval_prompts=cfg.run.eval_prompts)
     elif workers is None:
         collector = SyncCollector(generator, scorer, pipeline, task, parallel, r)
     else:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["export_hf", "ExportError", "stop_ids"]
 
 
-class ExportError(ValueError):
+class ExportError(HyperRLError, ValueError):
     """A checkpoint that cannot be exported (incomplete, no model, foreign config)."""
 
 

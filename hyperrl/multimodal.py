@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["pack_vision", "row_patches", "model_inputs", "VisionError", "VisionSpec", "vision_spec",
            "expand_placeholders", "rope_positions", "forward_inputs", "suppress_outputs", "vision_identity",
            "VISION_SPECIAL_TOKENS", "IMAGE_TEXT", "image_token_id"]
@@ -45,7 +47,7 @@ def image_token_id(tokenizer, who: str) -> int:
     return i
 
 
-class VisionError(ValueError):
+class VisionError(HyperRLError, ValueError):
     """A row's vision inputs disagree with its tokens or with themselves; the message names the row."""
 
 

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Generic, TypeVar, get_type_hints
 
 from pydantic import Field
 
+from hyperrl.errors import HyperRLError
+
 F = TypeVar("F", bound=Callable)
 
 __all__ = ["Registry", "Factory", "Param", "HyperparameterError", "NonNegative", "Positive", "PositiveInt",
@@ -34,12 +36,15 @@ Fraction = Annotated[float, Field(ge=0, le=1)]
 AboveOne = Annotated[float, Field(gt=1)]
 
 
-class HyperparameterError(ValueError):
+class HyperparameterError(HyperRLError, ValueError):
     """A hyperparameter a factory does not take, or a value of the wrong type; the message names both."""
 
 
 @dataclass(frozen=True)
 class Param:
+    """One hyperparameter of a factory (a keyword-only parameter of its callable): ``name``, type
+    ``annotation``, ``default`` (``required`` when it has none) and an optional ``doc``."""
+
     name: str
     annotation: Any  # a type (from the signature, or inferred from the default); Any when unknown
     default: Any  # inspect.Parameter.empty when required
@@ -196,6 +201,13 @@ class Registry(Generic[F]):
         self._items[name] = f
         return f
 
+    def remove(self, name: str) -> Factory:
+        """Unregister ``name`` (a plug-in registered for one test or one notebook); returns its factory."""
+        try:
+            return self._items.pop(name)
+        except KeyError:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._items)}") from None
+
     def factory(self, name: str) -> Factory:
         try:
             return self._items[name]
@@ -213,7 +225,12 @@ class Registry(Generic[F]):
         return self.factory(name).build(**hyperparams)
 
     def names(self) -> list[str]:
+        """The registered names, sorted."""
         return sorted(self._items)
+
+    def in_order(self) -> list[str]:
+        """The registered names in registration order (the order a plug-in kind runs in, where it matters)."""
+        return list(self._items)
 
     def __contains__(self, name: object) -> bool:
         return name in self._items

@@ -12,9 +12,11 @@ are kept (the engine's capture, R2's record).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["moe_routers", "is_moe", "Routing", "replay_weights", "check_routes"]
+__all__ = ["moe_routers", "is_moe", "Routing", "RoutePlan", "replay_weights", "check_routes"]
 
 
 def moe_routers(model) -> list[torch.nn.Module]:
@@ -165,3 +167,57 @@ def check_routes(batch, routing: Routing, key: str = "routed_experts", why: str 
         raise ValueError(f"{key}: token [{b}, {t}] has no route (−1) but a trained log-prob depends on it{why}; "
                          "replay never falls back to the model's own routing — record routes for every token before "
                          "a row's last action")
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Which routes each trainer forward of a mixture of experts uses, from ``algo.routing_replay`` (the one place
+    its mode is read; docs/moe.md): ``r3`` — every forward (old, reference, update) replays the rollout's
+    ``routed_experts``; ``r2`` — the update replays the routes of the trainer's own old pass
+    (``old_routed_experts``); ``none`` — each router chooses, its agreement with the rollout's routes measured.
+    ``routing``: the policy's :class:`Routing`; ``reference``: the reference's (or None); ``single_pass``: no
+    old pass runs (the update's forward measures the agreement). Each method returns the ``routes`` argument of
+    the trainer's forward, ``(routing, key | None, force)``."""
+
+    routing: Routing
+    reference_routing: Routing | None
+    mode: str  # none | r2 | r3
+    single_pass: bool = False
+
+    def __post_init__(self):
+        if self.mode not in ("none", "r2", "r3"):
+            raise ValueError(f"algo.routing_replay={self.mode!r}: expected none, r2 or r3")
+
+    @property
+    def replays_old(self) -> bool:
+        """R2: the old pass keeps the routes it used (``old_routed_experts``) for the update to replay."""
+        return self.mode == "r2"
+
+    def _key(self, batch) -> str | None:
+        return None if self.mode == "none" and "routed_experts" not in batch.keys() else "routed_experts"
+
+    def check(self, batch) -> None:
+        """The rollout's routes fit the policy (:func:`check_routes`) whenever they are replayed or present."""
+        if self._key(batch) is not None:
+            check_routes(batch, self.routing, why=f" (algo.routing_replay={self.mode})" if self.mode != "none"
+                         else "")
+
+    def old(self, batch) -> tuple:
+        """The old pass: R3 replays the rollout's routes; otherwise the router's own, compared with them."""
+        return self.routing, self._key(batch), self.mode == "r3"
+
+    def update(self, batch) -> tuple:
+        """The update's forward: R3 replays the rollout's routes, R2 the old pass's; otherwise the rollout's are
+        compared with (single pass only: the old pass measured them already)."""
+        if self.mode == "r3":
+            return self.routing, "routed_experts", True
+        if self.mode == "r2":
+            return self.routing, "old_routed_experts", True
+        return self.routing, ("routed_experts" if self.single_pass and "routed_experts" in batch.keys() else None), \
+            False
+
+    def reference(self, batch) -> tuple | None:
+        """The reference's forward: under R3 (and an MoE reference) the rollout's routes, else its own routing."""
+        if self.mode == "r3" and self.reference_routing is not None:
+            return self.reference_routing, self._key(batch), True
+        return None

@@ -20,6 +20,8 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["TOKENIZER_FILES", "DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer",
            "read_chat_template", "is_template_file",
            "encode_prompt", "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
@@ -36,7 +38,7 @@ CHAR_CHAT_TEMPLATE = (  # newlines as expressions: chat templates render with tr
     "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(HyperRLError, ValueError):
     """A tokenizer that cannot serve the run (missing files, vocabulary mismatch, no template)."""
 
 

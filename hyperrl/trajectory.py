@@ -69,6 +69,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from hyperrl.errors import HyperRLError
+
 __all__ = [
     "stack_episodes",
     "cat_batches",
@@ -140,7 +142,7 @@ _HINTS = {
 }
 
 
-class TrajectoryError(ValueError):
+class TrajectoryError(HyperRLError, ValueError):
     """A batch violates the trajectory contract; the message names the field and the fix."""
 
 

@@ -22,7 +22,7 @@ def kill_and_resume(make, steps: int = 3, after_resume=None):
             after_resume(b)
         for _ in range(steps):
             b.step()
-        live_end = {u.key for u in b.buffer.units} | set(b.collector._requeue)
+        live_end = {u.key for u in b.collector.buffer.units} | set(b.collector._requeue)
     finally:
         b.close()
     return a, b, state, live_end

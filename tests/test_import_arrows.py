@@ -4,11 +4,12 @@ Read from every import statement of every module (function-level imports include
 imports resolved), so a cycle hidden behind a function-level import is still one. The layer order
 is stated once, here (docs/trainer.md draws it):
 
+   -1 errors        HyperRLError, the one exception base every layer raises from
     0 foundations   trajectory, registry, sampling, device, tokenizer, routing, multimodal
     1 kernels       transforms, sharding
     2 rewards
     3 inputs        envs, data
-    4 runtime       rollout, models, distributed
+    4 runtime       rollout, models, distributed, algorithms (key providers and loss terms)
     5 agents        the OpenAI-compatible gateway, agent programs, MCP tools
     6 config
     7 loop
@@ -26,19 +27,20 @@ from pathlib import Path
 PKG = Path(__file__).parents[1] / "hyperrl"
 
 LAYERS = [
+    ("errors",),
     ("trajectory", "registry", "sampling", "device", "tokenizer", "routing", "multimodal"),
     ("transforms", "sharding"),
     ("rewards",),
     ("envs", "data"),
-    ("rollout", "models", "distributed"),
+    ("rollout", "models", "distributed", "algorithms"),
     ("agents",),
     ("config",),
     ("loop",),
     ("",),  # the root: compose (the composition root), run, cli, export, demo and the facade hyperrl/__init__.py
 ]
-FOUNDATIONS = LAYERS[0]
+FOUNDATIONS = (*LAYERS[0], *LAYERS[1])
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
-LOOP = tuple(f"hyperrl.{n}" for names in LAYERS[4:] for n in names if n)
+LOOP = tuple(f"hyperrl.{n}" for names in LAYERS[5:] for n in names if n)
 
 
 def _module(path: Path) -> str:
@@ -194,3 +196,15 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=PKG.parent)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_no_private_name_is_imported_across_packages():
+    """A module may use its own package's ``_private`` helpers, never another package's: what another package
+    needs is public (in ``__all__``, documented)."""
+    crossing = []
+    for m, p in MODULES.items():
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("hyperrl") and not n.level:
+                crossing += [f"{m} ← {n.module}.{a.name}" for a in n.names
+                             if a.name.startswith("_") and _top(n.module) != _top(m)]
+    assert crossing == []

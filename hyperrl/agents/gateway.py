@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
 from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
+from hyperrl.errors import HyperRLError
 from hyperrl.rollout.requests import Request, call_key
 from hyperrl.sampling import SamplingParams
 from hyperrl.tokenizer import TokenizerError, decode_response
@@ -59,7 +60,7 @@ from hyperrl.tokenizer import TokenizerError, decode_response
 __all__ = ["Gateway", "GatewayEpisode", "GatewayError", "call_key"]
 
 
-class GatewayError(Exception):
+class GatewayError(HyperRLError):
     """An HTTP error with OpenAI's body: ``status``, ``message``, ``type``, ``param``, ``code``."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,

@@ -17,11 +17,12 @@ import contextlib
 import threading
 
 from hyperrl.envs.tools import Tool
+from hyperrl.errors import HyperRLError
 
 __all__ = ["MCPTools", "MCPError", "Toolbox"]
 
 
-class MCPError(RuntimeError):
+class MCPError(HyperRLError, RuntimeError):
     """An MCP server that cannot serve the run (did not start, listed no tools)."""
 
 

@@ -40,7 +40,8 @@ from hyperrl.agents.gateway import Gateway
 from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
 from hyperrl.agents.worker import AgentPool
 from hyperrl.envs.base import register_environment
-from hyperrl.envs.tools import _known_format
+from hyperrl.envs.tools import check_tool_format
+from hyperrl.errors import HyperRLError
 from hyperrl.rewards.styles import load_function
 from hyperrl.rollout.requests import call_key
 from hyperrl.trajectory import stack_episodes
@@ -59,7 +60,7 @@ class CommandResult:
 
 
 def _format(name: str | None) -> str | None:
-    return None if name in (None, "none") else _known_format(name)
+    return None if name in (None, "none") else check_tool_format(name)
 
 
 def _prompt_text(sample) -> str:
@@ -301,7 +302,7 @@ class AgentEnvironment:
         return batch, stats, errors
 
 
-class AgentError(RuntimeError):
+class AgentError(HyperRLError, RuntimeError):
     """No episode of a round produced anything to train on."""
 
 

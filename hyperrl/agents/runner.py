@@ -22,7 +22,7 @@ from typing import Any
 
 from hyperrl.rewards import load_function
 
-__all__ = ["AgentResult", "EpisodeOutcome", "ProgramRunner", "outcome_of"]
+__all__ = ["AgentResult", "EpisodeOutcome", "ProgramRunner", "outcome_of", "positional_params"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class ProgramRunner:
         self.program = load_function(ref, "env.program")
         self.timeout_s, self.max_concurrent, self.toolbox = timeout_s, max_concurrent, toolbox
         self.is_async = inspect.iscoroutinefunction(self.program)
-        self.wants_tools = _positional(self.program) >= 3
+        self.wants_tools = positional_params(self.program) >= 3
         self._lock = threading.Lock()
         self._aloop = None  # the async programs' event loop (lazy)
         self._lanes: dict[str, tuple] = {}  # lane → its bound and HTTP pools (made on the loop)
@@ -177,7 +177,7 @@ def outcome_of(value) -> EpisodeOutcome:
     return EpisodeOutcome(float(value))
 
 
-def _positional(fn) -> int:
+def positional_params(fn) -> int:
     """How many positional parameters ``fn`` takes."""
     params = inspect.signature(fn).parameters.values()
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)

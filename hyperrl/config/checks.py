@@ -153,7 +153,7 @@ def _check_agent(cfg: TrainConfig) -> None:
     if cfg.env is None or cfg.env.name != "agent":
         return
     from hyperrl.agents.programs import AgentEnvironment
-    from hyperrl.agents.runner import _positional
+    from hyperrl.agents.runner import positional_params
     from hyperrl.rewards import load_function
 
     try:
@@ -161,7 +161,7 @@ def _check_agent(cfg: TrainConfig) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     program = cfg.env.args.get("program")
-    if program is not None and _positional(load_function(program, "env.program")) >= 3 and not cfg.tools:
+    if program is not None and positional_params(load_function(program, "env.program")) >= 3 and not cfg.tools:
         raise ConfigError(f"env.program={program!r} takes tools (sample, client, tools) but no tools: are configured; "
                           "list them (tools: [{mcp: [...]}]) or drop the third parameter")
 

@@ -14,6 +14,7 @@ def registries() -> dict[str, Registry]:
     """Config key → the registry its variant names (imports every plug-in package)."""
     import hyperrl.agents  # noqa: F401 - registers the "agent" environment
     from hyperrl import transforms as T
+    from hyperrl.algorithms import LOSS_TERMS
     from hyperrl.data.tasks import TASKS
     from hyperrl.envs import ENVIRONMENTS, TOOLS
     from hyperrl.rewards import REWARDS
@@ -25,7 +26,8 @@ def registries() -> dict[str, Registry]:
             "algo.advantage": T.ADVANTAGES,
             "algo.objective": T.OBJECTIVES, "algo.agg": T.AGGREGATIONS, "algo.kl.estimator": T.KL_ESTIMATORS,
             "algo.kl.controller": T.KL_CONTROLLERS, "algo.correction": T.CORRECTIONS, "algo.shaping": T.SHAPING,
-            "algo.filter": T.FILTERS, "algo.preference": T.PREFERENCE_LOSSES, "optim.schedule": LR_SCHEDULES,
+            "algo.filter": T.FILTERS, "algo.loss_terms": LOSS_TERMS, "algo.preference": T.PREFERENCE_LOSSES,
+            "optim.schedule": LR_SCHEDULES,
             "rewards[].fn": REWARDS, "tools": TOOLS}
 
 
@@ -72,14 +74,25 @@ def resolve(cfg):
     ctx = {"max_len": cfg.rollout.max_new_tokens}
     shaping = [_check(regs["algo.shaping"], s, f"algo.shaping[{i}]", ctx) for i, s in enumerate(a.shaping)]
     filt = _check(regs["algo.filter"], a.filter, "algo.filter") if a.filter else (None, None)
+    from hyperrl.algorithms.terms import BUILT_IN
+
+    for i, t in enumerate(a.loss_terms):
+        if t.name in BUILT_IN:
+            raise _err(f"algo.loss_terms[{i}]: loss term {t.name!r} is built in — the pipeline lists it for "
+                       f"{BUILT_IN[t.name]}; name only added terms here")
+    terms = [_check(regs["algo.loss_terms"], t, f"algo.loss_terms[{i}]") for i, t in enumerate(a.loss_terms)]
     pref = _check(regs["algo.preference"], a.preference, "algo.preference")[0] if a.preference else None
     if cfg.optim.schedule not in regs["optim.schedule"]:
         raise _err(f"optim.schedule: unknown lr schedule {cfg.optim.schedule!r}; registered: "
                    f"{regs['optim.schedule'].names()}")
     # every key a component needs must be one the run can produce
-    produced = TRAJECTORY_KEYS | RUN_PRODUCES | set(fadv.produces) | {"advantages"}
+    from hyperrl.algorithms import KEY_PROVIDERS
+
+    produced = TRAJECTORY_KEYS | RUN_PRODUCES | set(fadv.produces) | {"advantages"} | \
+        {k for n in KEY_PROVIDERS for k in (n, *KEY_PROVIDERS.factory(n).produces)}
     parts = [("algo.advantage", fadv), ("algo.objective", fobj), ("algo.correction", corr[1]),
-             *[(f"algo.shaping[{i}]", s[1]) for i, s in enumerate(shaping)], ("algo.filter", filt[1])]
+             *[(f"algo.shaping[{i}]", s[1]) for i, s in enumerate(shaping)], ("algo.filter", filt[1]),
+             *[(f"algo.loss_terms[{i}]", t[1]) for i, t in enumerate(terms)]]
     for key, f in parts:
         for need in (f.needs if f else ()):
             if need not in produced:
@@ -95,6 +108,7 @@ def resolve(cfg):
     d["async"]["executor"] = executor.spec()
     d["algo"].update(advantage=adv.spec(), objective=obj.spec(), agg=agg.spec(),
                      correction=corr[0].spec() if corr[0] else None, shaping=[s[0].spec() for s in shaping],
+                     loss_terms=[t[0].spec() for t in terms],
                      filter=filt[0].spec() if filt[0] else None, preference=pref.spec() if pref else None)
     d["algo"]["kl"]["controller"] = ctrl.spec()
     if cfg.rewards and "reward_components" in fadv.needs and "weights" in fadv.params and \

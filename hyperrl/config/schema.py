@@ -21,12 +21,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["Variant", "RewardSpec", "DataConfig", "LoraConfig", "VisionConfig", "ModelConfig", "RolloutConfig",
            "KLConfig", "CriticConfig", "AlgoConfig", "OptimConfig", "RunConfig", "AsyncConfig", "TrainConfig",
            "ConfigError"]
 
 
-class ConfigError(ValueError):
+class ConfigError(HyperRLError, ValueError):
     """A bad config key or value; the message names the dotted key and the fix."""
 
 
@@ -279,6 +281,9 @@ class AlgoConfig(_Frozen):
     filter: Variant | None = Field(None, description="group filter with refill (transforms.FILTERS: "
                                    "dynamic_sampling)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus weight (loss_entropy = −c·agg(H))")
+    loss_terms: list[Variant] = Field(default_factory=list, description="extra loss terms added to the trainer's "
+                                      "loss, by name (hyperrl.algorithms.LOSS_TERMS; what they need is provided "
+                                      "by hyperrl.algorithms.KEY_PROVIDERS)")
     ppo_epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     gate_threshold: float | None = Field(None, description="bit-exact gate: refuse the update above this "
                                          "trainer–rollout log-prob gap")

@@ -16,12 +16,14 @@ import re
 
 import yaml
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["load", "DuplicateKeyError"]
 
 _BOOL, _INT, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 
 
-class DuplicateKeyError(ValueError):
+class DuplicateKeyError(HyperRLError, ValueError):
     """A mapping repeats a key; the message names the key and both lines."""
 
 

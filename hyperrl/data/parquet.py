@@ -21,15 +21,20 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["Sample", "PromptDataset", "PromptLoader", "CursorState", "DataError", "render_chat"]
 
 
-class DataError(ValueError):
+class DataError(HyperRLError, ValueError):
     """A bad file or row; the message names file, row and column."""
 
 
 @dataclass(frozen=True)
 class Sample:
+    """One prompt row: the ``prompt``, its ``answer`` (``None`` when none is required and the row has none),
+    where it came from (``"file:row"``) and the row's other columns (``extra``, e.g. ``data_source``)."""
+
     prompt: str | list  # text or chat messages
     answer: Any
     source: str  # "file:row"
@@ -173,6 +178,9 @@ def _sample(row, where, prompt_key, gt_key, extra_key, answer_key, require_answe
 
 @dataclass(frozen=True)
 class CursorState:
+    """A :class:`PromptLoader`'s resumable cursor (saved in checkpoints): the epoch, the position in its
+    permutation, and the samples and tokens consumed so far."""
+
     epoch: int = 0
     index: int = 0  # position within the epoch's permutation
     samples: int = 0  # consumed in all

@@ -32,6 +32,9 @@ __all__ = ["Pair", "PairDataset", "EncodedPair"]
 
 @dataclass(frozen=True)
 class Pair:
+    """One preference row after the prompt is resolved (explicit, or the implicit shared beginning): the
+    ``prompt``, the ``chosen`` and ``rejected`` completions, its ``source`` and the row's other columns."""
+
     prompt: str | list  # text or chat messages
     chosen: str | list  # completion text or the completion's messages
     rejected: str | list
@@ -41,6 +44,9 @@ class Pair:
 
 @dataclass(frozen=True)
 class EncodedPair:
+    """A :class:`Pair` encoded once (see the module doc): the prompt ids and each completion's ids, both
+    completions following the same prompt ids."""
+
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]  # the completion's ids (after the prompt)
     rejected: tuple[int, ...]

@@ -45,6 +45,9 @@ def _reward_fns(names, where: str) -> tuple:
 
 @dataclass
 class ModSumTask(InCodeTask):
+    """The ``modsum`` task, generated in code: prompt ``"a+b="`` with ``a, b`` in ``0..max_operand``, answer
+    ``str((a + b) % modulus)``; reward ``first_char_exact`` by default. ``held_out`` draws from a fixed stream."""
+
     tokenizer: object
     modulus: int = 10
     max_operand: int = 9

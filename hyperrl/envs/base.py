@@ -33,6 +33,10 @@ __all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", 
 
 @dataclass(frozen=True)
 class StepResult:
+    """What :meth:`Environment.step` returns: the ``observation`` to append, the step's ``reward`` (summed over
+    the episode), ``done`` (the episode ends) and ``info`` (e.g. ``tool_calls``, ``success``; see
+    :class:`Environment`)."""
+
     observation: str | list  # text appended as context (mask 0), or tool-role messages; "" / [] for none
     reward: float
     done: bool
@@ -68,6 +72,9 @@ class AgentProgram(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
+    """An episode's limits (see the module doc): at most ``max_turns`` policy turns, ``max_obs_tokens`` per
+    observation, ``max_episode_tokens`` in all (prompt, actions and observations)."""
+
     max_turns: int = 4
     max_obs_tokens: int = 64
     max_episode_tokens: int = 256

@@ -15,9 +15,9 @@ from hyperrl.envs.tools import (
     BM25Index,
     ToolFormatName,
     ToolRunner,
-    _known_format,
     calculate,
     calculator_tool,
+    check_tool_format,
     make_search_tool,
 )
 from hyperrl.rewards.builtin import digit_match, extract_gsm8k_answer, gsm8k_exact, normalize_number
@@ -39,7 +39,7 @@ def _copy_format(name: str) -> str:
     if name == "compact":
         return name
     try:
-        return _known_format(name)
+        return check_tool_format(name)
     except ValueError as e:
         raise ValueError(f"{e}; or 'compact'") from None
 

@@ -36,11 +36,14 @@ from hyperrl.registry import Registry
 
 __all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
            "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName",
-           "resolve_call"]
+           "resolve_call", "check_tool_format"]
 
 
 @dataclass(frozen=True)
 class Tool:
+    """A callable tool: its ``name``, ``fn(**arguments) -> str``, the JSON ``schema`` its arguments are
+    validated against, a per-call ``timeout`` (seconds), a ``description`` for the chat template."""
+
     name: str
     fn: Callable[..., str]
     schema: dict  # JSON schema of the arguments object
@@ -78,6 +81,9 @@ def register_tool(tool: Tool) -> Tool:
 
 @dataclass(frozen=True)
 class ToolResult:
+    """One call's outcome: the tool's ``name`` (``"?"`` when no tool was resolved), ``ok`` (False on any
+    failure) and the ``text`` the model sees — the tool's return value or the error message."""
+
     name: str
     ok: bool
     text: str
@@ -139,13 +145,14 @@ def resolve_call(payload: str, fmt: ToolFormat, names: list[str]) -> tuple[str, 
     return call["name"], call.get("arguments", {})
 
 
-def _known_format(name: str) -> str:
+def check_tool_format(name: str) -> str:
+    """``name`` if it is a registered tool-call format (:data:`TOOL_FORMATS`), else a ``ValueError`` listing them."""
     if name not in TOOL_FORMATS:
         raise ValueError(f"unknown tool-call format {name!r}; registered: {TOOL_FORMATS.names()}")
     return name
 
 
-ToolFormatName = Annotated[str, AfterValidator(_known_format)]
+ToolFormatName = Annotated[str, AfterValidator(check_tool_format)]
 
 
 _WARNED: set[str] = set()

@@ -1,13 +1,14 @@
 """The loop layer: the trainer and what it calls.
 
-* :mod:`.trainer` — :class:`Trainer` (state, step, save / resume), :class:`SyncTrainer`,
-  :class:`AsyncTrainer`;
-* :mod:`.collect` — the :class:`Collector` protocol and the synchronous collector;
+* :mod:`.trainer` — :class:`Trainer` (state, step, save / resume; one class for every kind of run —
+  ``SyncTrainer``, ``AsyncTrainer`` and ``PreferenceTrainer`` are its earlier names);
+* :mod:`.collect` — the :class:`Collector` protocol, its :class:`Collected` record and the synchronous collector;
   :mod:`.collect_async` — the asynchronous one; :mod:`.admission` — its pure buffer;
 * :mod:`.generation`, :mod:`.scoring` — generation rounds and rewards;
 * :mod:`.pipeline` — the algorithm's bound components; :mod:`.prepare` — the trainer's forwards and
-  what the pipeline needs (values, baselines, old / reference log-probs, the gate); :mod:`.forward`
-  — the forward kernels; :mod:`.learner` — the optimizer steps; :mod:`.evaluate` — held-out evaluation;
+  the key providers' runner (values, baselines, old / reference log-probs, the gate:
+  :mod:`hyperrl.algorithms`); :mod:`.forward` — the forward kernels; :mod:`.learner` — the optimizer
+  steps; :mod:`.evaluate` — held-out evaluation;
 * :mod:`.publish` — policy → engine; :mod:`.checkpoint`, :mod:`.checkpointer` — the format and
   the per-rank writer; :mod:`.hooks` — metrics files, progress, TensorBoard, W&B, the reward plot.
 
@@ -19,6 +20,7 @@ import importlib
 
 _LAZY = {"Trainer": "hyperrl.loop.trainer", "SyncTrainer": "hyperrl.loop.trainer",
          "AsyncTrainer": "hyperrl.loop.trainer", "GateError": "hyperrl.loop.trainer",
+         "PreferenceTrainer": "hyperrl.loop.trainer", "Collected": "hyperrl.loop.collect",
          "Collector": "hyperrl.loop.collect", "SyncCollector": "hyperrl.loop.collect",
          "AsyncCollector": "hyperrl.loop.collect_async", "Pipeline": "hyperrl.loop.pipeline",
          "build_pipeline": "hyperrl.loop.pipeline"}

@@ -53,6 +53,9 @@ RUNNING, READY = "running", "ready"
 
 @dataclass(frozen=True)
 class Unit:
+    """One admitted request (a prompt and its ``n`` samples): its admission index, the learner version at
+    admission (deadline ``version + η``), the driver's ``key``, its state and restart count."""
+
     uid: int  # admission index: 0, 1, 2, … (unique over the run)
     version: int  # learner version at admission (its deadline is version + η)
     key: Any = None  # what the driver needs to regenerate it (e.g. the prompt's data index)
@@ -62,6 +65,9 @@ class Unit:
 
 @dataclass(frozen=True)
 class Buffer:
+    """The admission state (see the module doc): staleness bound ``eta`` (η), ``batch`` units per step,
+    ``max_concurrent`` in flight, the live units, and the admitted / consumed / evicted counts and evictions."""
+
     eta: int
     batch: int
     max_concurrent: int

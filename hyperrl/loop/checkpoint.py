@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_dirs", "verify_checkpoint",
            "consolidate", "rng_states", "set_rng_states", "CheckpointError", "MARKER", "CRASH_POINTS"]
 
@@ -40,7 +42,7 @@ _STEP = re.compile(r"step_(\d+)")
 CRASH_POINTS = ("parts", "rng", "fsync", "manifest", "state", "marker", "aside", "rename")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HyperRLError, RuntimeError):
     """A checkpoint that cannot be resumed from; the message says why."""
 
 

@@ -1,7 +1,7 @@
 """Collectors: how a step's batch is gathered — the seam between generation and learning.
 
-A :class:`Collector` has ``collect(trainer, timer) -> (batch, info)`` (this rank's rewarded,
-shaped batch and its metrics; ``collector.samples`` keeps the step's prompts by group id),
+A :class:`Collector` has ``collect(step, version, timer) -> Collected`` (this rank's rewarded,
+shaped batch, its metrics and the step's prompts by group id),
 ``paused(what, drain=True)`` — a context the trainer publishes and evaluates in —, ``state()`` /
 ``load_state(state)`` (what a checkpoint adds), and ``close()``. :class:`SyncCollector` generates
 on demand; :class:`hyperrl.loop.collect_async.AsyncCollector` takes batches from rollout workers
@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,7 +24,18 @@ from tensordict import TensorDict
 from hyperrl import transforms as T
 from hyperrl.trajectory import cat_batches
 
-__all__ = ["Collector", "SyncCollector", "Timer", "sample_uid", "score_and_shape"]
+__all__ = ["Collector", "Collected", "SyncCollector", "Timer", "sample_uid", "score_and_shape"]
+
+
+@dataclass(frozen=True)
+class Collected:
+    """What a collector hands the trainer for one step: this rank's ``batch`` (rewarded, shaped), its ``metrics``
+    (the collector's own: filter rounds, agent counts, the async buffer) and the step's prompts by group id
+    (``samples``: what a key provider that re-rolls a prompt reads — ReMax's baseline, a row's data source)."""
+
+    batch: TensorDict
+    metrics: dict = field(default_factory=dict)
+    samples: dict = field(default_factory=dict)
 
 
 class Timer:
@@ -62,9 +74,7 @@ def score_and_shape(batch: TensorDict, samples, scorer, pipeline) -> TensorDict:
 class Collector(Protocol):
     """How a step's batch is gathered (see the module doc)."""
 
-    samples: dict
-
-    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]: ...
+    def collect(self, step: int, version: int, timer: Timer) -> Collected: ...
 
     def paused(self, what: str, *, drain: bool = True) -> contextlib.AbstractContextManager: ...
 
@@ -84,7 +94,6 @@ class SyncCollector:
     def __init__(self, generator, scorer, pipeline, task, parallel, rollout):
         self.generator, self.scorer, self.pipeline, self.task = generator, scorer, pipeline, task
         self.parallel, self.rollout = parallel, rollout
-        self.samples: dict = {}
 
     def _uids(self, step: int, attempt: int) -> list[int]:
         r = self.rollout
@@ -92,8 +101,9 @@ class SyncCollector:
                            max_generation_batches=r.max_generation_batches)
                 for g in self.parallel.shard(list(range(r.prompts_per_step))) for j in range(r.n)]
 
-    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]:
-        r, p, step = self.rollout, self.pipeline, trainer.step_idx
+    def collect(self, step: int, version: int, timer: Timer) -> Collected:
+        """Step ``step``'s batch (generated now from the served ``version``)."""
+        r, p = self.rollout, self.pipeline
         want = len(self.parallel.shard(list(range(r.prompts_per_step))))
         kept, n_groups, dropped, rounds, samples = [], 0, 0, 0, {}
         self.generator.pop_stats()  # an evaluation's agent counts are not this step's
@@ -119,9 +129,8 @@ class SyncCollector:
         batch = cat_batches(kept)
         if p.filter is not None and n_groups > want:  # exactly the share: the first `want` groups generated
             batch = batch[torch.isin(batch["group_id"], torch.unique(batch["group_id"])[:want])]
-        self.samples = samples
         info = {"filter_rounds": rounds, "filter_dropped_groups": dropped, "filter_kept_groups": min(n_groups, want)}
-        return batch, {**(info if p.filter is not None else {}), **self.generator.pop_stats()}
+        return Collected(batch, {**(info if p.filter is not None else {}), **self.generator.pop_stats()}, samples)
 
     @contextmanager
     def paused(self, what: str, *, drain: bool = True) -> Iterator[None]:

@@ -67,7 +67,7 @@ from hyperrl.agents import AgentError
 from hyperrl.envs import Episode, episodes_batch
 from hyperrl.loop import admission as A
 from hyperrl.loop.async_schedules import make_schedule
-from hyperrl.loop.collect import Timer, sample_uid, score_and_shape
+from hyperrl.loop.collect import Collected, Timer, sample_uid, score_and_shape
 from hyperrl.rollout.requests import Request, resume_requests
 from hyperrl.rollout.worker_base import WorkerDied, WorkerError
 from hyperrl.trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
@@ -97,7 +97,6 @@ class AsyncCollector:
             w.keep_kv = self.keep_kv
         self.buffer = A.buffer_init(eta, rollout.prompts_per_step, max_concurrent or
                                     (eta + 1) * rollout.prompts_per_step)
-        self.samples: dict = {}
         self.version = self.engine.policy_version  # the learner's version (set by each collect / pause)
         self.step_idx = 0
         self._cond = threading.Condition()
@@ -429,10 +428,10 @@ class AsyncCollector:
                                   f"version {self.engine.policy_version}")
             self._cond.wait(min(left, 1.0))
 
-    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]:
-        """The earliest-deadline units ready at the learner's version (waiting, with the deadline,
+    def collect(self, step: int, version: int, timer: Timer) -> Collected:
+        """The earliest-deadline units ready at the learner's ``version`` (waiting, with the deadline,
         until there are enough), validated against η, scored and shaped."""
-        self.version, self.step_idx = trainer.version, trainer.step_idx
+        self.version, self.step_idx = version, step
         taken = []
         with timer("wait"), self._cond:
             self._top_up()
@@ -465,11 +464,10 @@ class AsyncCollector:
         samples = {u.key: self._sample(u.key) for u in taken}
         with timer("reward"):
             batch = score_and_shape(batch, samples, self.scorer, self.pipeline)
-        self.samples = samples
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], self.version, self.eta)
         with self._cond:
             agents, self._agent_stats = self._agent_stats, {}  # the agent rounds finished since the last step
-        return batch, {**counters, **agents, **{k: float(v) for k, v in st.items()}}
+        return Collected(batch, {**counters, **agents, **{k: float(v) for k, v in st.items()}}, samples)
 
     def _pause(self, what: str, *, drain: bool = True) -> None:
         """Stop the workers taking requests and wait (deadline) until none is generating. Free: the

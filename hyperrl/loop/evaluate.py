@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["Evaluator", "EvaluationError"]
 
 
-class EvaluationError(ValueError):
+class EvaluationError(HyperRLError, ValueError):
     """A held-out evaluation that cannot run (no validation prompts); names the key to set."""
 
 

@@ -1,14 +1,16 @@
 """Preference training (DPO and kin, ``algo.preference``): the trainer's step over pairs instead of rollouts.
 
-The same house as RL — policy, reference, learner, data-parallel strategy, publisher, checkpointer —
-with two pieces swapped: :class:`PairCollector` reads this rank's share of ``rollout.prompts_per_step``
-pairs from the ``preference`` task (:mod:`hyperrl.data.preference`) and lays each out as two rows,
-chosen then rejected, sharing a ``group_id`` (the pair) and the same prompt ids; :class:`PreferenceTrainer`
-computes the reference's log-probs once per batch, and its loss sums each row's log-probs over its
-completion (``action_mask``) and hands the pairs to :func:`hyperrl.transforms.preference_loss` with
-the step's pair count as the normaliser (so micro-batches and ranks add up to the mean over the
-step's pairs). Each step still publishes version V+1 to the engine (all-or-nothing), so held-out
-generation and export see the trained weights. Evaluation scores ``data.val_files``' pairs:
+The same house as RL — one :class:`~hyperrl.loop.trainer.Trainer`, policy, reference, learner, data-parallel
+strategy, publisher, checkpointer — with three pieces swapped: :class:`PairCollector` reads this rank's share
+of ``rollout.prompts_per_step`` pairs from the ``preference`` task (:mod:`hyperrl.data.preference`) and lays
+each out as two rows, chosen then rejected, sharing a ``group_id`` (the pair) and the same prompt ids; the
+pipeline's one loss term is ``preference`` (:mod:`hyperrl.algorithms.terms`: the reference's log-probs come from
+the ``ref_logprobs`` key provider once per batch; the term sums each row's log-probs over its completion
+(``action_mask``) and hands the pairs to :func:`hyperrl.transforms.preference_loss` with the step's pair count
+as the normaliser, so micro-batches and ranks add up to the mean over the step's pairs); and
+:class:`PairEvaluator` scores held-out pairs. Each step still publishes version V+1 to the engine
+(all-or-nothing), so held-out generation and export see the trained weights. Evaluation scores
+``data.val_files``' pairs:
 ``eval_loss``, ``eval_reward_accuracy`` (TRL's ``eval_rewards/accuracies``; also ``eval_reward_mean``,
 what the plot and summary read), ``eval_reward_margin``, ``eval_pair_accuracy`` (the policy alone
 prefers the chosen completion). Training metrics are TRL's: ``loss_dpo``, ``rewards_chosen`` /
@@ -17,15 +19,16 @@ prefers the chosen completion). Training metrics are TRL's: ``loss_dpo``, ``rewa
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
-from hyperrl.loop.collect import SyncCollector, Timer
-from hyperrl.loop.prepare import _eval_mode
-from hyperrl.loop.trainer import SyncTrainer
+from hyperrl.algorithms import LossContext, PolicyOut, eval_mode, sum_terms
+from hyperrl.loop.collect import Collected, Timer
 
-__all__ = ["PairCollector", "PreferenceTrainer", "pairs_batch"]
+__all__ = ["PairCollector", "PairEvaluator", "pairs_batch"]
 
 
 def pairs_batch(encoded, group_ids, pad_id: int) -> TensorDict:
@@ -49,16 +52,15 @@ def pairs_batch(encoded, group_ids, pad_id: int) -> TensorDict:
                        "chosen": chosen}, batch_size=[B])
 
 
-class PairCollector(SyncCollector):
+class PairCollector:
     """This rank's share of ``rollout.prompts_per_step`` pairs each step (the task's resumable cursor
     advances the same on every rank), as :func:`pairs_batch` rows; a pair whose two rows exceed the
-    micro-batch budget together is refused (the loss needs both in one micro-batch). Pausing, state and closing
-    are the synchronous collector's (nothing runs between steps)."""
+    micro-batch budget together is refused (the loss needs both in one micro-batch). Nothing runs between
+    steps: nothing to pause, no state."""
 
     def __init__(self, task, parallel, rollout, micro_batch_tokens: int, pad_id: int):
         self.task, self.parallel, self.rollout = task, parallel, rollout
         self.budget, self.pad_id = micro_batch_tokens, pad_id
-        self.samples: dict = {}
 
     def batch(self, pairs: list, ids=None) -> TensorDict:
         """``pairs`` as rows (group ids ``ids``, default ``0, 1, …``)."""
@@ -72,107 +74,61 @@ class PairCollector(SyncCollector):
                                      f"micro-batch; raise optim.micro_batch_tokens to ≥ {need} (or 0)")
         return pairs_batch(enc, range(len(pairs)) if ids is None else ids, self.pad_id)
 
-    def collect(self, trainer, timer: Timer) -> tuple[TensorDict, dict]:
+    def collect(self, step: int, version: int, timer: Timer) -> Collected:
+        """Step ``step``'s pairs (this rank's share) as rows; ``pairs``: how many."""
         with timer("data"):
             ids = self.parallel.shard(list(range(self.rollout.prompts_per_step)))
-            drawn = self.task.sample(self.rollout.prompts_per_step, trainer.step_idx)
+            drawn = self.task.sample(self.rollout.prompts_per_step, step)
             mine = [drawn[i] for i in ids]
-            self.samples = dict(zip(ids, mine))
-            return self.batch(mine, ids), {}
+            return Collected(self.batch(mine, ids), {"pairs": len(mine)}, dict(zip(ids, mine)))
+
+    @contextmanager
+    def paused(self, what: str, *, drain: bool = True):
+        """Nothing runs between steps: nothing to pause."""
+        yield
+
+    def state(self) -> dict:
+        """A preference run's collector keeps nothing between steps (the task's cursor travels on its own)."""
+        return {}
 
     def load_state(self, state: dict) -> None:
+        """Refuse an asynchronous RL run's checkpoint (its buffer has no meaning here)."""
         if "async" in state:
             raise ValueError("resume: the checkpoint was written by an asynchronous RL run; a preference run cannot "
                              "continue it — choose another run.out_dir")
 
+    def close(self) -> None:
+        """Nothing to release."""
 
-class PreferenceTrainer(SyncTrainer):
-    """The trainer over preference pairs (see the module doc); built by :func:`hyperrl.compose.build`
-    when ``algo.preference`` is set."""
 
-    def __init__(self, cfg, **parts):
-        super().__init__(cfg, **parts)
-        spec = cfg.algo.preference
-        self.preference = T.PREFERENCE_LOSSES.build(spec.name, **spec.args)
-        self.beta = float(spec.args["beta"])
+class PairEvaluator:
+    """The held-out pairs' loss and accuracies (see the module doc): each data-parallel rank scores its share of
+    the pairs and the means are combined weighted by the shares' sizes — the means over every pair, the same on
+    every rank (with fewer pairs than data-parallel ranks every rank scores all of them). ``preparer`` provides the
+    reference's log-probs and ``pipeline`` the loss terms (the preference loss) the held-out pairs are scored by."""
 
-    def step(self) -> dict:
-        """One optimizer step over this step's pairs; then publish version V+1."""
-        timer = Timer()
-        batch, info = self.collect(timer)
-        batch = batch.to(self.device)
-        with timer("logprob"):
-            batch = self.prepare(batch)[0]
-        with timer("update"):
-            losses = self.update(batch)
-        with timer("publish"):
-            self.publish()
-        self.step_idx += 1
-        return self._report(batch, timer, {**info, **losses})
-
-    def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
-        """The reference's log-probs of every row ``[B, T]``, once per batch (micro-batched, no grad)."""
-        f = self.forwards
-        with torch.no_grad(), _eval_mode(self.policy):  # no dropout (LoRA's) in the reference
-            ref = f.no_grad(lambda rows: f.logprobs(self.reference, rows), batch)[0]
-        return batch.copy().set("ref_logprobs", ref), {}
-
-    def _pairs(self, lp: torch.Tensor, part: TensorDict):
-        """Per-pair ``(chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)`` ``[P]`` of a
-        micro-batch: each row's log-probs summed over its completion, chosen rows matched to rejected by pair."""
-        m = part["action_mask"]
-        seq, ref, n = (lp * m).sum(-1), (part["ref_logprobs"] * m).sum(-1), m.sum(-1)
-        gid, chosen = part["group_id"], part["chosen"]
-        ic = torch.nonzero(chosen).flatten()
-        ir = torch.nonzero(~chosen).flatten()
-        ic, ir = ic[torch.argsort(gid[ic])], ir[torch.argsort(gid[ir])]
-        if ic.numel() != ir.numel() or not torch.equal(gid[ic], gid[ir]):
-            raise ValueError(f"preference loss: the micro-batch's rows do not form whole pairs (pairs "
-                             f"{sorted(set(gid.tolist()))}); a pair's chosen and rejected rows must train together")
-        return seq[ic], seq[ir], ref[ic], ref[ir], n[ic], n[ir]
-
-    def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
-        """The preference loss of a micro-batch's pairs, normalised by the step's pair count (half its
-        sequences: every completion has tokens); a one-row part is a rank's zero-weight lockstep pass."""
-        lp, _ = self.forwards.logprobs(self.policy, part)
-        if part.batch_size[0] == 1:
-            return T.LossOutput({"loss_dpo": lp.sum() * 0.0})
-        return T.preference_loss(self.preference, *self._pairs(lp, part), beta=self.beta,
-                                 num_pairs=torch.as_tensor(norm.num_seqs) / 2)
-
-    def update(self, batch: TensorDict) -> dict:
-        """One optimizer step over the batch's pairs (micro-batched by ``optim.micro_batch_tokens``)."""
-        return self.learner.update(batch, self.loss, epochs=1, mini_batches=1, seed=self.cfg.run.seed + self.step_idx,
-                                   micro_batch_tokens=self.cfg.optim.micro_batch_tokens)
-
-    def _batch_metrics(self, batch: TensorDict) -> dict:
-        m = batch["action_mask"]
-        return {"pairs": batch.batch_size[0] // 2, "response_len_mean": float(m.sum(-1).float().mean())}
-
-    def _report(self, batch, timer, extra: dict) -> dict:
-        if "reward_accuracy" in extra:  # what the progress bar and the plot read
-            extra = {**extra, "reward_mean": extra["reward_accuracy"]}
-        return super()._report(batch, timer, extra)
+    def __init__(self, collector: PairCollector, preparer, task, parallel, pipeline, *, eval_prompts: int):
+        self.collector, self.preparer, self.task, self.parallel = collector, preparer, task, parallel
+        self.pipeline, self.eval_prompts = pipeline, eval_prompts
 
     @torch.no_grad()
-    def evaluate(self) -> dict:
-        """The held-out pairs' loss and accuracies (see the module doc): each data-parallel rank scores its share of
-        the pairs and the means are combined weighted by the shares' sizes — the means over every pair, the same on
-        every rank (with fewer pairs than data-parallel ranks every rank scores all of them)."""
-        all_pairs = self.task.held_out(self.cfg.run.eval_prompts)
-        par = self.forwards.parallel
+    def evaluate(self, step: int) -> dict:
+        """The held-out metrics at ``step``: ``eval_loss`` (the terms' sum), every metric of the loss terms prefixed
+        ``eval_`` (``eval_reward_mean``: the reward accuracy), ``eval_pairs``."""
+        all_pairs = self.task.held_out(self.eval_prompts)
+        par = self.parallel
         shard = len(all_pairs) >= par.data_world > 1
         pairs = par.shard(all_pairs) if shard else all_pairs
-        batch = self.collector.batch(pairs).to(self.device)
-        batch = self.prepare(batch)[0]
-        f = self.forwards
-        with _eval_mode(self.policy):
-            lp = f.no_grad(lambda rows: f.logprobs(self.policy, rows), batch)[0]
-        out = T.preference_loss(self.preference, *self._pairs(lp, batch), beta=self.beta).scalars()
+        f, policy = self.preparer.forwards, self.preparer.policy
+        batch = self.preparer.prepare(self.collector.batch(pairs).to(f.device), step=step)[0]
+        with eval_mode(policy):
+            out = PolicyOut(*f.no_grad(lambda rows: f.logprobs(policy, rows), batch))
+        ctx = LossContext(forwards=f, policy=policy, pipeline=self.pipeline)
+        # the pairs' count as the normaliser (two rows a pair): each metric the mean over the pairs
+        norm = T.Normalizer(batch["action_mask"].sum().float(), torch.tensor(float(batch.batch_size[0])))
+        res = sum_terms(t(ctx, batch, out, norm) for t in self.pipeline.terms)
+        metrics = {"loss": float(res.loss), **{k: float(v) for k, v in res.metrics.items()}}
         if shard:  # every metric is a mean over the rank's pairs: Σ mean·n / Σ n is the mean over all of them
-            sums = par.sum_metrics({**{k: v * len(pairs) for k, v in out.items()}, "pairs": float(len(pairs))})
-            out = {k: sums[k] / sums["pairs"] for k in out}
-        metrics = {"step": self.step_idx, "eval_loss": out["loss_dpo"], "eval_reward_mean": out["reward_accuracy"],
-                   **{f"eval_{k}": v for k, v in out.items() if k != "loss_dpo"}, "eval_pairs": len(all_pairs)}
-        self._emit("eval", metrics)
-        return metrics
+            sums = par.sum_metrics({**{k: v * len(pairs) for k, v in metrics.items()}, "pairs": float(len(pairs))})
+            metrics = {k: sums[k] / sums["pairs"] for k in metrics}
+        return {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}, "eval_pairs": len(all_pairs)}

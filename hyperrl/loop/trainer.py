@@ -4,20 +4,26 @@
 controller's state) and calls its collaborators, all built by the composition root
 (:func:`hyperrl.compose.build`) and handed in:
 
-* the **collector** (:mod:`hyperrl.loop.collect`): the step's rewarded, shaped batch — generated
-  now (:class:`~hyperrl.loop.collect.SyncCollector`) or taken from rollout workers running ahead
-  within the staleness bound (:class:`~hyperrl.loop.collect_async.AsyncCollector`);
-* the **pipeline** (:class:`~hyperrl.loop.pipeline.Pipeline`): advantages and the loss pieces;
+* the **collector** (:mod:`hyperrl.loop.collect`): the step's batch as a
+  :class:`~hyperrl.loop.collect.Collected` record — generated now
+  (:class:`~hyperrl.loop.collect.SyncCollector`), taken from rollout workers running ahead within the
+  staleness bound (:class:`~hyperrl.loop.collect_async.AsyncCollector`), or preference pairs read from files
+  (:class:`~hyperrl.loop.preference.PairCollector`);
+* the **preparer** (:class:`~hyperrl.loop.prepare.Preparer`): the registered key providers of what the
+  pipeline needs (:mod:`hyperrl.algorithms.keys`) and the update's policy forward;
+* the **pipeline** (:class:`~hyperrl.loop.pipeline.Pipeline`): advantages and the loss terms
+  (:mod:`hyperrl.algorithms.terms`) whose sum is :meth:`Trainer.loss`;
 * the **learner** (:class:`~hyperrl.loop.learner.Learner`): optimizers, lr schedule, one composed loss;
 * the **data-parallel strategy** (:mod:`hyperrl.distributed.data_parallel`): every collective;
 * the **publisher** (:class:`~hyperrl.loop.publish.PolicyPublisher`), the **evaluator**
-  (:class:`~hyperrl.loop.evaluate.Evaluator`) and the **checkpointer**
-  (:class:`~hyperrl.loop.checkpointer.Checkpointer`).
+  (:class:`~hyperrl.loop.evaluate.Evaluator`, or :class:`~hyperrl.loop.preference.PairEvaluator`) and the
+  **checkpointer** (:class:`~hyperrl.loop.checkpointer.Checkpointer`).
 
-:class:`SyncTrainer` and :class:`AsyncTrainer` are the trainer with a synchronous or an
-asynchronous collector — composition: everything but collection is the same code. The trainer
-imports no ``torch.distributed``. Users observe through hooks ``hook(event, trainer, metrics)``
-(:mod:`hyperrl.loop.hooks`); events ``"step"``, ``"eval"``, ``"checkpoint"``, ``"completions"``.
+One class for every kind of run: synchronous, asynchronous and preference runs differ only by the
+collector and evaluator handed in (``SyncTrainer``, ``AsyncTrainer`` and ``PreferenceTrainer`` are
+its names in earlier releases). The trainer imports no ``torch.distributed``. Users observe through
+hooks ``hook(event, trainer, metrics)`` (:mod:`hyperrl.loop.hooks`); events ``"step"``, ``"eval"``,
+``"checkpoint"``, ``"completions"``.
 """
 
 from __future__ import annotations
@@ -28,15 +34,13 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
-from hyperrl.data import data_source
-from hyperrl.loop.collect import Timer
+from hyperrl.algorithms import GateError, LossContext, sum_terms
+from hyperrl.loop.collect import Collected, Timer
 from hyperrl.loop.hooks import completion_rows
-from hyperrl.loop.prepare import GateError
 from hyperrl.models.lora import TrainableView, is_lora
-from hyperrl.models.moe import RouterTap, is_moe
 from hyperrl.rewards import RewardError
 
-__all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "GateError"]
+__all__ = ["Trainer", "SyncTrainer", "AsyncTrainer", "PreferenceTrainer", "GateError"]
 
 
 class Trainer:
@@ -64,107 +68,49 @@ class Trainer:
         """One RL step; returns its metrics (averaged over data-parallel ranks)."""
         timer = Timer()
         try:
-            batch, info = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
+            got = self.collect(timer)  # rollout → rewards → shaping → filter (refilled)
         except RewardError as e:
             raise RewardError(f"step {self.step_idx + 1}: {e}", row=e.row) from e
-        batch = self.parallel.share_batch(batch.to(self.device))  # a context-parallel group trains one batch
+        batch = self.parallel.share_batch(got.batch.to(self.device))  # a context-parallel group trains one batch
         gate, losses = {}, {"update_skipped": 1.0}
         if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
             with timer("logprob"):
-                batch, gate = self.prepare(batch)  # critic values, old / reference log-probs, gate
+                batch, gate = self.prepare(batch, samples=got.samples)  # the keys the pipeline needs, the gate
             batch = self.pipeline.transform(batch)  # advantages (and returns)
             with timer("update"):
                 losses = self.update(batch)
             with timer("publish"):
                 self.publish()
             losses = {**losses, **self.publisher.stats()}  # delta publication: delta_frac, bytes
-        if self.cfg.run.log_completions and self.parallel.rank == 0:
+        if self.cfg.run.log_completions and self.parallel.rank == 0 and "reward" in batch.keys():
             rows = completion_rows(batch, self.tok, self.scorer.names, self.cfg.run.log_completions)
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
         self.step_idx += 1
-        return self._report(batch, timer, {**info, **gate, **losses})
+        return self._report(batch, timer, {**got.metrics, **gate, **losses})
 
-    def collect(self, timer: Timer) -> tuple[TensorDict, dict]:
-        """The step's batch and its metrics, from the collector (override to observe every batch)."""
-        return self.collector.collect(self, timer)
+    def collect(self, timer: Timer) -> Collected:
+        """The step's batch, its metrics and prompts, from the collector (override to observe every batch)."""
+        return self.collector.collect(self.step_idx, self.version, timer)
 
     @property
     def reward_names(self) -> tuple[str, ...]:
         """The columns of ``reward_components`` (``env`` first in multi-turn runs)."""
         return self.scorer.names
 
-    # ------------------------------------------------------------------ prepare
-    def prepare(self, batch: TensorDict) -> tuple[TensorDict, dict]:
-        """Critic values, the greedy baseline, old / reference log-probs and the gate
-        (:class:`~hyperrl.loop.prepare.Preparer`)."""
-        return self.preparer.prepare(batch, step=self.step_idx, version=self.version, baseline=self.greedy_baseline,
-                                     sources=self.data_sources)
+    # ------------------------------------------------------------------ prepare, loss
+    def prepare(self, batch: TensorDict, *, samples: dict | None = None) -> tuple[TensorDict, dict]:
+        """The keys the pipeline needs, from their registered providers (:class:`~hyperrl.loop.prepare.Preparer`;
+        ``samples``: the step's prompts by group id, :attr:`Collected.samples`), and the gate's metrics."""
+        return self.preparer.prepare(batch, step=self.step_idx, version=self.version, samples=samples)
 
-    def data_sources(self, batch: TensorDict) -> list:
-        """Each row's ``data_source`` (its prompt's ``extra``; None when the task has none) ``[B]``."""
-        return [data_source(self.collector.samples[g]) for g in batch["group_id"].tolist()]
-
-    def greedy_baseline(self, batch: TensorDict) -> torch.Tensor:
-        """ReMax's baseline: the reward of one near-greedy rollout (temperature 1e-5) per group,
-        broadcast to the group's rows ``[B]``."""
-        groups = torch.unique(batch["group_id"]).tolist()
-        samples = [self.collector.samples[g] for g in groups]
-        gen = self.generator
-        greedy = self.scorer.score(gen.generate(samples, gen.sampling(self.step_idx, 10**8, temperature=1e-5), 1),
-                                   dict(enumerate(samples)))["reward"]
-        by_group = dict(zip(groups, greedy.tolist()))
-        return torch.tensor([by_group[g] for g in batch["group_id"].tolist()], dtype=torch.float32)
-
-    # ------------------------------------------------------------------ update, publish
     def loss(self, part: TensorDict, norm: T.Normalizer) -> T.LossOutput:
-        """The composed loss of a micro-batch: the policy terms (objective, KL, entropy, correction)
-        plus the critic's value term; mismatch metrics from ``transforms.correction``."""
-        p = self.pipeline
-        if is_moe(self.policy):  # the router's load-balancing term and metrics, from the update's own forward
-            routes = self.preparer.update_routes(part)  # routing replay (R2 / R3) or the agreement measured
-            self.preparer.routing.reset()
-            with RouterTap(self.policy) as tap:
-                lp, ent, _ = self.forwards.logprobs(self.policy, part, routes)
-            # each forward's share of the step's action tokens (all ranks, micro-batches): the term sums to the
-            # coefficient once per optimizer step — one process over the full batch: exactly the family's loss
-            share = float(part["action_mask"].sum()) / max(float(norm.num_tokens), 1.0)
-            router = T.router_loss(tap.logits, tap.top_k, self.cfg.model.router_aux_loss_coef * share, tap.mask)
-            if self.preparer.single_pass:  # else the old pass measured the agreement at the rollout's weights
-                agree = self.preparer.routing.metrics()
-                router = router + T.LossOutput({}, {k: torch.tensor(v) for k, v in agree.items()})
-        else:
-            lp, ent = self.forwards.logprobs(self.policy, part)
-            router = None
-        if self.cfg.algo.proximal == "interpolate":  # A-3PO: π_prox from the token versions, no proximal forward
-            part = part.copy().set("old_logprobs", T.interpolated_proximal_logprobs(
-                part["rollout_logprobs"], lp, part["token_version"], part["action_mask"], self.version))
-        # a correction may read the current policy's (detached) log-probs: OPSM's mean log-ratio
-        corr = p.correction(part.copy().set("logprobs", lp.detach())) if p.correction is not None else None
-        out = T.policy_loss(part, lp, normalizer=norm, entropy=ent, correction=corr,
-                            **p.loss_kwargs(self.kl_state.beta))
-        if self.preparer.single_pass:
-            out = out + T.LossOutput({}, T.mismatch_metrics(lp, part["rollout_logprobs"], part["action_mask"]))
-        d = self.cfg.algo.distill
-        if d is not None and d.full_vocab:  # on-policy GKD: the whole next-token distribution toward the teacher's
-            out = out + self._full_vocab_distill(part, norm, d.coef, d.jsd_beta)
-        if self.critic is not None:
-            c = self.cfg.algo.critic
-            values = self.forwards.values(self.critic, part)
-            out = out + T.critic_loss(part, values, clip=c.value_clip, agg=p.agg, normalizer=norm, coef=c.value_coef)
-        return out if router is None else out + router
-
-    def _full_vocab_distill(self, part: TensorDict, norm: T.Normalizer, coef: float, beta: float) -> T.LossOutput:
-        """``loss_distill = coef · agg(JSD_β(π_s(·|s_t), π_t(·|s_t)))`` over the action tokens (β = 1: the reverse
-        KL), the teacher's distribution from a no-grad forward of the same micro-batch."""
-        a, s = self.forwards.log_softmax(self.policy, part)
-        with torch.no_grad():
-            _, t = self.forwards.log_softmax(self.preparer.teachers[None], part)
-        kl = T.full_vocab_jsd(s, t, beta)  # [b, T − a]
-        m = part["action_mask"][:, a:]
-        loss = coef * T.aggregate(kl, m, self.pipeline.agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs,
-                                  length_const=norm.length_const)
-        return T.LossOutput({"loss_distill": loss}, {"distill_kl": kl.detach()[m].mean() if bool(m.any())
-                                                     else torch.zeros(())})
+        """The loss of a micro-batch: the sum of the pipeline's loss terms (:mod:`hyperrl.algorithms.terms`) over
+        one policy forward."""
+        ctx = LossContext(forwards=self.forwards, policy=self.policy, pipeline=self.pipeline,
+                          kl_beta=self.kl_state.beta, version=self.version, single_pass=self.preparer.single_pass,
+                          critic=self.critic, teachers=self.preparer.teachers, routes=self.preparer.routes)
+        out = self.preparer.policy_forward(part)
+        return sum_terms(term(ctx, part, out, norm) for term in self.pipeline.terms)
 
     def update(self, batch: TensorDict) -> dict:
         """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""
@@ -200,6 +146,8 @@ class Trainer:
     def _batch_metrics(self, batch: TensorDict) -> dict:
         if batch.batch_size[0] == 0:
             return {"reward_mean": float("nan")}
+        if "reward" not in batch.keys():  # preference pairs: the loss term reports their rewards
+            return {"response_len_mean": float(batch["action_mask"].sum(-1).float().mean())}
         r, m = batch["reward"], batch["action_mask"]
         g = T.group_stats(r, batch["group_id"])
         adv = batch["advantages"][m] if "advantages" in batch.keys() else torch.zeros(1)
@@ -317,22 +265,5 @@ class Trainer:
             h(event, self, metrics)
 
 
-class SyncTrainer(Trainer):
-    """The trainer with a :class:`~hyperrl.loop.collect.SyncCollector`: each step generates its
-    batch from the current version (on-policy)."""
-
-
-class AsyncTrainer(Trainer):
-    """The trainer with an :class:`~hyperrl.loop.collect_async.AsyncCollector`: rollout workers
-    generate ahead while the learner trains, every trained token at most ``async.max_staleness``
-    versions stale; η = 0 equals :class:`SyncTrainer` bit for bit (docs/async.md)."""
-
-    @property
-    def buffer(self):
-        """The admission buffer (:class:`hyperrl.loop.admission.Buffer`) at this moment."""
-        return self.collector.buffer
-
-    @property
-    def eta(self) -> int:
-        """The staleness bound η."""
-        return self.collector.eta
+# the names of earlier releases, when the kind of run chose the class (now: the collector and evaluator)
+SyncTrainer = AsyncTrainer = PreferenceTrainer = Trainer

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from hyperrl.errors import HyperRLError
 from hyperrl.rewards.builtin import REWARDS, is_factory, register_reward_factory
 
 __all__ = ["Reward", "RewardSet", "RewardError", "load_function",
@@ -41,7 +42,7 @@ __all__ = ["Reward", "RewardSet", "RewardError", "load_function",
 
 
 
-class RewardError(ValueError):
+class RewardError(HyperRLError, ValueError):
     """A reward that cannot be loaded, raised, or returned something unusable; the message names
     the reward and the row (``row``: the batch row, when one is to blame; the loop adds the step
     and the row's ``sample_uid`` and data source)."""
@@ -76,6 +77,10 @@ def load_function(ref: str, where: str) -> Callable:
 
 @dataclass(frozen=True)
 class Reward:
+    """One resolved reward of a config's ``rewards:`` list: its metric ``name``, the function ``fn`` (None when
+    not built) and its calling ``style``, ``weight`` in ``Σ_k w_k · r_k``, the ``data_sources`` it scores (None:
+    all) and the ``kwargs`` passed on every call."""
+
     name: str
     fn: Callable
     style: str  # trl | verl | hyperrl

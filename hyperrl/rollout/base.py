@@ -33,13 +33,14 @@ from typing import Protocol, runtime_checkable
 import torch
 from tensordict import TensorDict
 
+from hyperrl.errors import HyperRLError
 from hyperrl.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "DeltaError", "WeightTransaction",
            "TransactionalEngine"]
 
 
-class WeightPublishError(RuntimeError):
+class WeightPublishError(HyperRLError, RuntimeError):
     """A publication was refused or failed; the engine still serves the previous version."""
 
 

@@ -35,6 +35,9 @@ _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
 
 @dataclass(frozen=True)
 class Request:
+    """One sample to generate (see the module doc): its key ``uid``, ``prompt`` ids and ``group_id``, and the
+    response generated so far (``partial``, with its log-probs and sampling versions) to continue from."""
+
     uid: int  # sample_uid: unique over the run; keys the sampling randomness
     prompt: tuple[int, ...]
     group_id: int = 0

@@ -11,13 +11,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["Workers", "LocalWorker", "WorkerError", "WorkerDied", "LIVE", "decode_flag"]
 
 
 LIVE = -1  # ``stop_after`` of a live call: interruptible, its decode steps counted
 
 
-class WorkerError(RuntimeError):
+class WorkerError(HyperRLError, RuntimeError):
     """A rollout worker died past its restarts, hung past its deadline, or returned rows that break
     the contract; the message names it."""
 

@@ -18,6 +18,7 @@ MAX_RANKS = 16384  # per side: the planner's work grows with ranks × tensors; b
 
 
 def add_parser(sub) -> None:
+    """Add the ``plan`` subcommand and its options to ``sub`` (an argparse subparsers object)."""
     p = sub.add_parser("plan", help="plan trainer -> rollout weight resharding and print its statistics")
     p.add_argument("--model", required=True,
                    help=f"one of {', '.join(sorted(MODELS))}, or an HF config.json (or the directory holding it)")
@@ -46,6 +47,8 @@ def _check_axes(kind: str, got: dict, allowed: set) -> None:
 
 
 def run(args) -> int:
+    """Run ``hyperrl plan``: build the trainer and rollout layouts, plan the publication and print its
+    statistics (and the predicted time with ``--bandwidth``); returns 0, bad arguments exit with a message."""
     try:
         tr, ro = parse_parallel(args.trainer), parse_parallel(args.rollout)
     except ValueError as e:

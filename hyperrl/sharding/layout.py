@@ -26,6 +26,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from hyperrl.errors import HyperRLError
 from hyperrl.sharding.mesh import Mesh
 from hyperrl.sharding.spec import Box, Spec, dim_intervals
 
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-class LayoutError(ValueError):
+class LayoutError(HyperRLError, ValueError):
     """Mismatched or incomplete layouts; the message lists the offending names."""
 
 
@@ -187,6 +188,9 @@ class Block:
 
 @dataclass(frozen=True)
 class Part:
+    """One part of a destination parameter: a virtual global tensor of ``shape`` tiled by source ``blocks``
+    (extents no block covers are padding) and split over the destination mesh by ``rule``."""
+
     shape: tuple[int, ...]  # virtual global shape (may exceed the blocks: padding)
     blocks: tuple[Block, ...]
     rule: Rule
@@ -219,6 +223,9 @@ class Part:
 
 @dataclass(frozen=True)
 class DstParam:
+    """A destination parameter on ``mesh``: the local concatenation along ``cat_dim`` of its ``parts``
+    (one for a plain tensor; e.g. q, k, v for a fused ``qkv_proj``), in ``dtype``."""
+
     dtype: torch.dtype
     mesh: Mesh
     parts: tuple[Part, ...]

@@ -36,6 +36,9 @@ _COLUMN = ("self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "merger.ml
 
 
 class M2NBytes(NamedTuple):
+    """What vLLM's ``nccl_m2n`` delivers to each inference rank (:func:`m2n_received_bytes`), in bytes:
+    ``per_rank = direct + fallback``; ``tensors``: the checkpoint's tensor count."""
+
     per_rank: int  # bytes every inference rank receives (the rule is the same on every rank)
     direct: int  # of which through direct shards (summed per rank)
     fallback: int  # of which whole tensors (per rank)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+from hyperrl.errors import HyperRLError
+
 __all__ = ["Mesh", "MeshError"]
 
 
-class MeshError(ValueError):
+class MeshError(HyperRLError, ValueError):
     """An invalid mesh or a mesh/spec mismatch; the message names the axis or rank."""
 
 

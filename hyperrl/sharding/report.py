@@ -12,6 +12,10 @@ __all__ = ["PlanStats", "plan_stats", "plan_traffic", "plan_str"]
 
 
 class PlanStats(NamedTuple):
+    """Byte statistics of a plan (:func:`plan_stats`). ``max_in`` / ``mean_in``: non-local bytes received per
+    destination rank (max, mean); ``max_out`` / ``mean_out``: bytes sent per sending rank (sources, plus
+    destination replicas under fan-out)."""
+
     wire_bytes: int  # bytes crossing between physical ranks (phase 0 + forwards)
     recv_min_bytes: int  # B_recv_min: every destination element not already local, once
     egress_bytes: int  # bytes leaving source ranks

@@ -12,17 +12,21 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
 
+from hyperrl.errors import HyperRLError
 from hyperrl.sharding.mesh import Mesh
 
 __all__ = ["Spec", "Box", "chunk_bounds", "dim_intervals", "boxes", "owners", "SpecError"]
 
 
-class SpecError(ValueError):
+class SpecError(HyperRLError, ValueError):
     """An invalid spec, or a spec that does not fit its mesh/shape."""
 
 
 @dataclass(frozen=True)
 class Spec:
+    """A sharding spec: per tensor dim, the ordered (outer → inner) mesh axes it is split over; ``()`` whole.
+    An axis may appear once; axes not named replicate (see the module doc)."""
+
     dims: tuple[tuple[str, ...], ...]
 
     def __post_init__(self):

@@ -34,6 +34,9 @@ __all__ = ["Links", "TimePrediction", "predict", "parse_links"]
 
 @dataclass(frozen=True)
 class Links:
+    """The time model's links (see the module doc): per-rank bandwidths within and across nodes (node =
+    ``rank // ranks_per_node``), per-message ``latency``, local-copy costs and whether sends and receives overlap."""
+
     intra: float  # bytes/s per rank, same node
     inter: float  # bytes/s per rank, across nodes
     latency: float = 0.0  # seconds per message
@@ -50,6 +53,9 @@ class Links:
 
 
 class TimePrediction(NamedTuple):
+    """:func:`predict`'s result: the predicted time ``T`` in seconds, each phase's ``t(p)``, and the rank and
+    direction that set the longest phase."""
+
     seconds: float
     phase_seconds: tuple[float, ...]
     slowest_rank: int  # the rank setting the time of the longest phase

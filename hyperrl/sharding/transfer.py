@@ -11,6 +11,9 @@ __all__ = ["Transfer"]
 
 
 class Transfer(NamedTuple):
+    """One transfer of a plan: ``src_rank`` sends ``nbytes`` — ``src_slice`` of ``tensor`` — to ``dst_rank``,
+    which writes them at ``dst_slice`` of its local ``param``; ``phase`` 0 from the source, ≥ 1 a forward."""
+
     src_rank: int
     dst_rank: int
     tensor: str  # source tensor name

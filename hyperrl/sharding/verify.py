@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from hyperrl.errors import HyperRLError
 from hyperrl.sharding.layout import DstLayout, Layout
 from hyperrl.sharding.plan import Plan
 from hyperrl.sharding.spec import Box, boxes
@@ -19,7 +20,7 @@ from hyperrl.sharding.spec import Box, boxes
 __all__ = ["verify", "PlanError"]
 
 
-class PlanError(AssertionError):
+class PlanError(HyperRLError, ValueError):
     """A plan that does not deliver every destination element exactly once."""
 
 

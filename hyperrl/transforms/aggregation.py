@@ -67,27 +67,34 @@ def _seq(mask, norm):
 
 @register_aggregation("token-mean")
 def token_mean(loss, mask, norm: Normalizer):
+    """``token-mean``: ``Σ_{i,t} L·m / N_tokens`` of ``loss`` ``[B, T]`` under ``mask`` ``[B, T]`` → scalar."""
     return _masked(loss, mask).sum() / torch.as_tensor(_tok(mask, norm)).clamp_min(1)
 
 
 @register_aggregation("token-sum")
 def token_sum(loss, mask, norm: Normalizer):
+    """``token-sum``: ``Σ_{i,t} L·m`` of ``loss`` ``[B, T]`` under ``mask`` ``[B, T]`` → scalar (no normaliser)."""
     return _masked(loss, mask).sum()
 
 
 @register_aggregation("seq-mean-token-mean")
 def seq_mean_token_mean(loss, mask, norm: Normalizer):
+    """``seq-mean-token-mean``: ``Σ_i (Σ_t L·m / |o_i|) / N_seqs`` over ``[B, T]`` → scalar (fully masked
+    rows add 0 and are not counted in ``N_seqs``)."""
     per_seq = _masked(loss, mask).sum(-1) / mask.bool().sum(-1).clamp_min(1)
     return per_seq.sum() / torch.as_tensor(_seq(mask, norm)).clamp_min(1)
 
 
 @register_aggregation("seq-mean-token-sum")
 def seq_mean_token_sum(loss, mask, norm: Normalizer):
+    """``seq-mean-token-sum``: ``Σ_i Σ_t L·m / N_seqs`` of ``loss`` ``[B, T]`` under ``mask`` → scalar."""
     return _masked(loss, mask).sum() / torch.as_tensor(_seq(mask, norm)).clamp_min(1)
 
 
 @register_aggregation("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(loss, mask, norm: Normalizer):
+    """``seq-mean-token-sum-norm`` (Dr. GRPO): ``Σ_i Σ_t L·m / (N_seqs · L_const)`` over ``[B, T]`` → scalar;
+    ``norm.length_const`` (a constant, e.g. the max response length) is required."""
     if norm.length_const is None:
         raise ValueError("length_const: seq-mean-token-sum-norm needs a constant (e.g. max response length)")
     return _masked(loss, mask).sum() / (torch.as_tensor(_seq(mask, norm)).clamp_min(1) * norm.length_const)
@@ -95,6 +102,8 @@ def seq_mean_token_sum_norm(loss, mask, norm: Normalizer):
 
 @register_aggregation("seq-mean-length-weighted")
 def seq_mean_length_weighted(loss, mask, norm: Normalizer):
+    """``seq-mean-length-weighted`` (LUSPO): ``Σ_i l_i·|o_i| / N_seqs`` with ``l_i`` the sequence's token-mean
+    loss, over ``[B, T]`` → scalar; numerically equal to ``seq-mean-token-sum``."""
     n = mask.bool().sum(-1)
     per_seq = _masked(loss, mask).sum(-1) / n.clamp_min(1)
     return (per_seq * n).sum() / torch.as_tensor(_seq(mask, norm)).clamp_min(1)

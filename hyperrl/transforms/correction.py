@@ -37,6 +37,8 @@ __all__ = [
 
 
 class Correction(NamedTuple):
+    """A mismatch correction for ``policy_loss(correction=...)``: detached per-token weights and the keep-mask."""
+
     weights: torch.Tensor  # [B, T] detached multiplicative weights (0 off the mask)
     mask: torch.Tensor  # [B, T] bool: tokens kept in the loss
 

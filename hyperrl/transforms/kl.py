@@ -43,21 +43,26 @@ register_kl = KL_ESTIMATORS.register
 
 @register_kl("k1")
 def k1(d: torch.Tensor) -> torch.Tensor:
+    """``k1 = d = log π − log π_ref`` per token (any shape, e.g. ``[B, T]``); may be negative."""
     return d
 
 
 @register_kl("abs")
 def kl_abs(d: torch.Tensor) -> torch.Tensor:
+    """``abs = |d|``, ``d = log π − log π_ref``, per token (registered as ``"abs"``)."""
     return d.abs()
 
 
 @register_kl("k2")
 def k2(d: torch.Tensor) -> torch.Tensor:
+    """``k2 = ½d²``, ``d = log π − log π_ref``, per token; the gradient of the straight-through ``"kX+"`` forms."""
     return 0.5 * d * d
 
 
 @register_kl("k3")
 def k3(d: torch.Tensor) -> torch.Tensor:
+    """``k3 = exp(−d) + d − 1 ≥ 0``, ``d = log π − log π_ref``, per token; with ``kl_penalty``'s clamps
+    ``clamp_input=20, clamp_output=10`` it is verl's ``low_var_kl``."""
     # expm1(−d) + d: ≥ 0 in floating point too (exp(−d) + d − 1 rounds negative near d = 0)
     return torch.expm1(-d) + d
 
@@ -93,6 +98,8 @@ def is_corrected_kl(logprobs, old_logprobs, ref_logprobs, *, clamp: float = 20.0
 
 @dataclass(frozen=True)
 class KLState:
+    """A KL controller's frozen state: the current coefficient β."""
+
     beta: float  # current KL coefficient β
 
 

@@ -40,6 +40,8 @@ register_objective = OBJECTIVES.register
 
 
 class Objective(NamedTuple):
+    """What an objective returns: the per-token ``loss`` ``[B, T]`` (before aggregation) and its metrics."""
+
     loss: torch.Tensor  # [B, T] per-token loss
     metrics: dict  # name -> [B, T] per-token values (detached), averaged over the mask
 

@@ -29,6 +29,9 @@ Smoothing = Annotated[float, Field(ge=0, lt=0.5)]
 
 
 class DPOLoss(NamedTuple):
+    """:func:`dpo_loss`'s result: the mean loss over the pairs ``[P]``, the mean implicit reward margin
+    ``z = β·Δ`` and the fraction of pairs with ``z > 0``."""
+
     loss_dpo: torch.Tensor  # scalar, mean over pairs
     reward_margin: torch.Tensor  # detached mean of β·(Δ_chosen − Δ_rejected)
     accuracy: torch.Tensor  # detached fraction of pairs with a positive margin

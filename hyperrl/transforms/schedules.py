@@ -28,16 +28,19 @@ LR_SCHEDULES: Registry = Registry("lr schedule")
 
 @LR_SCHEDULES.register("constant")
 def constant(p: float, min_ratio: float) -> float:
+    """``m = 1`` whatever the progress ``p`` (``min_ratio`` is ignored)."""
     return 1.0
 
 
 @LR_SCHEDULES.register("linear")
 def linear(p: float, min_ratio: float) -> float:
+    """``m = 1 − (1 − r)·p``, ``r`` = ``min_ratio``: from 1 at progress ``p = 0`` down to ``r`` at ``p = 1``."""
     return 1.0 - (1.0 - min_ratio) * p
 
 
 @LR_SCHEDULES.register("cosine")
 def cosine(p: float, min_ratio: float) -> float:
+    """``m = r + (1 − r)·(1 + cos(π p)) / 2`` (Loshchilov & Hutter, 2017): from 1 at ``p = 0`` to ``r`` at ``p = 1``."""
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 

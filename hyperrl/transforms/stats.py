@@ -11,6 +11,8 @@ __all__ = ["RunningStats", "running_stats_init", "running_stats_update", "runnin
 
 @dataclass(frozen=True)
 class RunningStats:
+    """Frozen running mean / variance: ``count``, ``mean`` and ``m2``; ``var = m2 / (count − 1)`` (0 for ≤ 1)."""
+
     count: float  # samples seen
     mean: float
     m2: float  # Σ (x − mean)², merged with Chan et al.'s parallel formula

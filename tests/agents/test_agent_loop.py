@@ -39,7 +39,8 @@ def test_observation_tokens_never_enter_the_loss(tmp_path, template):
         extra = [f"--model.chat_template={tmp_path / 'char.jinja'}"]
     tr = _trainer(tmp_path, *extra)
     try:
-        batch, info = tr.collect(Timer())
+        got = tr.collect(Timer())
+        batch, info = got.batch, got.metrics
         called = batch["tool_calls"] > 0
         assert int(called.sum()) >= 1 and info["agent_failed"] == 0 and info["agent_episodes"] == 512
         assert info["agent_calls"] == 512 + int(called.sum())

@@ -154,7 +154,7 @@ def test_process_supervised_grpo_gets_token_rewards_that_sum_to_the_reward(tmp_p
     clipped = build_trainer(load_config(None, [*args, "--algo.shaping=[{name: clip, lo: 0.25, hi: 0.5}]"]))
     from hyperrl.loop.collect import Timer
 
-    batch, _ = clipped.collect(Timer())
+    batch = clipped.collect(Timer()).batch
     assert float(batch["reward"].min()) == 0.25 and float(batch["reward"].max()) <= 0.5  # the clip binds
     torch.testing.assert_close(batch["token_rewards"].sum(-1), batch["reward"])
 

@@ -79,7 +79,7 @@ def test_turns_resume_across_publications_within_eta_and_lose_nothing(tmp_path, 
             cut |= any(len(set(tv[row, a:b].tolist())) > 1 for a, b in _segments(act[row]))
     assert cut, "no turn was resumed across a publication"
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
-    b = tr.buffer
+    b = tr.collector.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
     assert not tr.collector._episodes or b.in_flight  # no turn left behind by a finished unit
 

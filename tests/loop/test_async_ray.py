@@ -46,10 +46,11 @@ _TIMING = {"tokens_per_s", "async_admitted", "async_in_flight", "async_ready"}
 
 class _Recording(AsyncTrainer):
     def collect(self, timer):
-        batch, info = super().collect(timer)
+        got = super().collect(timer)
+        batch, info = got.batch, got.metrics
         self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist())]
-        assert info["staleness_max"] <= self.eta  # every trained token within η, each step
-        return batch, info
+        assert info["staleness_max"] <= self.collector.eta  # every trained token within η, each step
+        return got
 
 
 def _served(w) -> dict:
@@ -166,10 +167,10 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
     assert len(uids) == len(set(uids)) == tr.step_idx * 4 * 4  # nothing lost from a trained step, nothing twice
     key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
     trained = {key(u) for u in uids}
-    live = {u.key for u in tr.buffer.units} | set(tr.collector._requeue)
+    live = {u.key for u in tr.collector.buffer.units} | set(tr.collector._requeue)
     # every admitted prompt accounted for
     assert trained | live == set(range(tr.collector._next_key)) and not trained & live
-    b = tr.buffer
+    b = tr.collector.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready and b.evicted == 0
 
 

@@ -29,9 +29,10 @@ def nodes():
 
 class _Recording(AsyncTrainer):
     def collect(self, timer):
-        batch, info = super().collect(timer)
+        got = super().collect(timer)
+        batch = got.batch
         self.trained = getattr(self, "trained", []) + batch["sample_uid"].tolist()
-        return batch, info
+        return got
 
 
 def test_workers_span_the_nodes_and_survive_the_loss_of_one(nodes, tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
+from hyperrl.loop.collect_async import AsyncCollector
 from hyperrl.loop.trainer import AsyncTrainer
 from hyperrl.rollout import LocalWorker
 from hyperrl.rollout.workers import WorkerError
@@ -55,10 +56,10 @@ def test_eta_zero_is_the_sync_trainer_bit_for_bit_with_process_credit_and_shapin
     seen = []
     collect = asyn.collector.collect
 
-    def recording(trainer, timer):  # the batch the learner trains on, to check the credit sums to the reward
-        batch, info = collect(trainer, timer)
-        seen.append(batch)
-        return batch, info
+    def recording(step, version, timer):  # the batch the learner trains on, to check the credit sums to the reward
+        got = collect(step, version, timer)
+        seen.append(got.batch)
+        return got
 
     asyn.collector.collect = recording
     try:
@@ -80,11 +81,12 @@ class _Recording(AsyncTrainer):
     """Keeps every trained batch's uids and token versions (the test's accounting)."""
 
     def collect(self, timer):
-        batch, info = super().collect(timer)
+        got = super().collect(timer)
+        batch = got.batch
         self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist(),
                                                         batch["token_version"][batch["action_mask"]].tolist(),
                                                         batch["token_version"].clone(), batch["action_mask"].clone())]
-        return batch, info
+        return got
 
 
 @pytest.mark.parametrize("eta", [1, 2])
@@ -103,7 +105,7 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
                     .any()) for _, _, _, tv, act in tr.trained]
     assert any(partial), "no request was resumed across a publication"  # one row, several versions
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
-    b = tr.buffer
+    b = tr.collector.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
     assert len(tr.collector._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
@@ -173,13 +175,13 @@ def test_a_unit_breaking_the_contract_is_evicted_and_its_prompt_readmitted(tmp_p
         ms = [tr.step() for _ in range(4)]
     finally:
         tr.close()
-    (uid, key, why), = tr.buffer.evictions
+    (uid, key, why), = tr.collector.buffer.evictions
     assert why.startswith("rollout-worker-0: token_version: action token") and ms[-1]["async_evicted"] == 1
     uids = [u for _, us, _, _, _ in tr.trained for u in us]
     assert len(uids) == len(set(uids)) == 4 * 8 * 4  # 4 steps × 8 groups × 4 samples, none twice
     groups = {u // 4 for u in uids}  # uid = (step·4 + 0)·32 + g·4 + j: the prompt (step, g) is u // 4
     assert len(groups) == 32 and key in {(u // 32 // 4) * 8 + (u // 4) % 8 for u in uids}  # re-admitted, trained
-    b = tr.buffer
+    b = tr.collector.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
 
 
@@ -223,7 +225,7 @@ def test_the_cli_config_runs_the_async_loop(tmp_path):
     cfg = _cfg(tmp_path, "--async.max_staleness=1", "--run.steps=6", "--run.eval_every=3", "--run.eval_prompts=16",
                "--run.export=false")
     t = build_trainer(cfg)
-    assert isinstance(t, AsyncTrainer) and t.eta == 1
+    assert isinstance(t.collector, AsyncCollector) and t.collector.eta == 1
     t.close()
     out = train(cfg, resume=False, progress=False)
     assert out["steps"] == 6 and out["final_eval_reward"] is not None
@@ -345,9 +347,10 @@ def test_kv_cache_keep_continues_each_generation_over_its_cache_across_publicati
 
     class _Kv(AsyncTrainer):
         def collect(self, timer):
-            batch, info = super().collect(timer)
+            got = super().collect(timer)
+            batch = got.batch
             seen.append((self.version, batch.clone()))
-            return batch, info
+            return got
 
     tr = build_trainer(cfg, trainer=_Kv)
     _restart_worker(tr, "hold")  # a call held mid-generation until the next publication parks it

@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from hyperrl.algorithms.keys import baseline_reward
+from hyperrl.algorithms.terms import BUILT_IN
 from hyperrl.compose import build_trainer
 from hyperrl.config import ConfigError, load_config
 from hyperrl.config.recipes import RECIPES, recipe_config
@@ -34,6 +36,7 @@ _KINDS = {
     "algo.filter": ("--algo.filter={}", ["--rollout.max_generation_batches=2"]),
     "optim.schedule": ("--optim.schedule={}", ["--optim.warmup_steps=1"]),
     "algo.preference": ("--algo.preference={}", [PAIRS_TASK]),
+    "algo.loss_terms": ("--algo.loss_terms=[{}]", []),  # the built-in ones refused (the config turns them on)
     # one registry: a reward function runs as the task's reward, a reward factory from the rewards: list
     "rewards[].fn": (lambda name: f"--rewards=[{{fn: {name}}}]" if is_factory(name) else f"--task.rewards=[{name}]",
                      []),
@@ -119,6 +122,10 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
         extra = extra + [x.format(corpus=corpus, rm=rm, agent=agent) for x in need]
         if kind == "rewards[].fn":
             override = extra.pop()
+    if kind == "algo.loss_terms" and name in BUILT_IN:  # listed by the pipeline from its own config keys
+        with pytest.raises(ConfigError, match=rf"algo\.loss_terms\[0\]: loss term '{name}' is built in"):
+            load_config(None, [override])
+        return
     if (kind, name) == ("rollout.engine", "vllm") and _REG[kind].factory(name).requires:
         import importlib.util
 
@@ -162,7 +169,7 @@ def test_remax_baseline_is_a_greedy_rollout(tmp_path):
     samples = tr.task.sample(4, 0)
     batch = tr.scorer.score(tr.engine.generate([tr.task.encode(s) for s in samples], tr.generator.sampling(0), 2),
                            dict(enumerate(samples)))
-    tr.collector.samples = dict(enumerate(samples))
-    base = tr.greedy_baseline(batch)
+    ctx = tr.preparer.context(samples=dict(enumerate(samples)))  # what the key provider reads
+    base = baseline_reward(ctx, batch)
     assert base.shape == (8,) and torch.equal(base[0::2], base[1::2])  # one baseline per group
-    assert torch.equal(base, tr.greedy_baseline(batch))  # greedy: the same every time
+    assert torch.equal(base, baseline_reward(ctx, batch))  # greedy: the same every time

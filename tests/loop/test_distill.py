@@ -55,7 +55,7 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages(tmp_path):
     teacher = _teacher(tmp_path / "t")
     tr = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run'}", *FAST,
                                           f"--algo.distill.teacher={teacher}"]))
-    batch, _ = tr.collect(__import__("hyperrl.loop.collect", fromlist=["Timer"]).Timer())
+    batch = tr.collect(__import__("hyperrl.loop.collect", fromlist=["Timer"]).Timer()).batch
     prepared, _ = tr.prepare(batch)
     out = tr.pipeline.transform(prepared)
     m = out["action_mask"]
@@ -75,7 +75,7 @@ def test_the_student_moves_toward_a_different_teacher(tmp_path):
     teacher = _teacher(tmp_path / "t", seed=7, sharp=2.0)
     tr = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run'}", *FAST, "--optim.lr=3e-3",
                                           "--algo.entropy_coef=0", f"--algo.distill.teacher={teacher}"]))
-    fixed, _ = tr.collect(Timer())
+    fixed = tr.collect(Timer()).batch
 
     @torch.no_grad()
     def reverse_kl():
@@ -224,7 +224,7 @@ def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path):
                                           "--algo.distill.task_coef=0.5", "--algo.distill.full_vocab=true",
                                           f"--algo.distill.teacher={teacher}"]))
     assert "teacher_logprobs" not in tr.pipeline.needs
-    batch, _ = tr.collect(Timer())
+    batch = tr.collect(Timer()).batch
     prepared, _ = tr.prepare(batch)
     out = tr.pipeline.transform(prepared)
     m = out["action_mask"]
@@ -246,7 +246,7 @@ def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path):
     same = _teacher(tmp_path / "s")  # the student's own initial weights: KL 0
     tr2 = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run2'}", *FAST,
                                            "--algo.distill.full_vocab=true", f"--algo.distill.teacher={same}"]))
-    b2, _ = tr2.collect(Timer())
+    b2 = tr2.collect(Timer()).batch
     p2 = tr2.pipeline.transform(tr2.prepare(b2)[0])
     assert abs(float(tr2.loss(p2, norm.from_mask(p2["action_mask"])).terms["loss_distill"])) < 1e-5
 

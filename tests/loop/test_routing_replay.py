@@ -321,9 +321,10 @@ def test_r3_over_multi_turn_episodes_sync_and_async(tmp_path, eta):
 
     class Keep(AsyncTrainer if eta is not None else SyncTrainer):
         def collect(self, timer):
-            batch, info = super().collect(timer)
+            got = super().collect(timer)
+            batch = got.batch
             self.seen = getattr(self, "seen", []) + [batch]
-            return batch, info
+            return got
 
     cfg = load_config("configs/calculator.yaml", [f"--run.out_dir={tmp_path}", "--run.eval_every=0",
                                                   "--rollout.prompts_per_step=2", "--rollout.n=4",

@@ -130,7 +130,7 @@ def test_observation_tokens_never_enter_the_loss(tmp_path):
     from hyperrl.loop.collect import Timer
 
     tr = _calculator_trainer(tmp_path)
-    batch, _ = tr.collect(Timer())
+    batch = tr.collect(Timer()).batch
     called = batch["tool_calls"] > 0
     assert int(called.sum()) >= 1
     batch, _ = tr.prepare(batch)

@@ -349,7 +349,7 @@ def test_everything_is_on_the_configured_device_and_dtype_bf16(tmp_path):
     assert seen == {torch.bfloat16} and torch.isfinite(torch.tensor(m["loss_policy"]))
     from hyperrl.loop.collect import Timer
 
-    lp, ent = tr.forwards.logprobs(tr.policy, tr.collect(Timer())[0])
+    lp, ent = tr.forwards.logprobs(tr.policy, tr.collect(Timer()).batch)
     assert lp.dtype == ent.dtype == torch.float32
 
 
@@ -428,7 +428,7 @@ def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
     tr.policy.forward = counting
     from hyperrl.loop.collect import Timer
 
-    batch, _ = tr.collect(Timer())
+    batch = tr.collect(Timer()).batch
     out, _ = tr.prepare(batch)
     in_prepare = list(calls)
     with torch.no_grad():

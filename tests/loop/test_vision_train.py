@@ -122,7 +122,7 @@ def test_the_export_loads_back_as_an_image_text_model(tmp_path):
 
 def test_a_text_task_runs_on_a_vision_language_model(tmp_path):
     tr = _tr(tmp_path, "--task={name: arith}", "--rollout.max_new_tokens=3")
-    batch, _ = tr.collector.collect(tr, Timer())
+    batch = tr.collector.collect(tr.step_idx, tr.version, Timer()).batch
     assert not bool(batch["image_grid_thw"].any())  # rows without images, positions by M-RoPE's text rule
     assert tr.step()["mismatch_max_abs"] < 1e-4
 
@@ -180,10 +180,11 @@ def test_an_asynchronous_visual_run_killed_with_groups_in_flight_resumes_losing_
 
     class Recording(AsyncTrainer):
         def collect(self, timer):
-            batch, info = super().collect(timer)
+            got = super().collect(timer)
+            batch = got.batch
             assert batch["pixel_values"].shape[1] > 0 and (batch["image_grid_thw"] > 0).all()  # every row its image
             self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist())]
-            return batch, info
+            return got
 
     cfg = load_config(CONFIG, [f"--run.out_dir={tmp_path}", *TINY, "--run.eval_every=0", "--async.max_staleness=2"])
     a, b, state, live_end = kill_and_resume(lambda: build_trainer(cfg, trainer=Recording, max_staleness=2))

@@ -180,10 +180,10 @@ def test_after_n_delta_publications_the_engine_is_bit_identical_to_a_full_public
 def test_the_asynchronous_trainer_publishes_deltas_bit_identical_to_full(tmp_path):
     """η = 1 on the thread executor: each publication (the collector paused) a delta into the engine
     the worker generates from; after every step the engine holds exactly what a full publication would."""
-    from hyperrl.loop.trainer import AsyncTrainer
+    from hyperrl.loop.collect_async import AsyncCollector
 
     tr = _trainer(tmp_path, "--async.max_staleness=1")
-    assert isinstance(tr, AsyncTrainer)
+    assert isinstance(tr.collector, AsyncCollector)
     try:
         fracs = []
         for _ in range(4):

@@ -33,11 +33,12 @@ def run() -> dict:
 
     class Recording(AsyncTrainer):
         def collect(self, timer):
-            batch, info = super().collect(timer)
+            got = super().collect(timer)
+            batch = got.batch
             av = batch["token_version"][batch["action_mask"]]
             self.trained = getattr(self, "trained", []) + [(self.version, batch["sample_uid"].tolist(),
                                                             int((self.version - av).max()))]
-            return batch, info
+            return got
 
     def slow(actor):  # every decode step 20 ms slower (only the timing changes); defined here: travels by value
         class _Slow:
@@ -87,7 +88,7 @@ def run() -> dict:
         res["token_staleness"] = [s for _, _, s in tr.trained]
         uids = [u for _, us, _ in tr.trained for u in us]
         res["trained"], res["distinct"] = len(uids), len(set(uids))
-        b = tr.buffer
+        b = tr.collector.buffer
         res["conservation"] = b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
         res["evicted"] = b.evicted
         # every actor serves the learner's weights: its sampled tokens' log-probs against the policy's forward
