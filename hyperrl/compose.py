@@ -17,10 +17,11 @@ import torch
 from hyperrl.agents.mcp import Toolbox
 from hyperrl.algorithms import term
 from hyperrl.config import ConfigError, TrainConfig, validate_config
+from hyperrl.config.built import check_built
 from hyperrl.data.tasks import make_task
 from hyperrl.device import pick_device, torch_dtype
 from hyperrl.distributed import ParallelDims, make_parallel
-from hyperrl.distributed.parallelize import fully_shard_model, tensor_parallel_model, tp_partial_params
+from hyperrl.distributed.parallelize import Models, parallelize_models
 from hyperrl.envs import ENVIRONMENTS
 from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.loop.collect import SyncCollector
@@ -63,11 +64,13 @@ def _with_async(cfg: TrainConfig, overrides: dict) -> TrainConfig:
     return validate_config(d)
 
 
-def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
-    """The policy (on ``device``, parallelised over ``dims``), the engine, the reference and the critic."""
+def build_models(cfg: TrainConfig, pipeline, tok, task, device, parallel, dims) -> tuple:
+    """The policy (on ``device``, parallelised over ``dims`` by :func:`~hyperrl.distributed.parallelize_models`),
+    the engine, the reference and the critic — the built pieces checked first (:func:`check_built`)."""
     m, dtype = cfg.model, torch_dtype(cfg.model.dtype)
     policy = build_policy(cfg, tok, lora=False).to(device)
     policy.train()
+    check_built(cfg, task=task, policy=policy, dims=dims, critic="values" in pipeline.needs)
     if m.lm_head_fp32:  # before the engine and the reference copy it: both sides compute the head in fp32
         fp32_lm_head(policy)
     eng, a = cfg.rollout.engine, getattr(cfg, "async")
@@ -79,108 +82,11 @@ def build_models(cfg: TrainConfig, pipeline, tok, device, parallel, dims):
     critic = build_critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
     if m.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if dims.ep > 1:
-        policy = expert_parallel_model(cfg, policy, dims, device, dtype, parallel, reference, critic)
-    elif dims.tp > 1:
-        policy = tensor_parallel_model(policy, dims, device, dtype)
-        parallel.sum_over_tp(tp_partial_params(policy))
-    elif dims.world > 1:
-        if dims.cp > 1:  # before sharding: the checks read the plain model
-            context_parallel_model(policy, reference, dims, parallel)
-        if m.lora is None:
-            policy = fully_shard_model(policy, decoder_layers(policy), dims, device, dtype)
-        else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
-            parallel.replicate(policy)
-        if critic is not None:
-            critic = fully_shard_model(critic, critic.backbone.layers, dims, device, dtype)
+    models = parallelize_models(Models(policy, reference, critic), dims, parallel, device=device, dtype=dtype,
+                                lora=m.lora is not None)
     if m.compile:  # last: the engine's and the reference's copies must not share the compiled forward
-        policy.compile(backend=m.compile, dynamic=True)
-    return policy, engine, reference, critic
-
-
-def decoder_layers(policy):
-    """The policy's decoder layers (FSDP2's units): ``model.layers``, a vision-language model's
-    ``model.language_model.layers`` (its vision tower stays in the root unit)."""
-    inner = policy.model
-    return getattr(inner, "language_model", inner).layers
-
-
-def expert_parallel_model(cfg: TrainConfig, policy, dims, device, dtype, parallel, reference, critic):
-    """``run.ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks (DTensors on the
-    ``("replica", "ep")`` mesh; tokens dispatched by all-to-all), FSDP2 over every rank for the rest,
-    the experts' gradients summed over their replicas by the data-parallel strategy. With ``run.tp > 1``
-    an ``ep`` group is ``ep`` data-parallel ranks at one TP coordinate (the ``("replica", "ep", "tp")``
-    mesh); attention is tensor-parallel by the family's plan, FSDP2 over ``dp`` for the rest. A reference model (KL)
-    stays a whole frozen copy on every rank (built before the split: every expert, no all-to-all), scoring
-    this rank's rows locally."""
-    from hyperrl.distributed.expert_parallel import expert_params, shard_experts
-    from hyperrl.routing import is_moe
-
-    why = [w for w, bad in (("the policy is dense (model.experts=0)", not is_moe(policy)),
-                            ("model.lora", cfg.model.lora is not None), ("a critic", critic is not None),
-                            ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if bad]
-    if why:
-        raise ConfigError(f"run.ep={dims.ep}: expert parallelism here trains an MoE policy (and a reference) — not "
-                          f"with {', '.join(why)}; set run.ep=1")
-    mesh = dims.expert_mesh(device.type)
-    experts = shard_experts(policy, mesh.get_group("ep"), mesh.get_local_rank("ep"), dims.ep, mesh)
-    params = expert_params(experts)
-    if dims.tp > 1:
-        policy = tensor_parallel_model(policy, dims, device, dtype, ignored=params)
-        parallel.sum_over_tp(tp_partial_params(policy))
-    else:
-        policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
-    parallel.experts_over(params, mesh.get_group("replica"))
-    return policy
-
-
-def context_parallel_model(policy, reference, dims, parallel) -> None:
-    """``run.cp > 1``: the policy's (and a reference's) attention runs as Ulysses attention over this rank's
-    context-parallel group (each rank a slice of every sequence; the engine's copy is untouched). Refused
-    for a family whose attention does not go through transformers' attention interface (no CP plan) and
-    for heads that ``cp`` does not divide."""
-    from hyperrl.distributed.context_parallel import context_parallel
-    from hyperrl.routing import is_moe
-
-    name = type(policy).__name__
-    if not getattr(policy, "_supports_attention_backend", False):
-        raise ConfigError(f"run.cp={dims.cp}: {name} has no context-parallel plan (its attention does not use "
-                          "transformers' attention interface, which Ulysses attention plugs into); set run.cp=1")
-    if is_moe(policy):
-        raise ConfigError(f"run.cp={dims.cp}: {name} is a mixture of experts — context parallelism trains a dense "
-                          "policy yet; set run.cp=1")
-    heads = policy.config.num_attention_heads
-    if heads % dims.cp:
-        raise ConfigError(f"run.cp={dims.cp} does not divide the attention heads ({heads}) of {name}: Ulysses "
-                          "attention splits the heads over the cp ranks")
-    for model in (policy, reference):
-        if model is not None:
-            context_parallel(model, parallel.cp_group)
-
-
-def _check_context(cfg: TrainConfig, task, policy) -> None:
-    """The longest prompt (a files task encodes every prompt once) plus the response budget — or a
-    multi-turn episode's token budget — fits the model's context (``max_position_embeddings``;
-    vLLM refuses longer sequences and a RoPE model past it generates from positions it never saw)."""
-    ctx = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-    if not ctx:
-        return
-    r = cfg.rollout
-    pairs = getattr(task, "longest_sequence", 0)  # preference pairs: prompt + the longer completion
-    if pairs > ctx:
-        raise ConfigError(f"a preference pair of {pairs} tokens (prompt + completion) exceeds the model's context "
-                          f"(max_position_embeddings={ctx}); bound prompts with data.max_prompt_length, or shorten "
-                          "the completions")
-    if cfg.env is not None:
-        if r.max_episode_tokens > ctx:
-            raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds the model's context "
-                              f"(max_position_embeddings={ctx}); set rollout.max_episode_tokens ≤ {ctx}")
-        return
-    longest = getattr(task, "longest_prompt", 0)
-    if longest + r.max_new_tokens > ctx:
-        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} + the longest prompt ({longest} tokens) = "
-                          f"{longest + r.max_new_tokens} exceeds the model's context (max_position_embeddings={ctx}); "
-                          f"set rollout.max_new_tokens ≤ {ctx - longest}, or bound prompts with data.max_prompt_length")
+        models.policy.compile(backend=m.compile, dynamic=True)
+    return models.policy, engine, reference, models.critic
 
 
 def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=None, **async_overrides) -> Trainer:
@@ -200,14 +106,9 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     device = pick_device(cfg.run.device)
     tok = build_tokenizer(cfg)
     task = make_task(cfg.task, tok, cfg.run.seed, build_image_processor(cfg))
-    need = getattr(task, "response_tokens", 0)
-    if cfg.rollout.max_new_tokens < need:  # multi-turn too: the answer turn needs the room (known once built)
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
-                         f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
-    dims = ParallelDims.from_env(cfg.run.tp, cfg.run.ep, cfg.run.cp)
+    dims = ParallelDims.from_config(cfg.run)
     parallel = make_parallel(dims)
-    policy, engine, reference, critic = build_models(cfg, pipeline, tok, device, parallel, dims)
-    _check_context(cfg, task, policy)
+    policy, engine, reference, critic = build_models(cfg, pipeline, tok, task, device, parallel, dims)
     make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     toolbox = Toolbox([t.model_dump() for t in cfg.tools]) if cfg.tools else None  # MCP servers start here

@@ -9,7 +9,7 @@ under ``torchrun``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -66,6 +66,14 @@ class ParallelDims:
         """The data-parallel size ``world / (tp · cp)``: every rank trains its own rows under expert
         parallelism (the ``ep`` ranks of a group exchange tokens, not batches)."""
         return self.world // (self.tp * self.cp)
+
+    @classmethod
+    def from_config(cls, run) -> ParallelDims:
+        """The dims of this process's world with every other size read from the config's ``run`` section
+        (``run.tp``, ``run.ep``, ``run.cp``, …: a field of this class is a key there), so a new dimension is a field
+        here and a key in the config — the composition root is not edited."""
+        sizes = {f.name: getattr(run, f.name) for f in fields(cls) if f.name != "world"}
+        return cls(world=world_size(), **sizes)
 
     @classmethod
     def from_env(cls, tp: int = 1, ep: int = 1, cp: int = 1) -> ParallelDims:

@@ -1,4 +1,8 @@
-"""Parallelism per model family (torchtitan's pattern: one function per family, not in the loop).
+"""Parallelism applied in one place (torchtitan's pattern: one function per family, not in the loop).
+
+:func:`parallelize_models` applies every parallel dimension of a run (``run.ep``, ``run.tp``, ``run.cp``, data
+parallelism) to the trainer's models in one fixed order; a new dimension is a branch there plus its size in
+:class:`~hyperrl.distributed.dims.ParallelDims` and its rules in the config (docs/trainer.md).
 
 ``parallelize_qwen3(model, mesh)`` — a 2-D ``("dp", "tp")`` device mesh: tensor parallelism over
 ``tp`` for every decoder layer (q/k/v and gate/up column-parallel, o/down row-parallel —
@@ -10,12 +14,15 @@ FSDP-sharded over ``dp`` and replicated over ``tp``; the TP-sharded weights beco
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from hyperrl.registry import Registry
 
-__all__ = ["parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN", "PARALLELIZE_PLANS", "register_parallelize_plan",
-           "TP_PARTIAL_GRADS", "tp_partial_params", "fully_shard_model", "tensor_parallel_model"]
+__all__ = ["Models", "parallelize_models", "decoder_layers", "parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN",
+           "PARALLELIZE_PLANS", "register_parallelize_plan", "TP_PARTIAL_GRADS", "tp_partial_params",
+           "fully_shard_model", "tensor_parallel_model"]
 
 # model_type → the family's TP × FSDP2 function ``fn(model, mesh, *, mp_policy)``; a new family is one
 # registered function
@@ -112,3 +119,76 @@ def tensor_parallel_model(module, dims, device: torch.device, dtype: torch.dtype
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     return parallelize(module, dims.mesh(device.type), mp_policy=mp, ignored=ignored)
+
+
+@dataclass(frozen=True)
+class Models:
+    """The trainer's models: the ``policy``, a frozen ``reference`` (KL, preference; or None) and a ``critic``
+    (or None)."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+
+
+def decoder_layers(model: torch.nn.Module):
+    """The model's decoder layers (FSDP2's units): ``model.layers``, a vision-language model's
+    ``model.language_model.layers`` (its vision tower stays in the root unit)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+def parallelize_models(models: Models, dims, parallel, *, device: torch.device, dtype: torch.dtype,
+                       lora: bool = False) -> Models:
+    """Every parallel dimension applied to the trainer's models, in one fixed order — the one place parallelism is
+    applied (torchtitan's ``parallelize_llama``):
+
+    * ``ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks
+      (:mod:`hyperrl.distributed.expert_parallel`), then the rest tensor-parallel by the family's plan
+      (``tp > 1``) or FSDP2-sharded, the experts' gradients summed over their replicas by the strategy;
+    * else ``tp > 1``: TP × FSDP2 by the family's plan (:data:`PARALLELIZE_PLANS`), the partial-gradient
+      parameters summed over the TP group;
+    * else data parallel: Ulysses attention over ``cp`` for the policy and a reference
+      (:mod:`hyperrl.distributed.context_parallel`), FSDP2 over every rank (a LoRA policy: the frozen base replicated,
+      its adapters' gradients all-reduced) and the critic FSDP2-sharded.
+
+    A reference stays a whole frozen copy on every rank. ``parallel``: the data-parallel strategy, told which
+    gradients to reduce; checks that need the built models ran before
+    (:func:`hyperrl.config.built.check_built`). Returns the models (the policy and critic wrapped)."""
+    policy, critic = models.policy, models.critic
+    if dims.ep > 1:
+        policy = _expert_parallel(policy, dims, parallel, device, dtype)
+    elif dims.tp > 1:
+        policy = tensor_parallel_model(policy, dims, device, dtype)
+        parallel.sum_over_tp(tp_partial_params(policy))
+    elif dims.world > 1:
+        if dims.cp > 1:  # before sharding: the plain modules' attention is swapped
+            from hyperrl.distributed.context_parallel import context_parallel
+
+            for model in (policy, models.reference):
+                if model is not None:
+                    context_parallel(model, parallel.cp_group)
+        if not lora:
+            policy = fully_shard_model(policy, decoder_layers(policy), dims, device, dtype)
+        else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
+            parallel.replicate(policy)
+        if critic is not None:
+            critic = fully_shard_model(critic, critic.backbone.layers, dims, device, dtype)
+    return replace(models, policy=policy, critic=critic)
+
+
+def _expert_parallel(policy, dims, parallel, device, dtype):
+    """``ep > 1``: the experts DTensors on the ``("replica", "ep")`` mesh (tokens dispatched by all-to-all; with
+    ``tp > 1`` an ``ep`` group is ``ep`` data-parallel ranks at one TP coordinate), the rest TP × FSDP2 or FSDP2."""
+    from hyperrl.distributed.expert_parallel import expert_params, shard_experts
+
+    mesh = dims.expert_mesh(device.type)
+    experts = shard_experts(policy, mesh.get_group("ep"), mesh.get_local_rank("ep"), dims.ep, mesh)
+    params = expert_params(experts)
+    if dims.tp > 1:
+        policy = tensor_parallel_model(policy, dims, device, dtype, ignored=params)
+        parallel.sum_over_tp(tp_partial_params(policy))
+    else:
+        policy = fully_shard_model(policy, policy.model.layers, dims, device, dtype, ignored=params)
+    parallel.experts_over(params, mesh.get_group("replica"))
+    return policy

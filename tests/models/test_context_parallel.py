@@ -161,27 +161,29 @@ def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
         load_config(None, over)
 
 
-def _plan_worker(rank, world):
-    from hyperrl.compose import context_parallel_model
-    from hyperrl.config import ConfigError
-    from hyperrl.distributed import ParallelDims, make_parallel
+def test_a_family_without_a_cp_plan_and_a_checkpoint_whose_heads_cp_does_not_divide_are_refused_at_build(tmp_path):
+    """The post-build check (``check_built``, before any parallelism is applied) reads the built policy: cp = 4 over
+    four ranks refuses a family whose attention is its own code and a checkpoint of 2 heads; accepts 4 heads."""
+    from types import SimpleNamespace
+
+    from hyperrl.config import ConfigError, load_config
+    from hyperrl.config.built import check_built
+    from hyperrl.distributed import ParallelDims
     from hyperrl.models import tiny_qwen3
 
-    dims = ParallelDims(world=world, cp=world)
-    parallel = make_parallel(dims)
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}"])
+    task = SimpleNamespace(response_tokens=0, longest_prompt=6)  # what the check reads of a task
+    dims = ParallelDims(world=4, cp=4)
     said = []
-    policy = tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)
-    policy._supports_attention_backend = False  # a family whose attention is its own code: no CP plan
-    for model in (policy, tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1)):
+    own = tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)
+    own._supports_attention_backend = False  # a family whose attention is its own code: no CP plan
+    for model in (own, tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1),
+                  tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)):
         try:
-            context_parallel_model(model, None, dims, parallel)
+            check_built(cfg, task=task, policy=model, dims=dims)
             said.append("accepted")
         except ConfigError as e:
             said.append(str(e))
-    return said
-
-
-def test_a_family_without_a_cp_plan_and_a_checkpoint_whose_heads_cp_does_not_divide_are_refused_at_build():
-    said = run_gloo(_plan_worker, 4, timeout=120)[0]
     assert said[0].startswith("run.cp=4: Qwen3ForCausalLM has no context-parallel plan")
     assert said[1].startswith("run.cp=4 does not divide the attention heads (2) of Qwen3ForCausalLM")
+    assert said[2] == "accepted"

@@ -1,0 +1,82 @@
+"""Checks that need what was built — the task, the models, the parallel dimensions — in one place: the composition
+root calls :func:`check_built` once the models exist and before any parallelism is applied, so a config the built
+pieces cannot run is refused naming the key and the fix (every check that needs only the config is
+:mod:`hyperrl.config.checks`', at load)."""
+
+from __future__ import annotations
+
+from hyperrl.config.schema import ConfigError, TrainConfig
+from hyperrl.routing import is_moe
+
+__all__ = ["check_built"]
+
+
+def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = False) -> None:
+    """Every post-build check, before any parallelism is applied or an engine started: the task's answers fit the
+    response budget, expert and context parallelism suit the built policy (``critic``: one will be built), and the
+    longest sequence fits the model's context. Raises :class:`ConfigError` naming the key and the fix."""
+    _check_budget(cfg, task)
+    if dims is not None and dims.ep > 1:
+        _check_expert_parallel(cfg, policy, critic, dims.ep)
+    elif dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
+        _check_context_parallel(policy, dims.cp)
+    _check_context(cfg, task, policy)
+
+
+def _check_budget(cfg: TrainConfig, task) -> None:
+    """The response budget holds the task's longest answer (multi-turn too: the answer turn needs the room)."""
+    need = getattr(task, "response_tokens", 0)
+    if cfg.rollout.max_new_tokens < need:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
+                          f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
+
+
+def _check_expert_parallel(cfg: TrainConfig, policy, critic: bool, ep: int) -> None:
+    """``run.ep > 1`` trains an MoE policy (and a reference) — not a dense one, LoRA, a critic or checkpointing."""
+    why = [w for w, bad in (("the policy is dense (model.experts=0)", not is_moe(policy)),
+                            ("model.lora", cfg.model.lora is not None), ("a critic", critic),
+                            ("model.gradient_checkpointing", cfg.model.gradient_checkpointing)) if bad]
+    if why:
+        raise ConfigError(f"run.ep={ep}: expert parallelism here trains an MoE policy (and a reference) — not "
+                          f"with {', '.join(why)}; set run.ep=1")
+
+
+def _check_context_parallel(policy, cp: int) -> None:
+    """``run.cp > 1``: Ulysses attention needs transformers' attention interface, a dense policy and heads that
+    ``cp`` divides."""
+    name = type(policy).__name__
+    if not getattr(policy, "_supports_attention_backend", False):
+        raise ConfigError(f"run.cp={cp}: {name} has no context-parallel plan (its attention does not use "
+                          "transformers' attention interface, which Ulysses attention plugs into); set run.cp=1")
+    if is_moe(policy):
+        raise ConfigError(f"run.cp={cp}: {name} is a mixture of experts — context parallelism trains a dense "
+                          "policy yet; set run.cp=1")
+    heads = policy.config.num_attention_heads
+    if heads % cp:
+        raise ConfigError(f"run.cp={cp} does not divide the attention heads ({heads}) of {name}: Ulysses "
+                          "attention splits the heads over the cp ranks")
+
+
+def _check_context(cfg: TrainConfig, task, policy) -> None:
+    """The longest prompt (a files task encodes every prompt once) plus the response budget — or a
+    multi-turn episode's token budget — fits the model's context (``max_position_embeddings``;
+    vLLM refuses longer sequences and a RoPE model past it generates from positions it never saw)."""
+    ctx = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if not ctx:
+        return
+    r = cfg.rollout
+    pairs = getattr(task, "longest_sequence", 0)  # preference pairs: prompt + the longer completion
+    if pairs > ctx:
+        raise ConfigError(f"a preference pair of {pairs} tokens (prompt + completion) exceeds the model's context "
+                          f"(max_position_embeddings={ctx}); bound prompts with data.max_prompt_length, or shorten "
+                          "the completions")
+    if cfg.env is not None:
+        if r.max_episode_tokens > ctx:
+            raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds the model's context "
+                              f"(max_position_embeddings={ctx}); set rollout.max_episode_tokens ≤ {ctx}")
+        return
+    longest = getattr(task, "longest_prompt", 0)
+    if longest + r.max_new_tokens > ctx:
+        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} + the longest prompt ({longest} tokens) = "
+                          f"{longest + r.max_new_tokens} exceeds the model's context (max_position_embeddings={ctx}); "
+                          f"set rollout.max_new_tokens ≤ {ctx - longest}, or bound prompts with data.max_prompt_length")
