@@ -26,7 +26,10 @@ _CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from hyperrl.config import load_config
-from hyperrl.train import build_trainer
+try:
+    from hyperrl.compose import build_trainer
+except ImportError:  # commits before the composition root
+    from hyperrl.train import build_trainer
 warmup, steps = int(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f"--run.steps={warmup + steps}",
                          "--task=modsum", "--rollout.max_new_tokens=1"])  # the first default job, on old commits too

@@ -18,11 +18,11 @@ from hyperrl.agents.mcp import Toolbox
 from hyperrl.algorithms import term
 from hyperrl.config import ConfigError, TrainConfig, validate_config
 from hyperrl.config.built import check_built
-from hyperrl.data.tasks import make_task
+from hyperrl.data.tasks import TASKS, make_task
 from hyperrl.device import pick_device, torch_dtype
 from hyperrl.distributed import ParallelDims, make_parallel
 from hyperrl.distributed.parallelize import Models, parallelize_models
-from hyperrl.envs import ENVIRONMENTS
+from hyperrl.envs import ENVIRONMENTS, EnvCapabilities
 from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.loop.collect import SyncCollector
 from hyperrl.loop.collect_async import AsyncCollector
@@ -105,35 +105,37 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     pipeline = pipeline if pipeline is not None else build_pipeline(cfg.algo)
     device = pick_device(cfg.run.device)
     tok = build_tokenizer(cfg)
-    task = make_task(cfg.task, tok, cfg.run.seed, build_image_processor(cfg))
+    images = build_image_processor(cfg)  # a vision-language model's (None for a text model)
+    task = make_task(cfg.task, tok, cfg.run.seed, images)
+    vision = images is not None and TASKS.factory(cfg.task.name).capabilities_for().takes_images
     dims = ParallelDims.from_config(cfg.run)
     parallel = make_parallel(dims)
     policy, engine, reference, critic = build_models(cfg, pipeline, tok, task, device, parallel, dims)
     make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
+    env_caps = ENVIRONMENTS.factory(cfg.env.name).capabilities_for() if cfg.env is not None else EnvCapabilities()
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     toolbox = Toolbox([t.model_dump() for t in cfg.tools]) if cfg.tools else None  # MCP servers start here
-    env_fn = ENVIRONMENTS.factory(cfg.env.name).fn if cfg.env is not None else None
     a = getattr(cfg, "async")
     asynchronous = a.max_staleness is not None
     trainer = trainer or Trainer
     if is_moe(policy):  # the router's load-balancing term, from the update's own forward
         pipeline = pipeline.with_terms(term("router", coef=cfg.model.router_aux_loss_coef))
-    workers = None
+    workers = agent = None
     try:
         if asynchronous:
             workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine)
             engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
-        if getattr(env_fn, "takes_tools", False):
+        if env_caps.takes_tools:
             make_env = functools.partial(make_env, toolbox.tools if toolbox is not None else None)
-        if getattr(env_fn, "owns_loop", False):
-            make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox)
-        return _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env,
-                         rewards, workers, hooks, toolbox)
+        if env_caps.owns_loop:  # an agent: one environment serving the engine through its gateway
+            agent, make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox), None
+        return _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, reference, critic, parallel,
+                         make_env, env_caps, agent, rewards, workers, hooks, toolbox)
     except BaseException:
         if workers is not None:
             workers.close()
-        if getattr(make_env, "owns_loop", False) and not isinstance(make_env, type):  # a bound agent's gateway
-            make_env.close()
+        if agent is not None:  # a bound agent's gateway
+            agent.close()
         if toolbox is not None:
             toolbox.close()
         raise
@@ -149,8 +151,8 @@ def _bind_agent(cfg: TrainConfig, agent, engine, tok, policy, has_rewards: bool,
                       tool_sources=[t.model_dump() for t in cfg.tools])
 
 
-def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, critic, parallel, make_env, rewards,
-              workers, hooks, toolbox=None) -> Trainer:
+def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, reference, critic, parallel, make_env,
+              env_caps, agent, rewards, workers, hooks, toolbox=None) -> Trainer:
     """The trainer's collaborators — learner, publisher, checkpointer, KL controller, generator,
     scorer, evaluator, collector — and the trainer over them."""
     o, a, r = cfg.optim, cfg.algo, cfg.rollout
@@ -169,11 +171,10 @@ def _assemble(cfg, trainer, pipeline, tok, task, policy, engine, reference, crit
                                 delta=r.delta_encoding if r.delta_publication else False)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)
     stop_ids = stop_ids_of(policy)
-    agent = make_env if getattr(make_env, "owns_loop", False) else None
-    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids,
-                          make_env=None if agent is not None else make_env, agent=agent, toolbox=toolbox)
-    scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None, stop_ids=stop_ids,
-                    token_rewards="token_rewards" in pipeline.needs)
+    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids, make_env=make_env,
+                          env_capabilities=env_caps, agent=agent, toolbox=toolbox, vision=vision)
+    scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None or agent is not None,
+                    stop_ids=stop_ids, token_rewards="token_rewards" in pipeline.needs)
     evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
     forwards = Forwards(cfg, parallel, next(policy.parameters()).device)
     try:

@@ -126,6 +126,15 @@ class Factory:
     # config keys (dotted) this plug-in sets when the user leaves them unset — e.g. a task's response
     # budget; applied at load (:func:`hyperrl.load_config`), listed by ``hyperrl config``
     settings: dict[str, Any] = field(default_factory=dict)
+    # what the plug-in can do, declared where it registers (never probed on the built object): a record, or a
+    # function of its hyperparameters returning one (an engine's capabilities depend on its arguments)
+    capabilities: Any = None
+
+    def capabilities_for(self, args: dict | None = None) -> Any:
+        """The declared capabilities for hyperparameters ``args`` (the registry's default record when the plug-in
+        declared none)."""
+        c = self.capabilities
+        return c(**(args or {})) if callable(c) else c
 
     def check(self, args: dict, where: str = "") -> dict:
         """Validated hyperparameters (unknown names and wrong types raise, naming ``where.arg``)."""
@@ -174,30 +183,33 @@ def _params(fn: Callable) -> dict[str, Param]:
 class Registry(Generic[F]):
     """A named mapping ``name -> Factory`` for one kind of plug-in."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, capabilities: Any = None):
         self.kind = kind
+        self.default_capabilities = capabilities  # what a plug-in of this kind declaring none can do
         self._items: dict[str, Factory] = {}
 
     def register(self, name: str, *, needs: tuple[str, ...] = (), produces: tuple[str, ...] = (),
                  requires: tuple[tuple[str, str], ...] = (), settings: dict[str, Any] | None = None,
-                 overwrite: bool = False) -> Callable[[F], F]:
+                 capabilities: Any = None, overwrite: bool = False) -> Callable[[F], F]:
         """Decorator: ``@REG.register("my_variant", needs=("values",))`` adds ``fn`` under ``name``;
-        its keyword-only parameters are its hyperparameters. Returns ``fn`` unchanged."""
+        its keyword-only parameters are its hyperparameters; ``capabilities``: what it can do (a record of the
+        registry's kind, or a function of the hyperparameters returning one). Returns ``fn`` unchanged."""
 
         def deco(fn: F) -> F:
             self.add(name, fn, needs=needs, produces=produces, requires=requires, settings=settings,
-                     overwrite=overwrite)
+                     capabilities=capabilities, overwrite=overwrite)
             return fn
 
         return deco
 
     def add(self, name: str, fn: Callable, *, needs=(), produces=(), requires=(), settings=None,
-            overwrite: bool = False) -> Factory:
+            capabilities: Any = None, overwrite: bool = False) -> Factory:
+        """Register ``fn`` under ``name`` (see :meth:`register`); returns its :class:`Factory`."""
         if name in self._items and not overwrite:
             raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
         doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
         f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), tuple(requires), doc, _params(fn),
-                    dict(settings or {}))
+                    dict(settings or {}), capabilities if capabilities is not None else self.default_capabilities)
         self._items[name] = f
         return f
 

@@ -208,3 +208,24 @@ def test_no_private_name_is_imported_across_packages():
                 crossing += [f"{m} ← {n.module}.{a.name}" for a in n.names
                              if a.name.startswith("_") and _top(n.module) != _top(m)]
     assert crossing == []
+
+
+# attributes of other libraries' objects the loop may read when present (a Hugging Face model's ``config`` /
+# ``generation_config``, a transformers KV cache's ``layers`` / ``keys`` / ``values``) and the config's ``async``
+# section (a Python keyword: read with getattr) — never an attribute of one of hyperrl's plug-ins
+_FOREIGN = {"config", "generation_config", "eos_token_id", "max_position_embeddings", "layers", "keys", "values",
+            "async"}
+
+
+def test_the_loop_and_the_composition_root_probe_no_plugin():
+    """A plug-in's capability is declared where it registers (an engine's, environment's, task's record) and read
+    from there; ``loop/`` and ``compose.py`` never ask a hyperrl object whether it has an attribute."""
+    probes = []
+    for m, p in MODULES.items():
+        if not (m.startswith("hyperrl.loop") or m == "hyperrl.compose"):
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr") \
+                    and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and n.args[1].value not in _FOREIGN:
+                probes.append(f"{m}:{n.lineno} {n.func.id}(…, {n.args[1].value!r})")
+    assert probes == []

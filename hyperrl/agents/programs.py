@@ -39,7 +39,7 @@ from pydantic import AfterValidator
 from hyperrl.agents.gateway import Gateway
 from hyperrl.agents.runner import AgentResult, EpisodeOutcome, ProgramRunner, _tail, outcome_of
 from hyperrl.agents.worker import AgentPool
-from hyperrl.envs.base import register_environment
+from hyperrl.envs.base import EnvCapabilities, register_environment
 from hyperrl.envs.tools import check_tool_format
 from hyperrl.errors import HyperRLError
 from hyperrl.rewards.styles import load_function
@@ -71,7 +71,7 @@ def _prompt_text(sample) -> str:
     return str(users[-1] if users else p[-1].get("content", ""))
 
 
-@register_environment("agent")
+@register_environment("agent", capabilities=EnvCapabilities(owns_loop=True))
 class AgentEnvironment:
     """An agent that owns its loop, behind the gateway (see the module doc). Hyperparameters:
     ``program`` (``"file.py:function"``) or ``command`` (an argv list); ``reward`` (a command's
@@ -80,8 +80,6 @@ class AgentEnvironment:
     ``isolate`` runs a program in agent processes (not the trainer's), ``workers`` of them (each round's
     episodes split among them: the SDK's per-call CPU on more than one core)."""
 
-    owns_loop = True
-    reports_success = False
 
     def __init__(self, *, program: str | None = None, command: list[str] | None = None, reward: str | None = None,
                  timeout_s: float = 300.0, tool_format: Annotated[str | None, AfterValidator(_format)] = "hermes",

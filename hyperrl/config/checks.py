@@ -272,7 +272,7 @@ def _check_vision(cfg: TrainConfig, needs) -> None:
 
     vlm = is_vision_model(cfg)
     if not vlm:
-        if getattr(TASKS.factory(cfg.task.name).fn, "needs_images", False):
+        if TASKS.factory(cfg.task.name).capabilities_for().needs_images:
             raise ConfigError(f"task.name={cfg.task.name}: a visual task needs a vision-language policy; set "
                               "model.vision: {} (a tiny random Qwen2.5-VL) or a Qwen-VL model.checkpoint")
         return

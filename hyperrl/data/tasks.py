@@ -27,11 +27,23 @@ from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
 
-__all__ = ["TASKS", "register_task", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems", "FileTask",
-           "ParquetTask", "PreferenceTask", "make_task", "shapes"]
+__all__ = ["TASKS", "register_task", "TaskCapabilities", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems",
+           "FileTask", "ParquetTask", "PreferenceTask", "make_task", "shapes"]
 
 
-TASKS: Registry = Registry("task")
+@dataclass(frozen=True)
+class TaskCapabilities:
+    """What a task factory does beyond prompts and rewards — declared where it registers
+    (``register_task(name, capabilities=TaskCapabilities(...))``), never probed: ``takes_images`` — it is called
+    ``(tokenizer, seed, image_processor)`` with the model's image processor (None for a text model), and built
+    with one its samples carry images (``task.vision(sample)``); ``needs_images`` — a text model is refused at
+    load."""
+
+    takes_images: bool = False
+    needs_images: bool = False
+
+
+TASKS: Registry = Registry("task", capabilities=TaskCapabilities())
 register_task = TASKS.register
 
 
@@ -451,7 +463,7 @@ FILE_TASK_SETTINGS = {"rollout.max_new_tokens": 512, "rollout.prompts_per_step":
                       "run.steps": 500, "run.eval_prompts": 64, "run.ckpt_every": 50, "run.keep_last_k": 3}
 
 
-@register_task("shapes", produces=("reward",))
+@register_task("shapes", produces=("reward",), capabilities=TaskCapabilities(takes_images=True, needs_images=True))
 def shapes(tokenizer, seed: int, image_processor=None, *, grid: int = 2, cell: int = 28, colours: str = "rgby",
            questions: tuple[Literal["colour", "count"], ...] = ("colour",), held_out_frac: float = 0.2,
            split_seed: int = 0, rewards: tuple[RewardName, ...] = ("digit_match", "exact_answer")):
@@ -479,9 +491,6 @@ def shapes(tokenizer, seed: int, image_processor=None, *, grid: int = 2, cell: i
                       seed, _reward_fns(rewards, "task.rewards"))
 
 
-shapes.takes_images = True  # the composition root passes the model's image processor
-shapes.needs_images = True  # … and a text model is refused at load
-
 
 @register_task("parquet", produces=("reward",), settings=FILE_TASK_SETTINGS)
 def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
@@ -491,7 +500,8 @@ def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
     return FileTask(tokenizer, path, val_path, rewards, seed=seed)
 
 
-@register_task("files", produces=("reward",), settings=FILE_TASK_SETTINGS)
+@register_task("files", produces=("reward",), settings=FILE_TASK_SETTINGS,
+               capabilities=TaskCapabilities(takes_images=True))
 def files(tokenizer, seed: int, image_processor=None, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
           rewards: tuple[RewardName, ...] = ("gsm8k_exact",), prompt_key: str = "prompt", max_prompt_length: int = 0,
           overlong_prompts: Literal["error", "filter", "truncate"] = "error",
@@ -505,8 +515,6 @@ def files(tokenizer, seed: int, image_processor=None, *, train_files: tuple[str,
         return VisionFileTask(tokenizer, image_processor, list(train_files), list(val_files) or None, rewards, **kw)
     return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, **kw)
 
-
-files.takes_images = True  # a vision-language model's rows carry images
 
 
 class PreferenceTask:
@@ -572,8 +580,8 @@ def preference(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files:
 
 def make_task(spec, tokenizer, seed: int, image_processor=None):
     """Build the task a config section ``{name, **hyperparams}`` names (see :mod:`hyperrl.config`); a task whose
-    factory ``takes_images`` gets the model's ``image_processor``."""
+    factory declared ``takes_images`` (:class:`TaskCapabilities`) gets the model's ``image_processor``."""
     fn = TASKS.build(spec.name, **spec.args)
-    if getattr(TASKS.factory(spec.name).fn, "takes_images", False):
+    if TASKS.factory(spec.name).capabilities_for().takes_images:
         return fn(tokenizer, seed, image_processor)
     return fn(tokenizer, seed)

@@ -3,6 +3,7 @@
 from hyperrl.envs.base import (
     ENVIRONMENTS,
     AgentProgram,
+    EnvCapabilities,
     Environment,
     Episode,
     EpisodeBuilder,
@@ -27,7 +28,8 @@ from hyperrl.envs.tools import (
 )
 
 __all__ = [
-    "Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder", "Limits",
+    "Environment", "EnvCapabilities", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram",
+    "EpisodeBuilder", "Limits",
     "Episode", "episodes_batch", "run_episodes", "stack_episodes",
     "CalculatorCopyEnv", "GSM8KCalculatorEnv", "SearchEnv", "ToolChatEnv",
     "TOOLS", "Tool", "ToolResult", "ToolRunner",

@@ -27,8 +27,8 @@ from hyperrl.sampling import SamplingParams
 from hyperrl.tokenizer import decode_response, encode_prompt, encode_text, observation_ids
 from hyperrl.trajectory import NO_VERSION, stack_episodes
 
-__all__ = ["Environment", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram", "EpisodeBuilder",
-           "Limits", "Episode", "episodes_batch", "run_episodes", "stack_episodes"]
+__all__ = ["Environment", "EnvCapabilities", "StepResult", "ENVIRONMENTS", "register_environment", "AgentProgram",
+           "EpisodeBuilder", "Limits", "Episode", "episodes_batch", "run_episodes", "stack_episodes"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,31 @@ class StepResult:
     info: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EnvCapabilities:
+    """What an environment does beyond ``reset`` / ``step`` — declared where it registers
+    (``register_environment(name, capabilities=EnvCapabilities(...))``), never probed on the built object:
+
+    * ``reports_success`` — the step that ends an episode carries ``info["success"]``; its batches then carry
+      ``success`` ``[B]`` (0 for an episode cut by a limit before it ended);
+    * ``takes_tools`` — built with the run's tools (``tools:``, MCP servers) as its first argument;
+    * ``scores_final_turn`` — the configured rewards judge the final response (rows carry ``final_turn``);
+    * ``owns_loop`` — an agent that runs its own loop behind the gateway (``bind`` / ``close``), not turn by turn.
+    """
+
+    reports_success: bool = False
+    takes_tools: bool = False
+    scores_final_turn: bool = False
+    owns_loop: bool = False
+
+
 @runtime_checkable
 class Environment(Protocol):
     """``step``'s ``info`` may carry ``tool_calls`` (calls made this step: the tool-call rate) and,
     on the step that ends the episode, ``success`` (the task solved, whatever reward shaping adds:
-    the held-out success rate). An environment that reports success sets the class attribute
-    ``reports_success = True``; its batches then carry ``success`` ``[B]`` (0 for an episode cut
-    by a limit before it ended)."""
+    the held-out success rate) — for an environment registered with
+    ``capabilities=EnvCapabilities(reports_success=True)`` (:class:`EnvCapabilities`). An optional ``tools``
+    member holds the tool schemas the chat template renders in the first prompt (None: none)."""
 
     def reset(self, sample: Any) -> str | list:
         """Start an episode; returns the initial prompt text or chat messages."""
@@ -58,8 +76,24 @@ class Environment(Protocol):
         """React to the policy's decoded action text."""
 
 
-ENVIRONMENTS: Registry = Registry("environment")
-register_environment = ENVIRONMENTS.register
+ENVIRONMENTS: Registry = Registry("environment", capabilities=EnvCapabilities())
+_CAPABILITY_ATTRS = ("reports_success", "takes_tools", "scores_final_turn", "owns_loop")
+
+
+def register_environment(name: str, *, capabilities: EnvCapabilities | None = None, **kw):
+    """Decorator: register an environment factory (a class or a function ``(**hyperparams) -> env``) under ``name``
+    with what it can do (:class:`EnvCapabilities`; none declared: none). A class still carrying an earlier
+    release's capability attribute (``reports_success = True``, …) is refused naming the declaration to write, so a
+    capability is never silently lost."""
+    def deco(fn):
+        old = [a for a in _CAPABILITY_ATTRS if a in vars(fn)] if isinstance(fn, type) else []
+        if old:
+            raise TypeError(f"environment {name!r}: declare {', '.join(old)} at registration — "
+                            f"register_environment({name!r}, capabilities=EnvCapabilities("
+                            f"{', '.join(f'{a}=True' for a in old)})) — not as class attributes")
+        return ENVIRONMENTS.register(name, capabilities=capabilities, **kw)(fn)
+
+    return deco
 
 
 @runtime_checkable
@@ -126,11 +160,13 @@ class Episode:
     ``stops``: the ids that end a turn (decoding cuts there); ``uid``: the episode's sample_uid."""
 
     def __init__(self, env, sample, tokenizer, limits: Limits, stops: tuple[int, ...] = (), *, group_id: int = 0,
-                 uid: int | None = None, max_new_tokens: int = 1 << 30):
+                 uid: int | None = None, max_new_tokens: int = 1 << 30,
+                 capabilities: EnvCapabilities = EnvCapabilities()):
         self.env, self.tok, self.limits, self.stops = env, tokenizer, limits, tuple(stops)
         self.group_id, self.uid, self.max_new_tokens = group_id, uid, max_new_tokens
+        self.capabilities = capabilities  # the environment's, as registered
         first = env.reset(sample)
-        self.tools = getattr(env, "tools", None)
+        self.tools = getattr(env, "tools", None)  # optional member: tool schemas the chat template renders
         self.builder = EpisodeBuilder(encode_prompt(tokenizer, first, tools=self.tools))
         self.chat = list(first) if isinstance(first, list) else None  # the conversation so far
         self.versions: list[int] = [NO_VERSION] * len(self.builder)
@@ -202,7 +238,7 @@ class Episode:
             row["sample_uid"] = self.uid
         if self.routes is not None and not self._routes_lost:
             row["routes"] = self.routes
-        if getattr(self.env, "scores_final_turn", False):  # the configured rewards judge the final response
+        if self.capabilities.scores_final_turn:  # the configured rewards judge the final response
             row["final_turn"] = next((s for kind, s, _ in reversed(self.builder.segments) if kind == "action"), 0)
         return row
 
@@ -212,7 +248,7 @@ def episodes_batch(episodes: list[Episode], pad_id: int) -> TensorDict:
     ``success`` ``[B]`` when the environment reports it."""
     batch = stack_episodes([e.row() for e in episodes], pad_id)
     batch = batch.set("tool_calls", torch.tensor([e.calls for e in episodes], dtype=torch.int64))
-    if episodes and getattr(episodes[0].env, "reports_success", False):
+    if episodes and episodes[0].capabilities.reports_success:
         batch = batch.set("success", torch.tensor([float(e.success) for e in episodes], dtype=torch.float32))
     return batch
 
@@ -230,7 +266,8 @@ def _step_all(jobs, pool) -> None:
 
 def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingParams, *, n: int = 1,
                  limits: Limits = Limits(), group_offset: int = 0, uids: list[int] | None = None,
-                 generate_turns=None, concurrency: int = 32) -> tuple[TensorDict, list[EpisodeBuilder]]:
+                 generate_turns=None, concurrency: int = 32, capabilities: EnvCapabilities = EnvCapabilities()
+                 ) -> tuple[TensorDict, list[EpisodeBuilder]]:
     """Drive ``n`` multi-turn episodes per sample, batched across active episodes each turn.
 
     Each turn the engine continues every active episode from its full token context (prompt,
@@ -243,13 +280,15 @@ def run_episodes(engine, make_env, samples: list, tokenizer, sampling: SamplingP
     ``generate_turns(calls, turn)``: how a turn is generated — ``calls`` are ``(uid, context ids,
     max_new_tokens, group id)`` → a ``generate_requests``-style batch, a row per call (a keyed engine's
     requests: each turn's tokens independent of the batch); None: ``engine.generate`` on the whole
-    turn, budgeted by the tightest episode. Returns the trajectory batch and the builders (their
+    turn, budgeted by the tightest episode. ``capabilities``: the environment's, as registered
+    (:class:`EnvCapabilities`). Returns the trajectory batch and the builders (their
     ``segments`` record exactly which tokens came from where).
     """
     if uids is not None and len(uids) != len(samples) * n:
         raise ValueError(f"uids: {len(uids)} for {len(samples)} samples × n={n}")
     episodes = [Episode(make_env(), s, tokenizer, limits, sampling.stops, group_id=group_offset + i,
-                        uid=None if uids is None else uids[i * n + j], max_new_tokens=sampling.max_new_tokens)
+                        uid=None if uids is None else uids[i * n + j], max_new_tokens=sampling.max_new_tokens,
+                        capabilities=capabilities)
                 for i, s in enumerate(samples) for j in range(n)]
     longest = max((len(e.builder) for e in episodes), default=0)
     if longest >= limits.max_episode_tokens:  # nothing could be generated: say so, never train on prompts alone

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator
 
-from hyperrl.envs.base import StepResult, register_environment
+from hyperrl.envs.base import EnvCapabilities, StepResult, register_environment
 from hyperrl.envs.tools import (
     BM25Index,
     ToolFormatName,
@@ -44,7 +44,7 @@ def _copy_format(name: str) -> str:
         raise ValueError(f"{e}; or 'compact'") from None
 
 
-@register_environment("calculator_copy")
+@register_environment("calculator_copy", capabilities=EnvCapabilities(reports_success=True))
 class CalculatorCopyEnv:
     """Arithmetic the policy cannot do in its head (task ``products``): it must call the calculator
     and copy the result into its answer. At most ``max_calls`` calls; the first response without a
@@ -61,7 +61,6 @@ class CalculatorCopyEnv:
     makes the rare first calls pay before copying is learned; 0 turns it off). ``info["success"]``:
     the answer is exact (the held-out success rate), whatever the shaping."""
 
-    reports_success = True
 
     def __init__(self, *, format: Annotated[str, AfterValidator(_copy_format)] = "compact", call_reward: float = 0.1,
                  max_calls: int = 1):
@@ -129,7 +128,7 @@ class _ToolTurns:
         return 0.0
 
 
-@register_environment("gsm8k_calculator")
+@register_environment("gsm8k_calculator", capabilities=EnvCapabilities(reports_success=True))
 class GSM8KCalculatorEnv(_ToolTurns):
     """The model may call the calculator — ``format="hyperrl"``: ``<tool>{"name": "calculator",
     "arguments": {"expression": ...}}</tool>``, each result back as ``<result>…</result>``;
@@ -138,7 +137,6 @@ class GSM8KCalculatorEnv(_ToolTurns):
     call; reward = GSM8K exact match of that final response (``#### n`` or the last number), plus
     ``invalid_reward`` per failed tool call; ``info["success"]``: that exact match."""
 
-    reports_success = True
 
     def __init__(self, *, invalid_reward: float = 0.0, max_calls_per_turn: int = 2, format: ToolFormatName = "hyperrl"):
         self.runner = ToolRunner({"calculator": calculator_tool}, max_calls_per_turn=max_calls_per_turn, fmt=format)
@@ -154,7 +152,7 @@ class GSM8KCalculatorEnv(_ToolTurns):
         return self.invalid_reward * sum(not r.ok for r in results)
 
 
-@register_environment("tool_chat")
+@register_environment("tool_chat", capabilities=EnvCapabilities(takes_tools=True, scores_final_turn=True))
 class ToolChatEnv(_ToolTurns):
     """A chat with the run's tools (``tools:`` — MCP servers' and registered tools): the model calls
     them in its format (``hermes``: through the chat template, which lists their JSON schemas; each
@@ -163,8 +161,6 @@ class ToolChatEnv(_ToolTurns):
     that final response (the environment adds 0); ``tool_calls`` counts the calls. ``tools`` is the
     run's, given by the loop (not a hyperparameter)."""
 
-    takes_tools = True
-    scores_final_turn = True
 
     def __init__(self, tools: dict | None = None, *, format: ToolFormatName = "hermes", max_calls_per_turn: int = 4):
         if not tools:
@@ -183,7 +179,6 @@ class SearchEnv(_ToolTurns):
     passages in ``<result>``; ``<answer>…</answer>`` ends the episode with exact-match reward
     (``info["success"]``)."""
 
-    reports_success = True
 
     def __init__(self, index: BM25Index, *, k: int = 2, format: str = "hyperrl"):
         self.runner = ToolRunner({"search": make_search_tool(index, k=k)}, max_calls_per_turn=1, fmt=format)
@@ -206,7 +201,7 @@ def _index(corpus: str, text_key: str) -> BM25Index:
     return BM25Index.from_jsonl(corpus, text_key=text_key)
 
 
-@register_environment("search_r1")
+@register_environment("search_r1", capabilities=EnvCapabilities(reports_success=True))
 def search_r1(*, corpus: str, k: int = 2, text_key: str = "text", format: ToolFormatName = "hyperrl") -> SearchEnv:
     """Search-R1 over a JSONL ``corpus`` (one document per line, its text under ``text_key``);
     the BM25 index is built once per file and shared by every episode. ``format``: the tool-call

@@ -181,12 +181,13 @@ class AsyncCollector:
             return []
         if not self.episodic:
             sample = self._sample(unit.key)
-            vision = self.task.vision(sample) if hasattr(self.task, "vision") else None  # a visual task's images
+            vision = self.task.vision(sample) if self.generator.vision else None  # a visual task's images
             prompt = tuple(self.task.encode(sample))
             return [Request(u, prompt, unit.key, vision=vision) for u in self._uids(unit)]
         sp, limits = self.generator.sampling(0), self.generator.limits()
         eps = [Episode(self.generator.make_env(), self._sample(unit.key), self.generator.tok, limits, sp.stops,
-                       group_id=unit.key, uid=u, max_new_tokens=sp.max_new_tokens) for u in self._uids(unit)]
+                       group_id=unit.key, uid=u, max_new_tokens=sp.max_new_tokens,
+                       capabilities=self.generator.env_capabilities) for u in self._uids(unit)]
         self._unit_eps[unit.uid] = eps
         return [self._turn(unit.uid, e) for e in eps]
 
@@ -523,7 +524,7 @@ class AsyncCollector:
     def _restarts(self) -> int:
         """Worker restarts so far: each worker's own count where it keeps one (a Ray worker counts every
         restart — those of a publication's commit too), else the ones this collector made."""
-        counts = [w.restarts for w in self.workers if isinstance(getattr(w, "restarts", None), int)]
+        counts = [w.restarts for w in self.workers if w.restarts is not None]
         return max(sum(counts), self.restarts) if counts else self.restarts
 
     def stop_workers(self) -> None:

@@ -31,13 +31,20 @@ def stop_ids_of(policy) -> tuple[int, ...]:
 class Generator:
     """Prompts → rows. ``rollout`` is the config's ``rollout`` section (read: max_new_tokens,
     temperature, top_p, top_k, max_turns, max_obs_tokens, max_episode_tokens); ``seed`` the run's;
-    ``make_env`` an environment factory (multi-turn) or None; ``agent`` a bound
-    :class:`~hyperrl.agents.AgentEnvironment` or None; ``toolbox`` the run's ``tools:`` (closed with it)."""
+    ``make_env`` an environment factory (multi-turn) or None, ``env_capabilities`` what it declared at
+    registration (:class:`~hyperrl.envs.EnvCapabilities`); ``agent`` a bound
+    :class:`~hyperrl.agents.AgentEnvironment` or None; ``toolbox`` the run's ``tools:`` (closed with it);
+    ``vision``: the task's samples carry images (``task.vision(sample)``: a task declaring ``takes_images``,
+    built with the model's image processor)."""
 
     def __init__(self, engine, task, tokenizer, rollout, *, seed: int, stop_ids: tuple[int, ...] = (),
-                 make_env=None, agent=None, toolbox=None):
+                 make_env=None, env_capabilities=None, agent=None, toolbox=None, vision: bool = False):
+        from hyperrl.envs import EnvCapabilities
+
         self.engine, self.task, self.tok, self.rollout = engine, task, tokenizer, rollout
         self.seed, self.stop_ids, self.make_env, self.agent = seed, tuple(stop_ids), make_env, agent
+        self.env_capabilities = env_capabilities or EnvCapabilities()
+        self.vision = vision
         self.toolbox = toolbox
         self.stats: dict[str, float] = {}
 
@@ -104,11 +111,12 @@ class Generator:
                 turns = functools.partial(self.generate_turns, dataclasses.replace(sampling, seed=sampling.seed - step))
             batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=self.limits(),
                                     group_offset=group_offset, uids=uids, generate_turns=turns,
-                                    concurrency=self.rollout.max_concurrent_episodes)
+                                    concurrency=self.rollout.max_concurrent_episodes,
+                                    capabilities=self.env_capabilities)
             return batch
         prompts = [self.task.encode(s) for s in samples]
         # a visual task: each prompt's images (its placeholders are in its ids), carried by its rows
-        vision = [self.task.vision(s) for s in samples] if hasattr(self.task, "vision") else None
+        vision = [self.task.vision(s) for s in samples] if self.vision else None
         if uids is not None and self.engine.capabilities.keyed:
             reqs = [Request(u, tuple(prompts[i]), group_offset + i, vision=None if vision is None else vision[i])
                     for i, u in zip([i for i in range(len(prompts)) for _ in range(n)], uids)]

@@ -26,5 +26,5 @@ class PolicyPublisher:
     def stats(self) -> dict:
         """The last publication's numbers with ``rollout.delta_publication``: ``delta_frac`` (the fraction of
         the engine's elements whose bits changed), ``publish_bytes`` against ``publish_full_bytes``."""
-        last = getattr(self.publisher, "last", None) or {}
+        last = self.publisher.last
         return {k: v for k, v in last.items() if isinstance(v, int | float)}

@@ -77,7 +77,7 @@ class Scorer:
                 if e.row is None:
                     raise
                 uid = int(batch["sample_uid"][e.row]) if "sample_uid" in batch.keys() else None
-                src = getattr(rows[e.row], "source", None)
+                src = rows[e.row].source  # every sample kind says where it came from
                 raise RewardError(f"{e} (sample_uid {uid}" + (f", prompt {src}" if src else "") + ")",
                                   row=e.row) from e
             comps.append(c)

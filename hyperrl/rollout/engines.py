@@ -14,8 +14,8 @@ from hyperrl.rollout.base import Capabilities
 
 __all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities"]
 
-ENGINES: Registry = Registry("rollout engine")
-register_engine = ENGINES.register
+ENGINES: Registry = Registry("rollout engine", capabilities=Capabilities())
+register_engine = ENGINES.register  # with capabilities=: a function of the engine's arguments → Capabilities
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class EngineSpec:
         return getattr(importlib.import_module(module), name)(**{**self.kwargs, **overrides})
 
 
-@register_engine("transformers")
+@register_engine("transformers", capabilities=lambda share_weights=False, tp=1, dtype=None: Capabilities(
+    keyed=True, resumable=True, shared_weights=share_weights, routes=True))
 def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
     (publication copies — and casts — the trainer's weights into it); ``dtype`` (e.g. bfloat16)
@@ -104,7 +105,10 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
               "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
 
 
-@register_engine("vllm", requires=(("vllm", _VLLM_HINT),))
+@register_engine("vllm", requires=(("vllm", _VLLM_HINT),), capabilities=lambda lora_adapters=False,
+                 routed_experts=False, transport=None, **_: Capabilities(
+                     resumable=True, lora_adapters=lora_adapters, routes=routed_experts,
+                     buffers=(transport or "shm") == "shm" and Path("/dev/shm").is_dir()))
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None, lora_adapters: bool = False,
                 enforce_eager: bool = False, routed_experts: bool = False, transport: str | None = None):
@@ -153,20 +157,9 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     return spec if ctx.remote else spec.build()
 
 
-# What each engine declares it can do, from its config arguments alone — so the config is checked at
-# load (an asynchronous run needs a resumable engine that does not share the trainer's weights)
-# before any engine exists; tests hold each built engine's ``capabilities`` to these.
-_DECLARED = {
-    "transformers": lambda share_weights=False, tp=1, dtype=None: Capabilities(keyed=True, resumable=True,
-                                                                   shared_weights=share_weights, routes=True),
-    "vllm": lambda lora_adapters=False, routed_experts=False, transport=None, **_: Capabilities(
-        resumable=True, lora_adapters=lora_adapters, routes=routed_experts,
-        buffers=(transport or "shm") == "shm" and Path("/dev/shm").is_dir()),
-}
-
-
 def declared_capabilities(name: str, args: dict) -> Capabilities:
-    """The capabilities engine ``name`` built with ``args`` will have (an engine registered
-    without a declaration declares none)."""
-    fn = _DECLARED.get(name)
-    return fn(**args) if fn is not None else Capabilities()
+    """The capabilities engine ``name`` built with ``args`` will have, as it declared them where it registered
+    (``register_engine(name, capabilities=...)``; none declared: none) — so the config is checked at load (an
+    asynchronous run needs a resumable engine that does not share the trainer's weights) before any engine
+    exists; tests hold each built engine's ``capabilities`` to these."""
+    return ENGINES.factory(name).capabilities_for(args) if name in ENGINES else Capabilities()

@@ -158,6 +158,7 @@ class Publisher:
                  fan_out: bool = False):
         self.src, self.dst = cast_to_destination(src, dst), dst
         self.engine, self.rank = engine, rank
+        self.last: dict = {}  # what the last publication sent (see publish)
         self.plan = reshard_plan(self.src, dst, fan_out=fan_out)  # checks compatibility, names listed
         if executor is None and len(self.src.ranks() | dst.ranks()) == 1:
             executor = IdentityExecutor() if _one_to_one(self.plan) else LocalExecutor()

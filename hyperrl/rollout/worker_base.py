@@ -121,6 +121,7 @@ class LocalWorker:
 
     def __init__(self, engine, name: str = "rollout-worker-0"):
         self.engine, self.name, self._flag, self._hold, self.keep_kv = engine, name, threading.Event(), _Hold(), False
+        self.restarts: int | None = None  # it keeps no count (the collector counts the restarts it makes)
 
     def generate_requests(self, requests, sampling, stop_after: int | None = LIVE):
         flag = decode_flag(self._flag, stop_after)

@@ -11,7 +11,7 @@ from hyperrl.agents import AgentEnvironment
 from hyperrl.agents.mcp import MCPError, MCPTools, Toolbox
 from hyperrl.config import ConfigError, load_config
 from hyperrl.data.parquet import Sample
-from hyperrl.envs import Limits, ToolChatEnv, run_episodes
+from hyperrl.envs import ENVIRONMENTS, Limits, ToolChatEnv, run_episodes
 from hyperrl.rollout import SamplingParams, TransformersEngine
 from tests.agents.scripted import ScriptedLM, hermes_script
 from tests.hf_fixtures import bpe_tokenizer
@@ -88,7 +88,8 @@ def test_an_environment_calls_the_mcp_tools_and_rewards_judge_the_final_turn():
         sp = SamplingParams(max_new_tokens=40, eos_id=END, seed=0)
         batch, builders = run_episodes(engine, lambda: ToolChatEnv(box.tools),
                                        [Sample("What is 7 * 8?", "56", "t", {})], TOK, sp, n=1,
-                                       limits=Limits(max_turns=3, max_obs_tokens=64, max_episode_tokens=1200))
+                                       limits=Limits(max_turns=3, max_obs_tokens=64, max_episode_tokens=1200),
+                                       capabilities=ENVIRONMENTS.factory("tool_chat").capabilities_for())
     finally:
         box.close()
     (b,) = builders

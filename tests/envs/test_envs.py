@@ -6,6 +6,7 @@ import torch
 
 from hyperrl.data import PromptDataset, Sample
 from hyperrl.envs import (
+    ENVIRONMENTS,
     BM25Index,
     EpisodeBuilder,
     GSM8KCalculatorEnv,
@@ -134,7 +135,8 @@ def test_example_envs_reward_paths():
     r = env.step('<tool>{"name": "calculator", "arguments": {"expression": "import os"}}</tool>')
     assert r.reward == -0.1 and "error" in r.observation
     r = env.step("so #### 7")
-    assert r.reward == 1.0 and r.info["success"] is True and GSM8KCalculatorEnv.reports_success
+    assert r.reward == 1.0 and r.info["success"] is True
+    assert ENVIRONMENTS.factory("gsm8k_calculator").capabilities_for().reports_success  # declared at registration
     idx = BM25Index.from_jsonl(DATA / "corpus.jsonl")
     s = SearchEnv(idx)
     s.reset(Sample("What is the capital of France?", "Paris", "x:0", {}))
@@ -175,3 +177,31 @@ def test_device_choice():
             pick_device("cuda")
     with pytest.raises(RuntimeError, match="npu"):
         pick_device("npu")
+
+
+def test_environment_capabilities_are_declared_at_registration():
+    """Declared once where the environment registers, read from there: an undeclared one can do nothing extra, and
+    a class still carrying an earlier release's attribute is refused naming the declaration to write."""
+    from hyperrl.envs import EnvCapabilities, register_environment
+
+    assert ENVIRONMENTS.factory("tool_chat").capabilities_for() == EnvCapabilities(takes_tools=True,
+                                                                                   scores_final_turn=True)
+    import hyperrl.agents  # noqa: F401 - registers the "agent" environment
+
+    assert ENVIRONMENTS.factory("agent").capabilities_for().owns_loop
+    try:
+        @register_environment("plain_for_test")
+        class Plain:
+            def reset(self, sample):
+                return ""
+
+        assert ENVIRONMENTS.factory("plain_for_test").capabilities_for() == EnvCapabilities()
+        with pytest.raises(TypeError, match=r"environment 'old_style': declare reports_success at registration — "
+                                            r"register_environment\('old_style', capabilities=EnvCapabilities\("
+                                            r"reports_success=True\)\)"):
+            @register_environment("old_style")
+            class OldStyle:
+                reports_success = True
+        assert "old_style" not in ENVIRONMENTS
+    finally:
+        ENVIRONMENTS.remove("plain_for_test")

@@ -12,7 +12,7 @@ from hyperrl.compose import build_trainer
 from hyperrl.config import load_config
 from hyperrl.data import Sample
 from hyperrl.data.tasks import TASKS, arith_problems
-from hyperrl.envs import CalculatorCopyEnv, Limits, run_episodes
+from hyperrl.envs import ENVIRONMENTS, CalculatorCopyEnv, Limits, run_episodes
 from hyperrl.sampling import SamplingParams
 from hyperrl.tokenizer import char_tokenizer
 from hyperrl.transforms import Normalizer
@@ -83,7 +83,8 @@ def test_native_formats_parse_the_call_and_read_the_last_number():
     sp = SamplingParams(max_new_tokens=64, eos_id=bpe.eos_token_id, seed=0)
     sample = Sample("347*28=", "9716", "t:0", {"expression": "347*28"})
     batch, builders = run_episodes(eng, lambda: CalculatorCopyEnv(format="hermes"), [sample], bpe, sp,
-                                   limits=Limits(max_turns=2, max_episode_tokens=512))
+                                   limits=Limits(max_turns=2, max_episode_tokens=512),
+                                   capabilities=ENVIRONMENTS.factory("calculator_copy").capabilities_for())
     assert batch["tool_calls"].tolist() == [1] and batch["success"].tolist() == [1.0]
     assert float(batch["reward"][0]) == pytest.approx(1.1)  # the exact answer + the call's shaping
     kinds = [k for k, _, _ in builders[0].segments]
