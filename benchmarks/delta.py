@@ -56,7 +56,7 @@ def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "spa
 
     from hyperrl.rollout.engines import ENGINES, EngineContext
     from hyperrl.rollout.publisher import Publisher
-    from hyperrl.rollout.ray_workers import RayEngine
+    from hyperrl.rollout.workers.ray_executor import RayEngine
     from hyperrl.tokenizer import char_tokenizer
 
     policy = _model(layers, seed)

@@ -22,7 +22,7 @@ def _known_errors() -> dict[type, tuple[str, int]]:
     from hyperrl.registry import HyperparameterError
     from hyperrl.rewards import RewardError
     from hyperrl.rollout.base import WeightPublishError
-    from hyperrl.rollout.worker_base import WorkerError
+    from hyperrl.rollout.workers.base import WorkerError
     from hyperrl.sharding.layout import LayoutError
     from hyperrl.sharding.mesh import MeshError
     from hyperrl.sharding.spec import SpecError

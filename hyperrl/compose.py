@@ -49,7 +49,7 @@ from hyperrl.models.policy import (
 from hyperrl.rewards import build_rewards
 from hyperrl.rollout.engines import ENGINES, EngineContext
 from hyperrl.rollout.publisher import Publisher
-from hyperrl.rollout.workers import EXECUTORS, REMOTE_EXECUTORS
+from hyperrl.rollout.workers import EXECUTORS
 
 __all__ = ["build", "build_trainer", "build_models"]
 
@@ -74,7 +74,8 @@ def build_models(cfg: TrainConfig, pipeline, tok, task, device, parallel, dims) 
     if m.lm_head_fp32:  # before the engine and the reference copy it: both sides compute the head in fp32
         fp32_lm_head(policy)
     eng, a = cfg.rollout.engine, getattr(cfg, "async")
-    remote = a.max_staleness is not None and a.executor.name in REMOTE_EXECUTORS  # the workers build the engine
+    remote = a.max_staleness is not None and \
+        EXECUTORS.factory(a.executor.name).capabilities_for(a.executor.args).remote  # the workers build the engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
                         tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None, remote=remote)
     engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)

@@ -385,7 +385,7 @@ def _check_groups(cfg: TrainConfig) -> None:
 
 def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     """The ``async`` section (``max_staleness`` set: the asynchronous loop)."""
-    from hyperrl.rollout.workers import PARKING_EXECUTORS
+    from hyperrl.rollout.workers import EXECUTORS
 
     s, r = getattr(cfg, "async"), cfg.rollout
     if s.max_staleness is None:
@@ -406,7 +406,8 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if s.executor.name == "ray" and r.engine.args.get("lora_adapters"):
         raise ConfigError("rollout.engine.lora_adapters with async.executor=ray: the actors' engines are published "
                           "merged weights (the group has no adapter path); set lora_adapters: false")
-    if s.kv_cache == "keep" and s.schedule == "free" and s.executor.name not in PARKING_EXECUTORS:
+    if s.kv_cache == "keep" and s.schedule == "free" and \
+            not EXECUTORS.factory(s.executor.name).capabilities_for(s.executor.args).parks:
         raise ConfigError(f"async.kv_cache=keep: the {s.executor.name} executor's workers cannot park mid-generation "
                           "(the thread executor's can); use kv_cache: reprefill")
     if s.schedule == "gated" and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hyperrl.registry import Registry
-from hyperrl.rollout.worker_base import LIVE
+from hyperrl.rollout.workers.base import LIVE
 
 __all__ = ["ASYNC_SCHEDULES", "Schedule", "FreeSchedule", "GatedSchedule", "ReplaySchedule", "EventLog",
            "read_event_log", "make_schedule"]

@@ -69,7 +69,7 @@ from hyperrl.loop import admission as A
 from hyperrl.loop.async_schedules import make_schedule
 from hyperrl.loop.collect import Collected, Timer, sample_uid, score_and_shape
 from hyperrl.rollout.requests import Request, resume_requests
-from hyperrl.rollout.worker_base import WorkerDied, WorkerError
+from hyperrl.rollout.workers.base import WorkerDied, WorkerError
 from hyperrl.trajectory import FINISH_REASONS, TrajectoryError, cat_batches, validate
 
 __all__ = ["AsyncCollector", "WorkerError"]
@@ -79,7 +79,7 @@ _ABORTED = FINISH_REASONS.index("aborted")
 
 class AsyncCollector:
     """Rollout workers generating ahead of the learner within the staleness bound (module doc).
-    ``workers``: an executor's :class:`~hyperrl.rollout.worker_base.Workers` (its ``engine`` is
+    ``workers``: an executor's :class:`~hyperrl.rollout.workers.base.Workers` (its ``engine`` is
     the one the trainer publishes to and evaluates with); ``rollout``: the config's section; the
     async settings as the config's ``async`` section checked them at load. ``log``: the event log
     of a free-running run (None: not recorded); ``fresh``: start it anew (a resumed run appends)."""

@@ -10,8 +10,8 @@ from hyperrl.rollout.base import (
 from hyperrl.rollout.engines import ENGINES, EngineContext, register_engine
 from hyperrl.rollout.hf import TransformersEngine, filter_logits
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform, requests_for, resume_requests
-from hyperrl.rollout.worker_base import LocalWorker, WorkerDied, WorkerError, Workers
 from hyperrl.rollout.workers import EXECUTORS, register_executor
+from hyperrl.rollout.workers.base import LocalWorker, WorkerDied, WorkerError, Workers
 
 __all__ = ["ENGINES", "EngineContext", "register_engine", "RolloutEngine", "SamplingParams", "WeightPublishError",
            "WeightTransaction", "TransactionalEngine", "TransformersEngine", "filter_logits",

@@ -319,7 +319,7 @@ def test_deltas_reach_every_actor_and_a_skewed_or_damaged_actor_gets_the_full_we
         _assert_serving_cast(tr)
         # publications go on during a fold: a delta committed meanwhile stays in the chain, a full publication
         # meanwhile makes the fold moot — an actor born after either is exact
-        import hyperrl.rollout.ray_workers as rw
+        import hyperrl.rollout.workers.ray_executor as rw
 
         gate, entered, real = threading.Event(), threading.Event(), rw._from_store
 

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.ray, pytest.mark.slow]
 
 SCRIPT = """
 import os, subprocess, sys
-from hyperrl.rollout.ray_workers import _local_ray, _token_auth
+from hyperrl.rollout.workers.ray_executor import _local_ray, _token_auth
 
 if sys.argv[1] == "before":  # Ray imported (and run) in this process before hyperrl could ask for auth
     import ray

@@ -129,7 +129,7 @@ def test_vllm_resumable_requests_and_the_async_trainer(reports):
     """vLLM's engine loop as resumable requests: aborted mid-generation (``abort_request``), resubmitted as
     prompt + partial token ids, the partial tokens kept with their versions; the AsyncTrainer over it."""
     r = _part(reports, "check_vllm_async")
-    assert r["trainer"] == "AsyncTrainer" and r["engine"] == "VLLMEngine"
+    assert r["collector"] == "AsyncCollector" and r["engine"] == "VLLMEngine"
     assert max(r["staleness"]) <= 1 and r["evicted"] == 0 and r["conservation"] and r["consumed"] == 5 * 4
     assert r["version"] == r["served"] == 5
     assert r["same_twice"]  # one seed per (run seed, uid, partial length): the same request, the same tokens

@@ -37,7 +37,7 @@ def run() -> dict:
                              "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.eval_every=0",
                              "--async.max_staleness=1"])
     tr = build_trainer(cfg)
-    res = {"trainer": type(tr).__name__, "engine": type(tr.engine).__name__}
+    res = {"collector": type(tr.collector).__name__, "engine": type(tr.engine).__name__}
     stale, partial = [], []
     try:
         for _ in range(5):

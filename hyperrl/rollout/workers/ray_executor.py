@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from hyperrl.rollout.base import DeltaError, TransactionalEngine, WeightPublishError
-from hyperrl.rollout.worker_base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
+from hyperrl.rollout.workers.base import LIVE, WorkerDied, WorkerError, Workers, decode_flag
 
 __all__ = ["RayEngine", "RayWorker", "ray_workers"]
 

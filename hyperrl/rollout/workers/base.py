@@ -3,7 +3,7 @@
 A worker is a handle with ``name``, ``generate_requests(requests, sampling, stop_after=LIVE)``,
 ``interrupt()`` / ``resume()`` and ``restart()`` (:mod:`hyperrl.rollout.workers` documents the
 contract and the executors that make workers). :class:`LocalWorker` drives an engine in this
-process; :mod:`hyperrl.rollout.ray_workers` implements the same protocol over Ray actors.
+process; :mod:`hyperrl.rollout.workers.ray_executor` implements the same protocol over Ray actors.
 """
 
 from __future__ import annotations

@@ -18,28 +18,41 @@ An **executor** (registry :data:`EXECUTORS`, config ``async.executor``) turns th
 into a :class:`Workers` set: ``engine`` — what the learner publishes to and evaluates with —
 and the worker handles. ``thread``: the engine itself, in this process (one worker); ``ray``:
 ``workers`` Ray actors, each with its own engine copy, behind one engine that fans a publication
-out to all of them (:mod:`hyperrl.rollout.ray_workers`).
+out to all of them (:mod:`hyperrl.rollout.workers.ray_executor`).
+
+The package: this module is the registry (:data:`EXECUTORS`, each executor declaring its
+:class:`ExecutorCapabilities` where it registers); :mod:`.base` the worker contract, the
+:class:`Workers` set, the in-process :class:`LocalWorker` and the errors; :mod:`.ray_executor` the
+Ray executor (actors, the fan-out engine, restarts).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hyperrl.registry import Registry
-from hyperrl.rollout.worker_base import LIVE, LocalWorker, WorkerDied, WorkerError, Workers, decode_flag
+from hyperrl.rollout.workers.base import LIVE, LocalWorker, WorkerDied, WorkerError, Workers, decode_flag
 
-__all__ = ["EXECUTORS", "register_executor", "PARKING_EXECUTORS", "REMOTE_EXECUTORS", "Workers", "LocalWorker",
-           "WorkerError", "WorkerDied", "LIVE", "decode_flag"]
+__all__ = ["EXECUTORS", "register_executor", "ExecutorCapabilities", "Workers", "LocalWorker", "WorkerError",
+           "WorkerDied", "LIVE", "decode_flag"]
 
 
-EXECUTORS: Registry = Registry("rollout executor")
+@dataclass(frozen=True)
+class ExecutorCapabilities:
+    """What an executor's workers can do, declared where it registers (known at load, before any worker exists):
+    ``parks`` — park a generation with its KV cache kept (``async.kv_cache: keep``); ``remote`` — build engines in
+    their own processes (the run's engine factory describes its engine — an ``EngineSpec`` — instead of starting
+    one in the learner's process)."""
+
+    parks: bool = False
+    remote: bool = False
+
+
+EXECUTORS: Registry = Registry("rollout executor", capabilities=ExecutorCapabilities())
 register_executor = EXECUTORS.register
-# executors whose workers can park a generation with its KV cache kept (async.kv_cache: keep), known at load
-PARKING_EXECUTORS = frozenset({"thread"})
-# executors whose workers build engines in their own processes: the run's engine factory may describe its engine
-# (an EngineSpec) instead of starting one in the learner's process
-REMOTE_EXECUTORS = frozenset({"ray"})
 
 
-@register_executor("thread")
+@register_executor("thread", capabilities=ExecutorCapabilities(parks=True))
 def thread_executor(engine) -> Workers:
     """One rollout worker: a thread of the learner's process driving the run's engine (no copy; the
     learner publishes into it; the thread uses ``run.threads`` torch threads of its own)."""
@@ -49,7 +62,7 @@ def thread_executor(engine) -> Workers:
 _RAY_HINT = "pip install -c constraints.txt -e '.[async]' (Ray is the async extra)"
 
 
-@register_executor("ray", requires=(("ray", _RAY_HINT),))
+@register_executor("ray", requires=(("ray", _RAY_HINT),), capabilities=ExecutorCapabilities(remote=True))
 def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: int = 1, address: str | None = None,
                  max_restarts: int = 10, timeout_s: float = 120.0) -> Workers:
     """``workers`` Ray actors (``num_cpus`` each, spread over the cluster's nodes, ``threads`` torch
@@ -62,7 +75,7 @@ def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: in
     (``"auto"``, ``"ray://…"``); None = the already-initialised Ray, else a local one started
     with ``num_cpus = workers · num_cpus``. ``timeout_s``: deadline of every call (start,
     publication)."""
-    from hyperrl.rollout.ray_workers import ray_workers
+    from hyperrl.rollout.workers.ray_executor import ray_workers
 
     return ray_workers(engine, workers=workers, num_cpus=num_cpus, threads=threads, address=address,
                        max_restarts=max_restarts, timeout_s=timeout_s)
