@@ -138,6 +138,13 @@ def _check_preference(cfg: TrainConfig, needs) -> None:
             raise ConfigError(f"{said} with {key}: {what} has no place in a preference run; unset {key}")
 
 
+def _env_capabilities(cfg: TrainConfig):
+    """The configured environment's declared capabilities (none without an environment)."""
+    from hyperrl.envs import ENVIRONMENTS, EnvCapabilities
+
+    return ENVIRONMENTS.factory(cfg.env.name).capabilities_for() if cfg.env is not None else EnvCapabilities()
+
+
 def _check_agent(cfg: TrainConfig) -> None:
     """``tools:`` registered; ``env: {name: agent}``: one of program / command, the program importable
     (taking ``tools`` only when some are configured), a CLI agent judged; ``tool_chat``: tools and rewards."""
@@ -147,10 +154,13 @@ def _check_agent(cfg: TrainConfig) -> None:
         if t.name is not None and t.name not in TOOLS:
             raise ConfigError(f"tools[{i}].name: unknown tool {t.name!r}; registered: {TOOLS.names()} (or an MCP "
                               "server: {mcp: [command, args…]})")
-    if cfg.env is not None and cfg.env.name == "tool_chat" and (not cfg.tools or not cfg.rewards):
-        raise ConfigError("env.name: environment 'tool_chat' needs tools: (what the model may call, e.g. [{mcp: "
-                          "[python, -m, my_server]}]) and rewards: (what judges its final response)")
-    if cfg.env is None or cfg.env.name != "agent":
+    caps = _env_capabilities(cfg)
+    if (caps.takes_tools and not cfg.tools) or (caps.scores_final_turn and not cfg.rewards):
+        need = [what for what, on in (("tools: (what the model may call, e.g. [{mcp: [python, -m, my_server]}])",
+                                       caps.takes_tools),
+                                      ("rewards: (what judges its final response)", caps.scores_final_turn)) if on]
+        raise ConfigError(f"env.name: environment {cfg.env.name!r} needs {' and '.join(need)}")
+    if not caps.owns_loop:  # the rest is an agent program's (an environment that owns its loop)
         return
     from hyperrl.agents.programs import AgentEnvironment
     from hyperrl.agents.runner import positional_params
@@ -357,9 +367,9 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
     if m.gradient_checkpointing:
         raise ConfigError(f"{said} with model.gradient_checkpointing: the backward's recompute would route by "
                           "itself, not replay; set gradient_checkpointing: false")
-    if cfg.env is not None and cfg.env.name == "agent":
-        raise ConfigError(f"{said} with env=agent: the gateway's rows do not carry routed_experts yet; routing "
-                          "replay runs tasks and environments (env: calculator, …), not agent programs")
+    if _env_capabilities(cfg).owns_loop:
+        raise ConfigError(f"{said} with env={cfg.env.name}: the gateway's rows do not carry routed_experts yet; "
+                          "routing replay runs tasks and environments (env: calculator, …), not agent programs")
 
 
 def _check_groups(cfg: TrainConfig) -> None:
