@@ -167,9 +167,7 @@ def baseline_reward(ctx: PrepareContext, batch: TensorDict) -> torch.Tensor:
 def teacher_logprobs(ctx: PrepareContext, batch: TensorDict) -> torch.Tensor:
     """The teachers' log-probs of the batch's tokens ``[B, T]`` (micro-batched like the reference's): one teacher
     for every row, or — multi-teacher — each row's ``data_source``'s (its prompt's ``extra``)."""
-    f, teachers = ctx.forwards, ctx.teachers
-    if not teachers:
-        raise ValueError("teacher_logprobs: no teacher was built; set algo.distill.teacher")
+    f, teachers = ctx.forwards, ctx.teachers  # at least one: the preparer refuses a pipeline that needs them without
     if None in teachers:
         return f.no_grad(lambda rows: f.logprobs(teachers[None], rows), batch)[0]
     prompts = ctx.prompts("teacher_logprobs")

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from hyperrl import transforms as T
-from hyperrl.algorithms import KEY_PROVIDERS, Term, term
+from hyperrl.algorithms import KEY_PROVIDERS, LOSS_TERMS, Term, term
 
 __all__ = ["Pipeline", "build_pipeline"]
 
@@ -85,8 +85,6 @@ def _terms(algo, needs) -> tuple[Term, ...]:
 
 def build_pipeline(algo) -> Pipeline:
     """Bind every component of a resolved ``algo`` section (see :func:`resolve`)."""
-    from hyperrl.algorithms import LOSS_TERMS
-
     shaping = [T.SHAPING.factory(s.name) for s in algo.shaping]
     adv = T.ADVANTAGES.factory(algo.advantage.name)
     obj = T.OBJECTIVES.factory(algo.objective.name)
