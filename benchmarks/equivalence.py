@@ -45,6 +45,8 @@ JOBS: dict[str, list[str]] = {
     "moe_r3_kl": ["--config=configs/moe.yaml", "--algo.routing_replay=r3", "--algo.kl.coef=0.05", "--run.steps=6"],
     "vision": ["--config=configs/vision.yaml", "--run.steps=4", "--run.eval_prompts=32"],
     "calculator": ["--config=configs/calculator.yaml", "--run.steps=4"],
+    "calculator_gated": ["--config=configs/calculator.yaml", "--async.max_staleness=1", "--async.schedule=gated",
+                         "--run.steps=4"],
     # the agents' engine calls batch their requests as they arrive (agent_engine_calls varies run to run), so the
     # rollout's log-probs differ by float rounding: compared at 5 significant digits without the mismatch metrics
     "agent": ["--config=configs/calculator_agent.yaml", "--run.steps=3", "--rollout.prompts_per_step=8"],

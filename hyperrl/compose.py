@@ -26,6 +26,7 @@ from hyperrl.envs import ENVIRONMENTS, EnvCapabilities
 from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.loop.collect import SyncCollector
 from hyperrl.loop.collect_async import AsyncCollector
+from hyperrl.loop.drivers import make_driver
 from hyperrl.loop.evaluate import Evaluator
 from hyperrl.loop.generation import Generator, stop_ids_of
 from hyperrl.loop.learner import Learner, Optimized
@@ -112,7 +113,7 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     dims = ParallelDims.from_config(cfg.run)
     parallel = make_parallel(dims)
     policy, engine, reference, critic = build_models(cfg, pipeline, tok, task, device, parallel, dims)
-    make_env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
+    env = ENVIRONMENTS.build(cfg.env.name, **cfg.env.args) if cfg.env is not None else None
     env_caps = ENVIRONMENTS.factory(cfg.env.name).capabilities_for() if cfg.env is not None else EnvCapabilities()
     rewards = build_rewards(cfg.rewards) if cfg.rewards else None
     toolbox = Toolbox([t.model_dump() for t in cfg.tools]) if cfg.tools else None  # MCP servers start here
@@ -121,22 +122,23 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     trainer = trainer or Trainer
     if is_moe(policy):  # the router's load-balancing term, from the update's own forward
         pipeline = pipeline.with_terms(term("router", coef=cfg.model.router_aux_loss_coef))
-    workers = agent = None
+    workers = driver = None
     try:
         if asynchronous:
             workers = EXECUTORS.build(a.executor.name, **a.executor.args)(engine)
             engine = workers.engine  # the learner publishes to (and evaluates with) the executor's engine
         if env_caps.takes_tools:
-            make_env = functools.partial(make_env, toolbox.tools if toolbox is not None else None)
+            env = functools.partial(env, toolbox.tools if toolbox is not None else None)
         if env_caps.owns_loop:  # an agent: one environment serving the engine through its gateway
-            agent, make_env = _bind_agent(cfg, make_env(), engine, tok, policy, rewards is not None, toolbox), None
+            env = _bind_agent(cfg, env(), engine, tok, policy, rewards is not None, toolbox)
+        driver = make_driver(env, env_caps)  # the kind of rollout, chosen once
         return _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, reference, critic, parallel,
-                         make_env, env_caps, agent, rewards, workers, hooks, toolbox)
+                         driver, rewards, workers, hooks, toolbox)
     except BaseException:
         if workers is not None:
             workers.close()
-        if agent is not None:  # a bound agent's gateway
-            agent.close()
+        if driver is not None:  # a bound agent's gateway
+            driver.close()
         if toolbox is not None:
             toolbox.close()
         raise
@@ -152,8 +154,8 @@ def _bind_agent(cfg: TrainConfig, agent, engine, tok, policy, has_rewards: bool,
                       tool_sources=[t.model_dump() for t in cfg.tools])
 
 
-def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, reference, critic, parallel, make_env,
-              env_caps, agent, rewards, workers, hooks, toolbox=None) -> Trainer:
+def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, reference, critic, parallel, driver,
+              rewards, workers, hooks, toolbox=None) -> Trainer:
     """The trainer's collaborators — learner, publisher, checkpointer, KL controller, generator,
     scorer, evaluator, collector — and the trainer over them."""
     o, a, r = cfg.optim, cfg.algo, cfg.rollout
@@ -172,9 +174,9 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
                                 delta=r.delta_encoding if r.delta_publication else False)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)
     stop_ids = stop_ids_of(policy)
-    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids, make_env=make_env,
-                          env_capabilities=env_caps, agent=agent, toolbox=toolbox, vision=vision)
-    scorer = Scorer(tok, task, rewards=rewards, multi_turn=make_env is not None or agent is not None,
+    generator = Generator(engine, task, tok, r, seed=cfg.run.seed, stop_ids=stop_ids, driver=driver, toolbox=toolbox,
+                          vision=vision)
+    scorer = Scorer(tok, task, rewards=rewards, multi_turn=driver.multi_turn,
                     stop_ids=stop_ids, token_rewards="token_rewards" in pipeline.needs)
     evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
     forwards = Forwards(cfg, parallel, next(policy.parameters()).device)

@@ -17,12 +17,12 @@ def kill_and_resume(make, steps: int = 3, after_resume=None):
     assert state["live"], "nothing was in flight at the checkpoint: the test would prove nothing"
     b = make()
     try:
-        assert b.resume() and b.step_idx == steps and b.collector._next_key == state["next_key"]
+        assert b.resume() and b.step_idx == steps and b.collector.queue.next_key == state["next_key"]
         if after_resume is not None:
             after_resume(b)
         for _ in range(steps):
             b.step()
-        live_end = {u.key for u in b.collector.buffer.units} | set(b.collector._requeue)
+        live_end = {u.key for u in b.collector.queue.buffer.units} | set(b.collector.queue.requeue)
     finally:
         b.close()
     return a, b, state, live_end
@@ -40,7 +40,7 @@ def assert_every_sample_trained_once(cfg, a, b, state, live_end, steps: int = 3)
     assert len(uids) == len(set(uids)) == 2 * steps * P * n
     trained = {(u // stride) * P + (u // n) % P for u in uids}
     assert set(state["live"]) <= trained | live_end
-    assert trained | live_end == set(range(b.collector._next_key))
+    assert trained | live_end == set(range(b.collector.queue.next_key))
 
 
 def assert_trained_once_within_eta(trained, rows: int, eta: int) -> None:

@@ -1,6 +1,7 @@
 """The asynchronous collector's schedules: how rollout workers take requests, and what a pause
 (before a publication or an evaluation) waits for. Small objects, one per mode, called by
-:class:`~hyperrl.loop.collect_async.AsyncCollector` under its lock (``c`` is the collector):
+:class:`~hyperrl.loop.collect_async.AsyncCollector` under the lock of its queue (``q``, an
+:class:`~hyperrl.loop.async_queue.AsyncQueue`):
 
 * :class:`FreeSchedule` (``async.schedule: free``) — each call takes an even share of what waits;
   a pause interrupts running generations (their rows resume from their exact partial tokens);
@@ -66,16 +67,16 @@ class Schedule(ABC):
     interrupts = False
     records = False
 
-    def can_take(self, c) -> bool:
+    def can_take(self, q) -> bool:
         """Is there a call for a worker to make now?"""
-        return bool(c._pending)
+        return bool(q.pending)
 
     @abstractmethod
-    def take(self, c) -> tuple[list, int, dict | None]:
-        """A worker's call: its requests (removed from ``c._pending``), ``stop_after``, and the
+    def take(self, q) -> tuple[list, int, dict | None]:
+        """A worker's call: its requests (removed from ``q.pending``), ``stop_after``, and the
         recorded call it replays (None)."""
 
-    def drain(self, c, what: str, drain: bool) -> None:
+    def drain(self, q, what: str, drain: bool) -> None:
         """What a pause waits for before the workers stop taking calls (nothing here)."""
         return None  # a default hook: nothing to do
 
@@ -94,9 +95,9 @@ class FreeSchedule(Schedule):
 
     name, interrupts, records = "free", True, True
 
-    def take(self, c):
-        k = math.ceil(len(c._pending) / len(c.workers))
-        reqs, c._pending = c._pending[:k], c._pending[k:]
+    def take(self, q):
+        k = math.ceil(len(q.pending) / len(q.workers))
+        reqs, q.pending = q.pending[:k], q.pending[k:]
         return reqs, LIVE, None
 
 
@@ -108,16 +109,16 @@ class GatedSchedule(Schedule):
 
     name = "gated"
 
-    def take(self, c):
-        r = c.rollout
-        step = c._pending[0].group_id // r.prompts_per_step
-        same = sum(1 for q in c._pending if q.group_id // r.prompts_per_step == step)
-        k = min(same, math.ceil(r.prompts_per_step * r.n / len(c.workers)))
-        reqs, c._pending = c._pending[:k], c._pending[k:]
+    def take(self, q):
+        r = q.rollout
+        step = q.pending[0].group_id // r.prompts_per_step
+        same = sum(1 for x in q.pending if x.group_id // r.prompts_per_step == step)
+        k = min(same, math.ceil(r.prompts_per_step * r.n / len(q.workers)))
+        reqs, q.pending = q.pending[:k], q.pending[k:]
         return reqs, LIVE, None
 
-    def drain(self, c, what: str, drain: bool) -> None:
-        c._wait(lambda: c.buffer.in_flight == 0 and not c._busy, what)
+    def drain(self, q, what: str, drain: bool) -> None:
+        q.wait(lambda: q.buffer.in_flight == 0 and not q.busy, what)
 
 
 class ReplaySchedule(Schedule):
@@ -130,25 +131,25 @@ class ReplaySchedule(Schedule):
     def __init__(self, log: EventLog):
         self.log = log
 
-    def can_take(self, c) -> bool:
+    def can_take(self, q) -> bool:
         calls = self.log.calls
-        if not calls or calls[0]["version"] != c.engine.policy_version:
+        if not calls or calls[0]["version"] != q.engine.policy_version:
             return False
-        waiting = {q.uid for q in c._pending}
+        waiting = {x.uid for x in q.pending}
         return all(u in waiting for u in calls[0]["uids"])
 
-    def take(self, c):
+    def take(self, q):
         call = self.log.calls.pop(0)
-        by_uid = {q.uid: q for q in c._pending}
+        by_uid = {x.uid: x for x in q.pending}
         reqs = [by_uid[u] for u in call["uids"]]
         taken = set(call["uids"])
-        c._pending = [q for q in c._pending if q.uid not in taken]
+        q.pending = [x for x in q.pending if x.uid not in taken]
         return reqs, call["steps"], call
 
-    def drain(self, c, what: str, drain: bool) -> None:
+    def drain(self, q, what: str, drain: bool) -> None:
         if drain:
             calls = self.log.calls
-            c._wait(lambda: not c._busy and (not calls or calls[0]["version"] > c.version), what)
+            q.wait(lambda: not q.busy and (not calls or calls[0]["version"] > q.version), what)
 
     def batch_keys(self, step: int) -> list:
         if step not in self.log.takes:

@@ -1,19 +1,18 @@
 """Generation rounds: the sampling parameters of a round and the call that makes its rows.
 
 :class:`Generator` is what every collector and the evaluator call to turn prompts into a
-trajectory batch — single-turn through the engine (keyed by ``sample_uid`` on an engine whose
-``capabilities.keyed`` is set, so a synchronous run agrees with an asynchronous one at η = 0), or
-multi-turn through the environment (:func:`hyperrl.envs.run_episodes`), or by an agent that owns its
-loop behind the gateway (:class:`hyperrl.agents.AgentEnvironment`).
+trajectory batch: the round's sampling parameters and the engine, the kind of rollout being the run's
+:class:`~hyperrl.loop.drivers.Driver`'s — single-turn through the engine (keyed by ``sample_uid`` on an
+engine whose ``capabilities.keyed`` is set, so a synchronous run agrees with an asynchronous one at
+η = 0), multi-turn through the environment (:func:`hyperrl.envs.run_episodes`), or by an agent that owns
+its loop behind the gateway (:class:`hyperrl.agents.AgentEnvironment`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 from tensordict import TensorDict
 
+from hyperrl.loop.drivers import Driver, PlainDriver
 from hyperrl.rollout.requests import Request, call_key
 from hyperrl.sampling import SamplingParams
 
@@ -31,19 +30,15 @@ def stop_ids_of(policy) -> tuple[int, ...]:
 class Generator:
     """Prompts → rows. ``rollout`` is the config's ``rollout`` section (read: max_new_tokens,
     temperature, top_p, top_k, max_turns, max_obs_tokens, max_episode_tokens); ``seed`` the run's;
-    ``make_env`` an environment factory (multi-turn) or None, ``env_capabilities`` what it declared at
-    registration (:class:`~hyperrl.envs.EnvCapabilities`); ``agent`` a bound
-    :class:`~hyperrl.agents.AgentEnvironment` or None; ``toolbox`` the run's ``tools:`` (closed with it);
+    ``driver`` the kind of rollout (:func:`~hyperrl.loop.drivers.make_driver`; default plain — closed
+    with the generator: an agent's gateway); ``toolbox`` the run's ``tools:`` (closed with it);
     ``vision``: the task's samples carry images (``task.vision(sample)``: a task declaring ``takes_images``,
     built with the model's image processor)."""
 
     def __init__(self, engine, task, tokenizer, rollout, *, seed: int, stop_ids: tuple[int, ...] = (),
-                 make_env=None, env_capabilities=None, agent=None, toolbox=None, vision: bool = False):
-        from hyperrl.envs import EnvCapabilities
-
+                 driver: Driver | None = None, toolbox=None, vision: bool = False):
         self.engine, self.task, self.tok, self.rollout = engine, task, tokenizer, rollout
-        self.seed, self.stop_ids, self.make_env, self.agent = seed, tuple(stop_ids), make_env, agent
-        self.env_capabilities = env_capabilities or EnvCapabilities()
+        self.seed, self.stop_ids, self.driver = seed, tuple(stop_ids), driver or PlainDriver()
         self.vision = vision
         self.toolbox = toolbox
         self.stats: dict[str, float] = {}
@@ -59,10 +54,9 @@ class Generator:
             self.stats[k] = self.stats.get(k, 0.0) + v
 
     def close(self) -> None:
-        """Stop the agent's gateway and the run's MCP servers (if any)."""
+        """Stop the driver's agent gateway and the run's MCP servers (if any)."""
         try:
-            if self.agent is not None:
-                self.agent.close()
+            self.driver.close()
         finally:
             if self.toolbox is not None:
                 self.toolbox.close()
@@ -96,30 +90,5 @@ class Generator:
         """Rollout of ``n`` samples per prompt (``[len(samples)·n]`` rows; group ids from
         ``group_offset``). Training rounds (``uids`` given) on a keyed engine sample keyed by
         (``sampling.seed − step``: the step enters through the uid, sample_uid, token index);
-        multi-turn runs go through the environment."""
-        if self.agent is not None:  # the agent owns its loop; the gateway records its tokens
-            if uids is not None and self.engine.capabilities.keyed:  # keyed as the asynchronous trainer keys it
-                sampling = dataclasses.replace(sampling, seed=sampling.seed - step)
-            batch = self.agent.run(samples, sampling, n, group_offset=group_offset, uids=uids)
-            self.add_stats(self.agent.stats)
-            return batch
-        if self.make_env is not None:  # multi-turn: the environment scores the episode
-            from hyperrl.envs import run_episodes
-
-            turns = None
-            if uids is not None and self.engine.capabilities.keyed:  # each turn keyed by (sample_uid, turn)
-                turns = functools.partial(self.generate_turns, dataclasses.replace(sampling, seed=sampling.seed - step))
-            batch, _ = run_episodes(self.engine, self.make_env, samples, self.tok, sampling, n=n, limits=self.limits(),
-                                    group_offset=group_offset, uids=uids, generate_turns=turns,
-                                    concurrency=self.rollout.max_concurrent_episodes,
-                                    capabilities=self.env_capabilities)
-            return batch
-        prompts = [self.task.encode(s) for s in samples]
-        # a visual task: each prompt's images (its placeholders are in its ids), carried by its rows
-        vision = [self.task.vision(s) for s in samples] if self.vision else None
-        if uids is not None and self.engine.capabilities.keyed:
-            reqs = [Request(u, tuple(prompts[i]), group_offset + i, vision=None if vision is None else vision[i])
-                    for i, u in zip([i for i in range(len(prompts)) for _ in range(n)], uids)]
-            return self.engine.generate_requests(reqs, dataclasses.replace(sampling, seed=sampling.seed - step))
-        kw = {} if vision is None else {"vision": vision}
-        return self.engine.generate(prompts, sampling, n, group_offset=group_offset, **kw)
+        the kind of rollout is the driver's (:meth:`~hyperrl.loop.drivers.Driver.generate`)."""
+        return self.driver.generate(self, samples, sampling, n, group_offset, uids, step)

@@ -82,7 +82,7 @@ def test_agent_episodes_train_within_eta_once_and_calls_resume_across_publicatio
 
 def test_agents_whose_every_episode_fails_fail_the_step_naming_the_failure(tmp_path, monkeypatch):
     tr = _trainer(tmp_path, 1, *_isolate(False), trainer=AsyncTrainer)
-    runner = tr.generator.agent.runner
+    runner = tr.generator.driver.agent.runner
 
     async def broken(sample, client):
         raise ConnectionError("sandbox unreachable")
@@ -107,13 +107,13 @@ def test_an_evaluation_never_waits_for_the_paused_units_slots_or_connections(tmp
         for _ in range(2):
             tr.step()
         deadline = time.monotonic() + 10  # the units are running: their episodes await calls the pause will hold
-        while not tr.collector._calls and time.monotonic() < deadline:
+        while not tr.generator.driver.calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert tr.collector._calls, "no unit's call was waiting"
+        assert tr.generator.driver.calls, "no unit's call was waiting"
         t0 = time.monotonic()
         m = tr.evaluate()
         took = time.monotonic() - t0
-        stats = dict(tr.generator.agent.stats)
+        stats = dict(tr.generator.driver.agent.stats)
         after = tr.step()  # and the paused units go on
     finally:
         tr.close()

@@ -77,7 +77,7 @@ def test_a_step_and_an_evaluation_through_the_agent(tmp_path):
         tr.close()
     assert m["agent_episodes"] == 16 and m["agent_rows"] == 16 and m["agent_failed"] == 0
     assert 0 <= m["success_rate"] <= 1 and "eval_success_rate" in e and "eval_tool_call_rate" in e
-    assert tr.generator.agent.gateway is None  # closed with the trainer
+    assert tr.generator.driver.agent.gateway is None  # closed with the trainer
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ def _cfg(tmp_path, *extra):
 def _build(cfg, **kw):
     """A trainer whose episodes are :class:`_Eager`'s."""
     tr = build_trainer(cfg, **kw)
-    tr.generator.make_env = lambda: _Eager(format="compact", max_calls=2)
+    tr.generator.driver.env = lambda: _Eager(format="compact", max_calls=2)
     return tr
 
 
@@ -79,9 +79,9 @@ def test_turns_resume_across_publications_within_eta_and_lose_nothing(tmp_path, 
             cut |= any(len(set(tv[row, a:b].tolist())) > 1 for a, b in _segments(act[row]))
     assert cut, "no turn was resumed across a publication"
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
-    b = tr.collector.buffer
+    b = tr.collector.queue.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
-    assert not tr.collector._episodes or b.in_flight  # no turn left behind by a finished unit
+    assert not tr.generator.driver.turns or b.in_flight  # no turn left behind by a finished unit
 
 
 def test_a_gated_multi_turn_run_reproduces_bit_for_bit(tmp_path):
@@ -147,7 +147,7 @@ class _Broken(CalculatorCopyEnv):
 
 def test_an_environment_that_raises_fails_the_step_naming_it(tmp_path):
     tr = build_trainer(_cfg(tmp_path), trainer=AsyncTrainer, max_staleness=1)
-    tr.generator.make_env = lambda: _Broken(format="compact")
+    tr.generator.driver.env = lambda: _Broken(format="compact")
     try:
         with pytest.raises(WorkerError, match="environment _Broken: step of episode .* KeyError"):
             tr.step()

@@ -167,10 +167,10 @@ def test_killed_workers_lose_no_trajectory_and_train_none_twice(cluster, tmp_pat
     assert len(uids) == len(set(uids)) == tr.step_idx * 4 * 4  # nothing lost from a trained step, nothing twice
     key = lambda u: (u // 64) * 4 + (u // 4) % 4  # uid = step·64 + g·4 + j → the prompt's key step·4 + g
     trained = {key(u) for u in uids}
-    live = {u.key for u in tr.collector.buffer.units} | set(tr.collector._requeue)
+    live = {u.key for u in tr.collector.queue.buffer.units} | set(tr.collector.queue.requeue)
     # every admitted prompt accounted for
-    assert trained | live == set(range(tr.collector._next_key)) and not trained & live
-    b = tr.collector.buffer
+    assert trained | live == set(range(tr.collector.queue.next_key)) and not trained & live
+    b = tr.collector.queue.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready and b.evicted == 0
 
 

@@ -105,9 +105,9 @@ def test_partial_rollouts_stay_within_eta_and_lose_nothing(tmp_path, eta):
                     .any()) for _, _, _, tv, act in tr.trained]
     assert any(partial), "no request was resumed across a publication"  # one row, several versions
     assert max(m["staleness_max"] for m in ms) <= eta and ms[-1]["async_evicted"] == 0
-    b = tr.collector.buffer
+    b = tr.collector.queue.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
-    assert len(tr.collector._draws) <= eta + 2  # the task's draws of consumed steps are forgotten
+    assert len(tr.collector.queue.draws) <= eta + 2  # the task's draws of consumed steps are forgotten
 
 
 class _HeldFlag:
@@ -175,13 +175,13 @@ def test_a_unit_breaking_the_contract_is_evicted_and_its_prompt_readmitted(tmp_p
         ms = [tr.step() for _ in range(4)]
     finally:
         tr.close()
-    (uid, key, why), = tr.collector.buffer.evictions
+    (uid, key, why), = tr.collector.queue.buffer.evictions
     assert why.startswith("rollout-worker-0: token_version: action token") and ms[-1]["async_evicted"] == 1
     uids = [u for _, us, _, _, _ in tr.trained for u in us]
     assert len(uids) == len(set(uids)) == 4 * 8 * 4  # 4 steps × 8 groups × 4 samples, none twice
     groups = {u // 4 for u in uids}  # uid = (step·4 + 0)·32 + g·4 + j: the prompt (step, g) is u // 4
     assert len(groups) == 32 and key in {(u // 32 // 4) * 8 + (u // 4) % 8 for u in uids}  # re-admitted, trained
-    b = tr.collector.buffer
+    b = tr.collector.queue.buffer
     assert b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
 
 

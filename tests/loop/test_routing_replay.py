@@ -333,7 +333,7 @@ def test_r3_over_multi_turn_episodes_sync_and_async(tmp_path, eta):
                                                   "--run.threads=1"])
     kw = {} if eta is None else {"max_staleness": eta}
     tr = build_trainer(cfg, trainer=Keep, **kw)
-    tr.generator.make_env = lambda: _Eager(format="compact", max_calls=2)
+    tr.generator.driver.env = lambda: _Eager(format="compact", max_calls=2)
     try:
         for _ in range(3):
             m = tr.step()

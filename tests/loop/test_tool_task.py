@@ -159,7 +159,7 @@ def test_the_run_with_a_real_tokenizer_and_the_native_format(tmp_path):
     with pytest.raises(ValueError, match=r"first prompt has 282 tokens.*rollout.max_episode_tokens"):
         _calculator_trainer(tmp_path / "small", *args).step()
     tr = _calculator_trainer(tmp_path / "out", *args, "--rollout.max_episode_tokens=400")
-    assert tr.generator.make_env().tools[0]["function"]["name"] == "calculator"
+    assert tr.generator.driver.env().tools[0]["function"]["name"] == "calculator"
     m = tr.step()
     assert {"tool_call_rate", "success_rate"} <= set(m)
     e = tr.evaluate()

@@ -50,7 +50,7 @@ def run() -> dict:
     res.update(steps=5, staleness=stale, partial=partial, evicted=m["async_evicted"], version=tr.version,
                served=tr.engine.policy_version)
     # every trained sample once: the buffer's accounting
-    b = tr.collector.buffer
+    b = tr.collector.queue.buffer
     res["conservation"] = b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
     res["consumed"] = b.consumed
 

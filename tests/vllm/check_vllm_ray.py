@@ -88,7 +88,7 @@ def run() -> dict:
         res["token_staleness"] = [s for _, _, s in tr.trained]
         uids = [u for _, us, _ in tr.trained for u in us]
         res["trained"], res["distinct"] = len(uids), len(set(uids))
-        b = tr.collector.buffer
+        b = tr.collector.queue.buffer
         res["conservation"] = b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
         res["evicted"] = b.evicted
         # every actor serves the learner's weights: its sampled tokens' log-probs against the policy's forward
