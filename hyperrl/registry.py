@@ -129,6 +129,9 @@ class Factory:
     # what the plug-in can do, declared where it registers (never probed on the built object): a record, or a
     # function of its hyperparameters returning one (an engine's capabilities depend on its arguments)
     capabilities: Any = None
+    # a check of the hyperparameters together, beyond each one's type (e.g. an engine's transport runs in this
+    # process): called with them all (defaults filled), raising ValueError whose message starts ``arg=value: ``
+    validate: Callable | None = None
 
     def capabilities_for(self, args: dict | None = None) -> Any:
         """The declared capabilities for hyperparameters ``args`` (the registry's default record when the plug-in
@@ -149,7 +152,13 @@ class Factory:
         if missing:
             raise HyperparameterError(f"{where}.{missing[0]}: {self.kind} {self.name!r} needs {missing[0]!r} "
                                       f"(a {_type_name(self.params[missing[0]].annotation)}); set it in the config")
-        return {k: _validate(v, self.params[k].annotation, f"{where}.{k}") for k, v in args.items()}
+        out = {k: _validate(v, self.params[k].annotation, f"{where}.{k}") for k, v in args.items()}
+        if self.validate is not None:
+            try:
+                self.validate(**{**self.defaults(), **out})
+            except ValueError as e:
+                raise HyperparameterError(f"{where}.{e}") from None
+        return out
 
     def check_requirements(self, where: str = "") -> None:
         """Every module the factory ``requires`` is importable, else an error naming it and the install."""
@@ -190,26 +199,30 @@ class Registry(Generic[F]):
 
     def register(self, name: str, *, needs: tuple[str, ...] = (), produces: tuple[str, ...] = (),
                  requires: tuple[tuple[str, str], ...] = (), settings: dict[str, Any] | None = None,
-                 capabilities: Any = None, overwrite: bool = False) -> Callable[[F], F]:
+                 capabilities: Any = None, validate: Callable | None = None,
+                 overwrite: bool = False) -> Callable[[F], F]:
         """Decorator: ``@REG.register("my_variant", needs=("values",))`` adds ``fn`` under ``name``;
         its keyword-only parameters are its hyperparameters; ``capabilities``: what it can do (a record of the
-        registry's kind, or a function of the hyperparameters returning one). Returns ``fn`` unchanged."""
+        registry's kind, or a function of the hyperparameters returning one); ``validate``: a check of the
+        hyperparameters together, run wherever they are checked (:meth:`Factory.check`: at load). Returns ``fn``
+        unchanged."""
 
         def deco(fn: F) -> F:
             self.add(name, fn, needs=needs, produces=produces, requires=requires, settings=settings,
-                     capabilities=capabilities, overwrite=overwrite)
+                     capabilities=capabilities, validate=validate, overwrite=overwrite)
             return fn
 
         return deco
 
     def add(self, name: str, fn: Callable, *, needs=(), produces=(), requires=(), settings=None,
-            capabilities: Any = None, overwrite: bool = False) -> Factory:
+            capabilities: Any = None, validate: Callable | None = None, overwrite: bool = False) -> Factory:
         """Register ``fn`` under ``name`` (see :meth:`register`); returns its :class:`Factory`."""
         if name in self._items and not overwrite:
             raise ValueError(f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it")
         doc = (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
         f = Factory(self.kind, name, fn, tuple(needs), tuple(produces), tuple(requires), doc, _params(fn),
-                    dict(settings or {}), capabilities if capabilities is not None else self.default_capabilities)
+                    dict(settings or {}), capabilities if capabilities is not None else self.default_capabilities,
+                    validate)
         self._items[name] = f
         return f
 

@@ -25,7 +25,7 @@ def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = Fal
 
 def _check_budget(cfg: TrainConfig, task) -> None:
     """The response budget holds the task's longest answer (multi-turn too: the answer turn needs the room)."""
-    need = getattr(task, "response_tokens", 0)
+    need = task.limits().response_tokens
     if cfg.rollout.max_new_tokens < need:
         raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: task {cfg.task.name!r} has answers "
                           f"of up to {need - 1} tokens + EOS; set rollout.max_new_tokens ≥ {need}")
@@ -65,7 +65,8 @@ def _check_context(cfg: TrainConfig, task, policy) -> None:
     if not ctx:
         return
     r = cfg.rollout
-    pairs = getattr(task, "longest_sequence", 0)  # preference pairs: prompt + the longer completion
+    limits = task.limits()
+    pairs = limits.longest_sequence  # preference pairs: prompt + the longer completion
     if pairs > ctx:
         raise ConfigError(f"a preference pair of {pairs} tokens (prompt + completion) exceeds the model's context "
                           f"(max_position_embeddings={ctx}); bound prompts with data.max_prompt_length, or shorten "
@@ -75,7 +76,7 @@ def _check_context(cfg: TrainConfig, task, policy) -> None:
             raise ConfigError(f"rollout.max_episode_tokens={r.max_episode_tokens} exceeds the model's context "
                               f"(max_position_embeddings={ctx}); set rollout.max_episode_tokens ≤ {ctx}")
         return
-    longest = getattr(task, "longest_prompt", 0)
+    longest = limits.longest_prompt
     if longest + r.max_new_tokens > ctx:
         raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} + the longest prompt ({longest} tokens) = "
                           f"{longest + r.max_new_tokens} exceeds the model's context (max_position_embeddings={ctx}); "

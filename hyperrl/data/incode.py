@@ -1,19 +1,41 @@
 """What the tasks generated in code share (``hyperrl.data.tasks``' arith / modsum / repeat, ``hyperrl.data.visual``'s
-shapes): keyed draws, the first reward reported, no data cursor, and a fixed held-out split."""
+shapes): keyed draws, the first reward reported, no data cursor, and a fixed held-out split; and what every task
+declares of its data's lengths (:class:`TaskLimits`)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from hyperrl.data.parquet import Sample
 from hyperrl.tokenizer import encode_prompt
 
-__all__ = ["InCodeTask", "held_out_split"]
+__all__ = ["InCodeTask", "TaskLimits", "held_out_split"]
+
+
+@dataclass(frozen=True)
+class TaskLimits:
+    """The token lengths a built task's data needs — what ``task.limits()`` declares, so the run is checked against
+    the model's context and the response budget before anything trains (:func:`hyperrl.config.built.check_built`):
+    ``response_tokens`` — its longest answer + EOS (0: no answer to fit); ``longest_prompt`` — its longest encoded
+    prompt (0: not measured); ``longest_sequence`` — a preference pair's prompt + the longer completion."""
+
+    response_tokens: int = 0
+    longest_prompt: int = 0
+    longest_sequence: int = 0
 
 
 class InCodeTask:
     """What the tasks generated in code share: a string prompt, the first reward reported, no cursor
-    (their data is a pure function of (seed, step, attempt))."""
+    (their data is a pure function of (seed, step, attempt)). ``response_tokens``: the response budget an exact
+    answer needs (0: none declared)."""
+
+    response_tokens = 0
+
+    def limits(self) -> TaskLimits:
+        """The answers' budget (:class:`TaskLimits`)."""
+        return TaskLimits(response_tokens=self.response_tokens)
 
     def _rng(self, stream: int, attempt: int = 0) -> np.random.Generator:
         """The generator of one draw: keyed by (seed, stream) — and the refill ``attempt`` when > 0."""

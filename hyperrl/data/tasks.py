@@ -4,7 +4,8 @@
 A task has ``sample(k, step)``, ``held_out(k)``, ``encode(sample) -> ids`` (a string prompt as
 is, chat messages through the tokenizer's chat template), ``rewards`` (named
 reward functions ``(response, sample) -> float``; several fill ``reward_components`` ``[B, K]``),
-``state()`` / ``load_state()`` (its data cursor, for resume).
+``state()`` / ``load_state()`` (its data cursor, for resume) and ``limits()`` (the token lengths its data needs:
+:class:`TaskLimits`).
 
 ``arith`` (the embedded default, generated in code): ``"17+38="`` → ``"55"`` + EOS, two-digit
 operands ``0..49`` written at a fixed width, 250 operand pairs held out for evaluation; reward: the
@@ -21,14 +22,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hyperrl.data import DataError, PromptDataset, PromptLoader, Sample, render_chat
-from hyperrl.data.incode import InCodeTask, held_out_split
+from hyperrl.data.incode import InCodeTask, TaskLimits, held_out_split
 from hyperrl.multimodal import IMAGE_TEXT, expand_placeholders, image_token_id
 from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, RewardName
 from hyperrl.tokenizer import encode_prompt
 
-__all__ = ["TASKS", "register_task", "TaskCapabilities", "ModSumTask", "ArithTask", "RepeatTask", "arith_problems",
-           "FileTask", "ParquetTask", "PreferenceTask", "make_task", "shapes"]
+__all__ = ["TASKS", "register_task", "TaskCapabilities", "TaskLimits", "ModSumTask", "ArithTask", "RepeatTask",
+           "arith_problems", "FileTask", "ParquetTask", "PreferenceTask", "make_task", "shapes"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,10 @@ class FileTask:
         self.val = self._bounded(self._read(val, prompt_key), "val") if val else None
         self.loader = PromptLoader(self.dataset, 1, seed=seed)
         self._warn_plain_prompts()
+
+    def limits(self) -> TaskLimits:
+        """Its longest prompt, as encoded (measured with ``max_prompt_length`` > 0, else 0)."""
+        return TaskLimits(longest_prompt=self.longest_prompt)
 
     def _read(self, src, prompt_key: str) -> PromptDataset:
         """The rows of ``src``; a row carrying images (an ``images`` / ``image`` column) is an error here: this
@@ -538,6 +543,10 @@ class PreferenceTask:
         self.loader = PromptLoader(self.dataset, 1, seed=seed)
         self.longest_sequence = max(self.dataset.longest, self.val.longest if self.val else 0)
 
+    def limits(self) -> TaskLimits:
+        """Its longest pair (prompt + the longer completion)."""
+        return TaskLimits(longest_sequence=self.longest_sequence)
+
     def sample(self, k: int, step: int, attempt: int = 0) -> list:
         """The next ``k`` pairs of the resumable cursor."""
         return self.loader.next_batch(k)
@@ -582,6 +591,13 @@ def make_task(spec, tokenizer, seed: int, image_processor=None):
     """Build the task a config section ``{name, **hyperparams}`` names (see :mod:`hyperrl.config`); a task whose
     factory declared ``takes_images`` (:class:`TaskCapabilities`) gets the model's ``image_processor``."""
     fn = TASKS.build(spec.name, **spec.args)
-    if TASKS.factory(spec.name).capabilities_for().takes_images:
-        return fn(tokenizer, seed, image_processor)
-    return fn(tokenizer, seed)
+    takes = TASKS.factory(spec.name).capabilities_for().takes_images
+    task = fn(tokenizer, seed, image_processor) if takes else fn(tokenizer, seed)
+    missing = [m for m in _TASK_MEMBERS if not hasattr(task, m)]
+    if missing:
+        raise TypeError(f"task={spec.name}: {type(task).__name__} lacks {', '.join(missing)} — a task has "
+                        f"{', '.join(_TASK_MEMBERS)} (hyperrl.data.tasks' module doc; InCodeTask gives the defaults)")
+    return task
+
+
+_TASK_MEMBERS = ("sample", "held_out", "encode", "rewards", "state", "load_state", "limits")

@@ -35,10 +35,11 @@ from pathlib import Path
 import torch
 
 from hyperrl.errors import HyperRLError
+from hyperrl.registry import Registry
 from hyperrl.rewards.builtin import REWARDS, is_factory, register_reward_factory
 
-__all__ = ["Reward", "RewardSet", "RewardError", "load_function",
-           "build_rewards", "check_rewards"]
+__all__ = ["Reward", "RewardSet", "RewardError", "load_function", "build_rewards", "check_rewards", "REWARD_STYLES",
+           "RewardStyle", "register_reward_style"]
 
 
 
@@ -103,7 +104,7 @@ def _source(sample) -> str | None:
 def _value(v, reward: Reward, row: int) -> tuple[float | None, dict]:
     """One returned value → (a finite float, or None when the reward abstains; a verl dict's extras)."""
     extra = {}
-    if isinstance(v, dict) and reward.style == "verl":
+    if isinstance(v, dict) and REWARD_STYLES.get(reward.style).scores_dicts:
         if "score" not in v:
             raise RewardError(f"reward {reward.name!r} returned a dict without 'score' (keys {sorted(v)})", row=row)
         extra = {k: float(x) for k, x in v.items() if k != "score" and isinstance(x, int | float | bool)}
@@ -178,13 +179,58 @@ def _invoke(reward: Reward, row: int | None, *args, **kwargs):
 
 
 def _call(reward: Reward, prompts, texts, ids, samples) -> tuple[list, list[dict]]:
-    """One reward over the rows it applies to: values (float | None) and per-row extras. Every
-    input is a copy: a reward that mutates its arguments cannot change the dataset."""
+    """One reward over the rows it applies to, called as its style calls it: values (float | None) and per-row
+    extras. Every input is a copy: a reward that mutates its arguments cannot change the dataset."""
     import copy
 
-    n = len(texts)
     prompts, samples = copy.deepcopy(list(prompts)), copy.deepcopy(list(samples))
-    if reward.style == "trl":
+    vals = REWARD_STYLES.get(reward.style).call(reward, prompts, texts, ids, samples)
+    return [v for v, _ in vals], [e for _, e in vals]
+
+
+class RewardStyle:
+    """A calling convention of reward functions (``rewards[].style``), registered in ``REWARD_STYLES``:
+    ``call(reward, prompts, texts, ids, samples)`` → one ``(value, extras)`` per row (:func:`_value` reads each
+    returned value); ``unfit(sig, kwargs)`` — why a function of signature ``sig`` cannot be called so (None: it
+    can); ``fits(params)`` — a registered function with these parameters is of this style (styles are tried in
+    registration order); ``calls`` — the call, as messages show it; ``scores_dicts`` — a returned dict's ``score``
+    is the value (its other numeric keys logged); ``splits_tokens`` — a function's ``token_credit`` attribute
+    spreads its value over the response tokens."""
+
+    calls = ""
+    scores_dicts = False
+    splits_tokens = False
+
+    @staticmethod
+    def call(reward: Reward, prompts: list, texts: list[str], ids: list, samples: list) -> list[tuple]:
+        """Call ``reward.fn`` on the rows."""
+        raise NotImplementedError
+
+    @staticmethod
+    def unfit(sig: inspect.Signature, kwargs: dict) -> str | None:
+        """Why a function of signature ``sig`` cannot be called this way (None: it can)."""
+        return None
+
+    @staticmethod
+    def fits(params) -> bool:
+        """A registered function with these parameters is of this style."""
+        return False
+
+
+REWARD_STYLES: Registry = Registry("reward style")
+register_reward_style = REWARD_STYLES.register
+
+
+@register_reward_style("trl")
+class TRLStyle(RewardStyle):
+    """TRL's ``reward_funcs``: called once per batch, by keyword — prompts, completions (chat completions for chat
+    prompts), completion ids and the dataset's other columns plus ``answer`` — returning one value per row."""
+
+    calls = "fn(prompts=, completions=, completion_ids=, **columns)"
+
+    @staticmethod
+    def call(reward, prompts, texts, ids, samples):
+        n = len(texts)
         chat = [isinstance(p, list) for p in prompts]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         keys = sorted({k for s in samples for k in (s.extra or {}) if k not in ("prompt",)})
@@ -199,15 +245,76 @@ def _call(reward: Reward, prompts, texts, ids, samples) -> tuple[list, list[dict
                               f"expected a list of {n} numbers (one per completion)")
         if len(out) != n:
             raise RewardError(f"reward {reward.name!r} returned {len(out)} values for {n} completions")
-        vals = [_value(v, reward, i) for i, v in enumerate(out)]
-    elif reward.style == "verl":
-        vals = [_value(_invoke(reward, i, data_source=_source(s), solution_str=t, ground_truth=s.answer,
+        return [_value(v, reward, i) for i, v in enumerate(out)]
+
+    @staticmethod
+    def unfit(sig, kwargs):
+        ps = sig.parameters
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
+        required = {n for n, p in ps.items() if p.default is inspect.Parameter.empty and p.kind in
+                    (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+        if "completions" not in ps and not var_kw:
+            return "it has no 'completions' parameter (and no **kwargs)"
+        if required & {"solution_str", "ground_truth", "response", "sample"}:
+            return f"it requires {sorted(required & {'solution_str', 'ground_truth', 'response', 'sample'})}"
+        if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in ps.values()):
+            return "it has positional-only parameters (TRL passes every argument by keyword)"
+        return None
+
+    @staticmethod
+    def fits(params):
+        return "completions" in params
+
+
+def _binds(sig: inspect.Signature, *args, **kwargs) -> str | None:
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+@register_reward_style("verl")
+class VerlStyle(RewardStyle):
+    """verl's ``compute_score``: per sample, ``fn(data_source, solution_str, ground_truth, extra_info)`` → a float
+    or a dict whose ``score`` is the value."""
+
+    calls, scores_dicts = "fn(data_source=, solution_str=, ground_truth=, extra_info=)", True
+
+    @staticmethod
+    def call(reward, prompts, texts, ids, samples):
+        return [_value(_invoke(reward, i, data_source=_source(s), solution_str=t, ground_truth=s.answer,
                                extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs), reward, i)
                 for i, (t, s) in enumerate(zip(texts, samples))]
-    else:
-        vals = [_value(_invoke(reward, i, t, s, **reward.kwargs), reward, i) for i, (t, s) in enumerate(zip(texts,
-                                                                                                         samples))]
-    return [v for v, _ in vals], [e for _, e in vals]
+
+    @staticmethod
+    def unfit(sig, kwargs):
+        return _binds(sig, data_source=None, solution_str="", ground_truth=None, extra_info=None, **kwargs)
+
+    @staticmethod
+    def fits(params):
+        return "solution_str" in params
+
+
+@register_reward_style("hyperrl")
+class HyperRLStyle(RewardStyle):
+    """hyperrl's own: per sample, ``fn(response, sample)`` → a float; a function's ``token_credit(pieces, sample)``
+    (e.g. ``digit_credit``) spreads it over the response tokens."""
+
+    calls, splits_tokens = "fn(response, sample)", True
+
+    @staticmethod
+    def call(reward, prompts, texts, ids, samples):
+        return [_value(_invoke(reward, i, t, s, **reward.kwargs), reward, i) for i, (t, s) in enumerate(zip(texts,
+                                                                                                          samples))]
+
+    @staticmethod
+    def unfit(sig, kwargs):
+        return _binds(sig, "", None, **kwargs)
+
+    @staticmethod
+    def fits(params):
+        return True
 
 
 @dataclass(frozen=True)
@@ -260,7 +367,7 @@ class RewardSet:
         for i, (row, s) in enumerate(zip(pieces, samples)):
             credit, rest = [0.0] * len(row), 0.0
             for k, r in enumerate(self.rewards):
-                split = getattr(r.fn, "token_credit", None) if r.style == "hyperrl" else None
+                split = getattr(r.fn, "token_credit", None) if REWARD_STYLES.get(r.style).splits_tokens else None
                 if not bool(applicable[i, k]):
                     continue
                 if split is None or not row:
@@ -278,18 +385,10 @@ class RewardSet:
 
 
 def _style_of(fn: Callable) -> str:
-    """Infer TRL vs verl vs hyperrl from a registered function's signature (registered names only)."""
+    """A registered function's style from its signature: the first registered style it fits (trl: a
+    ``completions`` parameter; verl: ``solution_str``; else hyperrl)."""
     params = inspect.signature(fn).parameters
-    if "completions" in params:
-        return "trl"
-    if "solution_str" in params:
-        return "verl"
-    return "hyperrl"
-
-
-_CALLS = {"trl": "fn(prompts=, completions=, completion_ids=, **columns)",
-          "verl": "fn(data_source=, solution_str=, ground_truth=, extra_info=)",
-          "hyperrl": "fn(response, sample)"}
+    return next(n for n in REWARD_STYLES.in_order() if REWARD_STYLES.get(n).fits(params))
 
 
 def _check_signature(fn: Callable, style: str, kwargs: dict, key: str) -> None:
@@ -300,30 +399,12 @@ def _check_signature(fn: Callable, style: str, kwargs: dict, key: str) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin or C function: nothing to check
         return
-    ps = sig.parameters
-    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps.values())
-    why = None
-    if style == "trl":
-        required = {n for n, p in ps.items() if p.default is inspect.Parameter.empty and p.kind in
-                    (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
-        if "completions" not in ps and not var_kw:
-            why = "it has no 'completions' parameter (and no **kwargs)"
-        elif required & {"solution_str", "ground_truth", "response", "sample"}:
-            why = f"it requires {sorted(required & {'solution_str', 'ground_truth', 'response', 'sample'})}"
-        elif any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in ps.values()):
-            why = "it has positional-only parameters (TRL passes every argument by keyword)"
-    else:
-        try:
-            if style == "verl":
-                sig.bind(data_source=None, solution_str="", ground_truth=None, extra_info=None, **kwargs)
-            else:
-                sig.bind("", None, **kwargs)
-        except TypeError as e:
-            why = str(e)
+    conv = REWARD_STYLES.get(style)
+    why = conv.unfit(sig, kwargs)
     if why is not None:
         fits = _style_of(fn)
         hint = f"; its signature looks {fits}-style: set style: {fits}" if fits != style else ""
-        raise RewardError(f"{key}.style: {style} calls {_CALLS[style]}, which {getattr(fn, '__name__', fn)}"
+        raise RewardError(f"{key}.style: {style} calls {conv.calls}, which {getattr(fn, '__name__', fn)}"
                           f"{sig} cannot take — {why}{hint}")
 
 
@@ -346,6 +427,8 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
     for i, spec in enumerate(specs):
         key = f"{where}[{i}]"
         ref, style, kwargs = spec.fn, spec.style, dict(spec.kwargs)
+        if style is not None and style not in REWARD_STYLES:
+            raise RewardError(f"{key}.style: {style!r} is not a registered reward style ({REWARD_STYLES.names()})")
         if ref.endswith(".py") or ".py:" in ref:
             if ":" not in ref:
                 raise RewardError(f"{key}.fn: {ref!r} names a file but no function; write 'path/to/file.py:name'")

@@ -64,7 +64,12 @@ class Capabilities:
       weights;
     * ``buffers`` — exposes its destination buffers (``buffers()``) for the publisher to write in place;
     * ``routes`` — records ``routed_experts`` (the experts every token was routed to) when it serves a
-      mixture-of-experts model (routing replay, docs/moe.md).
+      mixture-of-experts model (routing replay, docs/moe.md);
+    * ``deltas`` — applies delta publications (``begin(base=)``, ``stage_deltas``: only the changed weights travel);
+    * ``images`` — generates from prompts with images (a vision-language policy's rows);
+    * ``fp32_head`` — computes the LM head in fp32 when the policy does (``model.lm_head_fp32``);
+    * ``tp`` — its copy is split over TP groups of ``tp`` consecutive trainer ranks (1: whole on each rank; the
+      trainer's ``run.tp`` must be the same).
     """
 
     keyed: bool = False
@@ -73,6 +78,10 @@ class Capabilities:
     lora_adapters: bool = False
     buffers: bool = False
     routes: bool = False
+    deltas: bool = False
+    images: bool = False
+    fp32_head: bool = False
+    tp: int = 1
 
 
 @runtime_checkable

@@ -12,10 +12,41 @@ import torch
 from hyperrl.registry import Registry
 from hyperrl.rollout.base import Capabilities
 
-__all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities"]
+__all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities",
+           "transformers_capabilities", "vllm_capabilities"]
 
 ENGINES: Registry = Registry("rollout engine", capabilities=Capabilities())
 register_engine = ENGINES.register  # with capabilities=: a function of the engine's arguments → Capabilities
+
+
+def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
+    """What the transformers engine built with these arguments can do — its registration's declaration and the
+    built engine's ``capabilities`` (one function: declared once)."""
+    return Capabilities(keyed=True, resumable=True, shared_weights=share_weights, routes=True, deltas=True,
+                        images=True, fp32_head=tp == 1, tp=tp)
+
+
+def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = False, transport: str | None = None,
+                      **_) -> Capabilities:
+    """What the vLLM engine built with these arguments can do (its registration's declaration and the built
+    engine's): ``buffers`` where its weight transport writes in place (None: ``shm``, ``file`` without /dev/shm)."""
+    from hyperrl.rollout.transports import transport_class
+
+    try:
+        in_place = transport_class(transport or ("shm" if Path("/dev/shm").is_dir() else "file")).in_place
+    except ValueError:  # an unknown transport: refused at load, naming the registered ones (_vllm_arguments)
+        in_place = False
+    return Capabilities(resumable=True, lora_adapters=lora_adapters, routes=routed_experts, buffers=in_place,
+                        deltas=True)
+
+
+def _vllm_arguments(*, transport: str | None = None, **_) -> None:
+    """The vLLM engine's arguments this process can run: its weight transport (a GPU transport on a CPU machine is
+    refused at load, naming ``shm``)."""
+    if transport is not None:
+        from hyperrl.rollout.transports import transport_class
+
+        transport_class(transport).check_available()
 
 
 @dataclass(frozen=True)
@@ -54,8 +85,7 @@ class EngineSpec:
         return getattr(importlib.import_module(module), name)(**{**self.kwargs, **overrides})
 
 
-@register_engine("transformers", capabilities=lambda share_weights=False, tp=1, dtype=None: Capabilities(
-    keyed=True, resumable=True, shared_weights=share_weights, routes=True))
+@register_engine("transformers", capabilities=transformers_capabilities)
 def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
     (publication copies — and casts — the trainer's weights into it); ``dtype`` (e.g. bfloat16)
@@ -105,10 +135,8 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
               "`.venv-vllm/bin/hyperrl train`; or use rollout.engine=transformers")
 
 
-@register_engine("vllm", requires=(("vllm", _VLLM_HINT),), capabilities=lambda lora_adapters=False,
-                 routed_experts=False, transport=None, **_: Capabilities(
-                     resumable=True, lora_adapters=lora_adapters, routes=routed_experts,
-                     buffers=(transport or "shm") == "shm" and Path("/dev/shm").is_dir()))
+@register_engine("vllm", requires=(("vllm", _VLLM_HINT),), capabilities=vllm_capabilities,
+                 validate=_vllm_arguments)
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None, lora_adapters: bool = False,
                 enforce_eager: bool = False, routed_experts: bool = False, transport: str | None = None):

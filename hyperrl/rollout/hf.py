@@ -16,7 +16,8 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
-from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError
+from hyperrl.rollout.engines import transformers_capabilities
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
@@ -71,7 +72,7 @@ class TransformersEngine(TransactionalEngine):
         self.device = torch.device(device)
         self.pad_id, self.shared = pad_id, shared
         # generate_requests: keyed sampling, abort, resume; a mixture of experts' routes recorded
-        self.capabilities = Capabilities(keyed=True, resumable=True, shared_weights=shared, routes=True)
+        self.capabilities = transformers_capabilities(share_weights=shared)
         self._routing = Routing(self.model) if is_moe(self.model) else None
         self._vision = vision_spec(self.model)  # a vision-language model: images beside the prompts
         self._version, self._failed = version, None

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hyperrl.rollout.base import TransactionalEngine, WeightPublishError
+from hyperrl.rollout.engines import transformers_capabilities
 from hyperrl.rollout.hf import TransformersEngine
 
 __all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead", "GroupExperts"]
@@ -167,6 +168,7 @@ class TPTransformersEngine(TransformersEngine):
                                       stacked_experts=bool(cfg.experts))
         super().__init__(_local_model(model, cfg, tp, rank % tp, group, dtype), device=device, pad_id=pad_id,
                          version=version)
+        self.capabilities = transformers_capabilities(tp=tp)
         self._aliases, self._refused = {}, None
         params = dict(self.model.named_parameters())
         self._expect, self._splits = {}, {}

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from hyperrl.rollout.base import Capabilities, SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
+from hyperrl.rollout.engines import vllm_capabilities
 from hyperrl.rollout.requests import Request
 from hyperrl.rollout.transports import TRANSPORTS, transport_class
 from hyperrl.trajectory import NO_VERSION, stack_episodes
@@ -129,8 +130,8 @@ class VLLMEngine(TransactionalEngine):
         if self.weight_transport is not None:
             self.weight_transport.close()
         self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
-        self.capabilities = Capabilities(resumable=True, lora_adapters=self._lora_rank is not None,
-                                         buffers=self.weight_transport.in_place, routes=self._routes)
+        self.capabilities = vllm_capabilities(lora_adapters=self._lora_rank is not None, routed_experts=self._routes,
+                                              transport=name)
 
     @property
     def policy_version(self) -> int:

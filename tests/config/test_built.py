@@ -7,11 +7,12 @@ import pytest
 
 from hyperrl.config import ConfigError, load_config
 from hyperrl.config.built import check_built
+from hyperrl.data.tasks import TaskLimits
 from hyperrl.distributed import ParallelDims
 from hyperrl.models import tiny_qwen3
 from hyperrl.models.tiny import tiny_qwen3_moe
 
-TASK = SimpleNamespace(response_tokens=3, longest_prompt=6)  # what the checks read of a task
+TASK = SimpleNamespace(limits=lambda: TaskLimits(response_tokens=3, longest_prompt=6))  # what the checks read
 
 
 def _moe():
@@ -47,7 +48,7 @@ def test_the_longest_prompt_and_the_budget_must_fit_the_context(tmp_path):
     cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--rollout.max_new_tokens=8"])
     policy = tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1)
     policy.config.max_position_embeddings = 12
-    check_built(cfg, task=SimpleNamespace(response_tokens=3, longest_prompt=4), policy=policy)  # 4 + 8 = 12 fits
+    check_built(cfg, task=SimpleNamespace(limits=lambda: TaskLimits(3, 4)), policy=policy)  # 4 + 8 = 12 fits
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=8 \+ the longest prompt \(5 tokens\) = 13 "
                                           r"exceeds the model's context \(max_position_embeddings=12\)"):
-        check_built(cfg, task=SimpleNamespace(response_tokens=3, longest_prompt=5), policy=policy)
+        check_built(cfg, task=SimpleNamespace(limits=lambda: TaskLimits(3, 5)), policy=policy)

@@ -168,11 +168,12 @@ def test_a_family_without_a_cp_plan_and_a_checkpoint_whose_heads_cp_does_not_div
 
     from hyperrl.config import ConfigError, load_config
     from hyperrl.config.built import check_built
+    from hyperrl.data.tasks import TaskLimits
     from hyperrl.distributed import ParallelDims
     from hyperrl.models import tiny_qwen3
 
     cfg = load_config(None, [f"--run.out_dir={tmp_path}"])
-    task = SimpleNamespace(response_tokens=0, longest_prompt=6)  # what the check reads of a task
+    task = SimpleNamespace(limits=lambda: TaskLimits(longest_prompt=6))  # what the check reads of a task
     dims = ParallelDims(world=4, cp=4)
     said = []
     own = tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)

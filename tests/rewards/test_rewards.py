@@ -250,3 +250,42 @@ def test_a_reward_past_its_timeout_is_stopped_and_named(tmp_path):
     import signal
 
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no timer left behind
+
+
+def test_a_registered_reward_style_calls_its_functions_its_own_way(tmp_path):
+    """A calling convention is a registered :class:`RewardStyle` (``REWARD_STYLES``), not a string switch: a style
+    added from a test file is accepted at load, checks a file function's signature and calls it its own way."""
+    import inspect
+
+    from hyperrl.rewards.styles import REWARD_STYLES, RewardStyle, _value, register_reward_style
+
+    @register_reward_style("by_answer")
+    class ByAnswer(RewardStyle):
+        """fn(answer, text) per row."""
+
+        calls = "fn(answer, text)"
+
+        @staticmethod
+        def call(reward, prompts, texts, ids, samples):
+            return [_value(reward.fn(s.answer, t), reward, i) for i, (t, s) in enumerate(zip(texts, samples))]
+
+        @staticmethod
+        def unfit(sig, kwargs):
+            return None if list(sig.parameters)[:2] == ["answer", "text"] else "it does not take (answer, text)"
+
+    f = tmp_path / "mine.py"
+    f.write_text("def score(answer, text):\n    return float(text == answer)\n\n"
+                 "def other(prompts, completions, **kw):\n    return [0.0]\n")
+    try:
+        cfg = _specs(tmp_path, f'rewards: [{{fn: "{f}:score", style: by_answer}}]')
+        rs = build_rewards(cfg.rewards)
+        comps, applicable, _ = rs.score(["p"] * 3, ["3", "no", "9"], [[1]] * 3, SAMPLES)
+        assert comps[:, 0].tolist() == [1.0, 0.0, 0.0] and applicable.all()
+        with pytest.raises(ConfigError, match=r"rewards\[0\].style: by_answer calls fn\(answer, text\), which other"
+                                              r".* cannot take — it does not take \(answer, text\); .*set style: trl"):
+            _specs(tmp_path, f'rewards: [{{fn: "{f}:other", style: by_answer}}]')
+    finally:
+        REWARD_STYLES.remove("by_answer")
+    with pytest.raises(ConfigError, match=r"rewards\[0\].style: 'by_answer' is not a registered reward style"):
+        _specs(tmp_path, f'rewards: [{{fn: "{f}:score", style: by_answer}}]')
+    assert inspect.isclass(REWARD_STYLES.get("verl")) and REWARD_STYLES.in_order() == ["trl", "verl", "hyperrl"]

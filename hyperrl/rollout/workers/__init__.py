@@ -42,17 +42,19 @@ class ExecutorCapabilities:
     """What an executor's workers can do, declared where it registers (known at load, before any worker exists):
     ``parks`` — park a generation with its KV cache kept (``async.kv_cache: keep``); ``remote`` — build engines in
     their own processes (the run's engine factory describes its engine — an ``EngineSpec`` — instead of starting
-    one in the learner's process)."""
+    one in the learner's process); ``adapters`` — their engines receive LoRA adapters (an engine's
+    ``lora_adapters``), not only merged weights."""
 
     parks: bool = False
     remote: bool = False
+    adapters: bool = False
 
 
 EXECUTORS: Registry = Registry("rollout executor", capabilities=ExecutorCapabilities())
 register_executor = EXECUTORS.register
 
 
-@register_executor("thread", capabilities=ExecutorCapabilities(parks=True))
+@register_executor("thread", capabilities=ExecutorCapabilities(parks=True, adapters=True))
 def thread_executor(engine) -> Workers:
     """One rollout worker: a thread of the learner's process driving the run's engine (no copy; the
     learner publishes into it; the thread uses ``run.threads`` torch threads of its own)."""
