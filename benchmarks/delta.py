@@ -122,6 +122,7 @@ def _dist_worker(rank, world, lr, steps, layers, seed, codec):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from hyperrl.distributed import make_parallel
     from hyperrl.rollout.engines import ENGINES, EngineContext
     from hyperrl.rollout.publisher import Publisher
     from hyperrl.tokenizer import char_tokenizer
@@ -135,7 +136,8 @@ def _dist_worker(rank, world, lr, steps, layers, seed, codec):
         fully_shard(layer, mesh=mesh)
     fully_shard(policy, mesh=mesh)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
-    pubs = [Publisher.for_engine(policy, e, rank=rank, world=world) for e in engines]
+    parallel = make_parallel()  # the ranks agree on a delta publication through the parallel strategy
+    pubs = [Publisher.for_engine(policy, e, rank=rank, world=world, parallel=parallel) for e in engines]
     pubs[0].publish(policy, 1, delta=codec)
     pubs[1].publish(policy, 1)
     rows, g = [], torch.Generator().manual_seed(seed + rank)

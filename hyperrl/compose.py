@@ -48,7 +48,7 @@ from hyperrl.models.policy import (
     build_tokenizer,
 )
 from hyperrl.rewards import build_rewards
-from hyperrl.rollout.engines import ENGINES, EngineContext
+from hyperrl.rollout.engines import EngineContext, build_engine
 from hyperrl.rollout.publisher import Publisher
 from hyperrl.rollout.workers import EXECUTORS
 
@@ -79,7 +79,7 @@ def build_models(cfg: TrainConfig, pipeline, tok, task, device, parallel, dims) 
         EXECUTORS.factory(a.executor.name).capabilities_for(a.executor.args).remote  # the workers build the engine
     ctx = EngineContext(policy=policy, device=device, dtype=dtype, seed=cfg.run.seed, out_dir=cfg.run.out_dir,
                         tokenizer=tok, lora=m.lora.model_dump() if m.lora is not None else None, remote=remote)
-    engine = ENGINES.build(eng.name, **eng.args)(ctx)  # from the base weights (= the LoRA model at init: B = 0)
+    engine = build_engine(eng.name, eng.args, ctx)  # from the base weights (= the LoRA model at init: B = 0)
     policy, reference = build_reference(cfg, policy, "ref_logprobs" in pipeline.needs)
     critic = build_critic(cfg, tok, policy.config.hidden_size).to(device) if "values" in pipeline.needs else None
     if m.gradient_checkpointing:
@@ -169,7 +169,8 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
     lora = is_lora(policy)
     published = MergedView(policy) if lora else policy
     publisher = PolicyPublisher(engine, policy, published,
-                                Publisher.for_engine(published, engine, rank=parallel.rank, world=parallel.world),
+                                Publisher.for_engine(published, engine, rank=parallel.rank, world=parallel.world,
+                                                     parallel=parallel),
                                 adapters_only=lora and engine.capabilities.lora_adapters,
                                 delta=r.delta_encoding if r.delta_publication else False)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)

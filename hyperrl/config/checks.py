@@ -7,9 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from hyperrl.config.schema import ConfigError, TrainConfig
-from hyperrl.distributed.dims import world_size
+from hyperrl.distributed.dims import ParallelDims, world_size
 
 __all__ = ["check_config", "check_combinations"]
+
+
+def _dims(world: int, **sizes) -> ParallelDims:
+    """The parallel dims ``sizes`` of a world of ``world`` ranks — their rules are :class:`ParallelDims`' (one
+    place) — a broken one a :class:`ConfigError`."""
+    try:
+        return ParallelDims(world=world, **sizes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_parallel(cfg: TrainConfig) -> None:
@@ -24,9 +33,7 @@ def _check_parallel(cfg: TrainConfig) -> None:
                           f"generate one batch together (separate engines may sample different rows)")
     if tp == 1:
         return
-    world = world_size()
-    if world % tp or world == 1:
-        raise ConfigError(f"run.tp={tp}: needs torchrun with a multiple of {tp} processes (WORLD_SIZE={world})")
+    _dims(world_size(), tp=tp)
     for bad, why in ((cfg.model.lora is not None, "model.lora (the adapters' base is replicated, not split)"),
                      (bool(cfg.model.compile), "model.compile")):
         if bad:
@@ -107,14 +114,17 @@ def _needs(cfg: TrainConfig) -> set[str]:
 def _check_preference(cfg: TrainConfig, needs) -> None:
     """``algo.preference`` (DPO and kin) trains on the ``preference`` task's pairs, and that task only with it;
     what a preference run has no use for (rollout-side machinery) or does not support yet is refused."""
+    from hyperrl.data.tasks import TASKS
+
     a, name = cfg.algo, cfg.task.name
+    pairs = TASKS.factory(name).capabilities_for().pairs
     if a.preference is None:
-        if name == "preference":
-            raise ConfigError("task=preference holds preference pairs, which only a preference loss trains on; set "
+        if pairs:
+            raise ConfigError(f"task={name} holds preference pairs, which only a preference loss trains on; set "
                               "algo.recipe=dpo (or algo.preference), or give prompts with answers (task files)")
         return
     said = f"algo.preference={a.preference.name}"
-    if name != "preference":
+    if not pairs:
         raise ConfigError(f"{said} trains on preference pairs, not on task {name!r}: set data.train_files to parquet / "
                           "JSONL files of prompt / chosen / rejected rows (TRL's or verl's format)")
     refused = [("env", cfg.env is not None, "a multi-turn environment"),
@@ -219,12 +229,13 @@ def check_combinations(cfg: TrainConfig) -> None:
             raise ConfigError(f"rollout.delta_publication with {', '.join(why)}: delta publication runs into the "
                               "transformers and vLLM engines' full weights (one process, Ray actors, or under "
                               "torchrun through the direct plan); set rollout.delta_publication=false")
-        if r.delta_encoding == "xor_zstd":
-            import importlib.util
+        from hyperrl.registry import HyperparameterError
+        from hyperrl.rollout.delta import DELTA_CODECS
 
-            if importlib.util.find_spec("zstandard") is None:
-                raise ConfigError("rollout.delta_encoding=xor_zstd needs the zstandard package (hyperrl's train extra: "
-                                  "`pip install zstandard`); or rollout.delta_encoding=sparse")
+        try:  # a codec's modules (xor_zstd: zstandard)
+            DELTA_CODECS.factory(r.delta_encoding).check_requirements("rollout.delta_encoding")
+        except HyperparameterError as e:
+            raise ConfigError(str(e)) from None
     if cfg.run.tp > 1 and "values" in needs:
         raise ConfigError(f"run.tp={cfg.run.tp}: a critic (algo.advantage={a.advantage.name!r}) is not "
                           f"tensor-parallel yet; use run.tp=1 or an advantage without values (grpo, rloo, …)")
@@ -311,11 +322,7 @@ def _check_ep(cfg: TrainConfig, world: int) -> None:
     if m.checkpoint is None and m.experts % ep:
         raise ConfigError(f"run.ep={ep} does not divide model.experts={m.experts}; each rank holds a whole number of "
                           "every layer's experts")
-    dp = world // cfg.run.tp if world % cfg.run.tp == 0 else world
-    if dp % ep:
-        within = f"the data-parallel size {dp} (world {world} / run.tp={cfg.run.tp})" if cfg.run.tp > 1 else \
-            f"the world size {world}"
-        raise ConfigError(f"run.ep={ep} does not divide {within} (torchrun --nproc-per-node)")
+    _dims(world, tp=cfg.run.tp, ep=ep)
 
 
 def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
@@ -325,12 +332,7 @@ def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
     if cp == 1:
         return
     said = f"run.cp={cp}"
-    for key, on in (("run.tp", cfg.run.tp), ("run.ep", cfg.run.ep)):
-        if on > 1:
-            raise ConfigError(f"{said} with {key}={on}: context parallelism is not composed with tensor or expert "
-                              "parallelism yet; use one of them")
-    if world % cp:
-        raise ConfigError(f"{said} does not divide the world size {world} (torchrun --nproc-per-node)")
+    _dims(world, tp=cfg.run.tp, ep=cfg.run.ep, cp=cp)  # composed with tp / ep, dividing the world
     if m.checkpoint is None and m.heads % cp:
         raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
                           "the cp ranks")
@@ -404,6 +406,8 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if caps.shared_weights:
         raise ConfigError("rollout.engine.share_weights: the engine would generate from weights the learner is "
                           "changing; an asynchronous run needs its own copy (share_weights: false)")
+    # async.schedule is a Literal of the config's own: the loop's registry of schedule objects sits above the config
+    # layer (tests/config/test_checks_at_load.py holds the two lists equal), so its values are compared here
     if s.replay is not None and s.schedule != "free":
         raise ConfigError(f"async.replay with async.schedule={s.schedule}: an event log records a free-running run "
                           "(a gated run reproduces without one)")

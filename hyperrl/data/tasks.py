@@ -38,10 +38,12 @@ class TaskCapabilities:
     (``register_task(name, capabilities=TaskCapabilities(...))``), never probed: ``takes_images`` — it is called
     ``(tokenizer, seed, image_processor)`` with the model's image processor (None for a text model), and built
     with one its samples carry images (``task.vision(sample)``); ``needs_images`` — a text model is refused at
-    load."""
+    load; ``pairs`` — its samples are preference pairs (prompt, chosen, rejected), which only a preference loss
+    (``algo.preference``) trains on."""
 
     takes_images: bool = False
     needs_images: bool = False
+    pairs: bool = False
 
 
 TASKS: Registry = Registry("task", capabilities=TaskCapabilities())
@@ -573,7 +575,7 @@ PREFERENCE_TASK_SETTINGS = {"rollout.prompts_per_step": 8, "run.steps": 500, "ru
                             "run.ckpt_every": 50, "run.keep_last_k": 3}
 
 
-@register_task("preference", settings=PREFERENCE_TASK_SETTINGS)
+@register_task("preference", settings=PREFERENCE_TASK_SETTINGS, capabilities=TaskCapabilities(pairs=True))
 def preference(tokenizer, seed: int, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
                prompt_key: str = "prompt", chosen_key: str = "chosen", rejected_key: str = "rejected",
                max_prompt_length: int = 0, overlong_prompts: Literal["error", "filter", "truncate"] = "error",

@@ -36,8 +36,10 @@ class ParallelDims:
     form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
     every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`; with ``tp = ep = 1``);
     ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
-    every rank all the same). :meth:`mesh` builds the device mesh once and returns the same one after: a 1-D
-    ``("fsdp",)`` mesh when ``tp == 1``, a 2-D ``("dp", "tp")`` mesh otherwise."""
+    every rank all the same). The rules (each size divides what it splits; what composes with what) are checked
+    here, once — the config's checks build this value to check them at load. :meth:`mesh` builds the device mesh
+    once and returns the same one after: a 1-D ``("fsdp",)`` mesh when ``tp == 1``, a 2-D ``("dp", "tp")`` mesh
+    otherwise; :meth:`data_groups` the process groups the parallel strategy reduces over."""
 
     world: int = 1
     tp: int = 1
@@ -53,12 +55,15 @@ class ParallelDims:
             raise ValueError(f"run.cp={self.cp} with {other}: context parallelism is not composed with tensor or "
                              "expert parallelism yet; use one of them")
         if self.world % self.cp:
-            raise ValueError(f"run.cp={self.cp} must divide the world size {self.world} (torchrun --nproc-per-node)")
+            raise ValueError(f"run.cp={self.cp} does not divide the world size {self.world} (torchrun "
+                             "--nproc-per-node)")
         if self.world % self.tp:
-            raise ValueError(f"run.tp={self.tp} must divide the world size {self.world}")
+            raise ValueError(f"run.tp={self.tp}: needs torchrun with a multiple of {self.tp} processes "
+                             f"(WORLD_SIZE={self.world})")
         if (self.world // self.tp) % self.ep:
-            raise ValueError(f"run.ep={self.ep} must divide the data-parallel size {self.world // self.tp} (world "
-                             f"{self.world} / run.tp={self.tp}; torchrun --nproc-per-node)")
+            within = f"the data-parallel size {self.world // self.tp} (world {self.world} / run.tp={self.tp})" \
+                if self.tp > 1 else f"the world size {self.world}"
+            raise ValueError(f"run.ep={self.ep} does not divide {within} (torchrun --nproc-per-node)")
         object.__setattr__(self, "_meshes", {})
 
     @property
@@ -96,6 +101,25 @@ class ParallelDims:
                 shape, names = (*shape, self.tp), (*names, "tp")
             self._meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)
         return self._meshes[key]
+
+    def data_groups(self) -> tuple:
+        """``(data-parallel group, TP-or-CP group)`` of this rank (``None, None`` when ``tp · cp = 1``: the world is
+        both), created once on the initialised process group — every rank creates every group, in the same order
+        (torch.distributed's rule): the ranks at one position of their TP / CP group, then each group of ``tp · cp``
+        consecutive ranks."""
+        if "groups" not in self._meshes:
+            import torch.distributed as dist
+
+            s, rank, dp, share = self.tp * self.cp, dist.get_rank(), None, None
+            if s > 1:
+                for t in range(s):
+                    g = dist.new_group(list(range(t, self.world, s)))
+                    dp = g if t == rank % s else dp
+                for d in range(self.world // s):
+                    g = dist.new_group(list(range(d * s, (d + 1) * s)))
+                    share = g if d == rank // s else share
+            self._meshes["groups"] = (dp, share)
+        return self._meshes["groups"]
 
     def mesh(self, device_type: str):
         """The run's device mesh on ``device_type`` (built on the first call, the same object after)."""

@@ -61,11 +61,14 @@ def read_event_log(path) -> EventLog:
 
 class Schedule(ABC):
     """The base: a call may start whenever requests wait. ``interrupts``: a pause interrupts running
-    generations; ``records``: the run's event log is written."""
+    generations (and may park them over their kept KV cache instead: ``async.kv_cache``); ``records``: the run's
+    event log is written (what ``async.replay`` reads); ``whole_steps``: batch k is generated whole at one version
+    (admission by whole steps; multi-turn turns in lockstep) — reproducible without a log."""
 
     name = ""
     interrupts = False
     records = False
+    whole_steps = False
 
     def can_take(self, q) -> bool:
         """Is there a call for a worker to make now?"""
@@ -107,7 +110,7 @@ class GatedSchedule(Schedule):
     earliest step (⌈P·n / workers⌉ requests) — the same calls, with the same rows, in every run —
     and a pause waits until every admitted request is generated."""
 
-    name = "gated"
+    name, whole_steps = "gated", True
 
     def take(self, q):
         r = q.rollout

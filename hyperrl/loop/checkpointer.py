@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.distributed.strategy import LocalParallel
 from hyperrl.loop.checkpoint import (
     CheckpointError,
     checkpoint_dirs,

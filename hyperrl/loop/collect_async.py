@@ -82,7 +82,7 @@ class AsyncCollector:
         self.eta, self.driver, self.restarts = eta, generator.driver, 0
         self.schedule = make_schedule(schedule, replay)  # free, gated or the replay of a recorded run
         self.workers = list(workers.workers)
-        self.keep_kv = kv_cache == "keep" and schedule == "free"
+        self.keep_kv = kv_cache == "keep" and self.schedule.interrupts  # parked over the kept cache, not interrupted
         for w in self.workers:
             w.keep_kv = self.keep_kv
         buffer = A.buffer_init(eta, rollout.prompts_per_step, max_concurrent or (eta + 1) * rollout.prompts_per_step)
@@ -90,7 +90,7 @@ class AsyncCollector:
                                 timeout_s=timeout_s, log=log if self.schedule.records else None, fresh=fresh)
         # η = 0 or gated: multi-turn episodes' turns in lockstep — the synchronous round's batch exactly,
         # whatever order the environment steps finished in (free at η > 0 overlaps them instead)
-        self.driver.attach(generator, self.queue, lockstep=eta == 0 or schedule == "gated")
+        self.driver.attach(generator, self.queue, lockstep=eta == 0 or self.schedule.whole_steps)
         self.start_workers()
 
     def start_workers(self) -> None:

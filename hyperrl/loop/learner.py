@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
-from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.distributed.strategy import LocalParallel
 from hyperrl.multimodal import row_patches
 from hyperrl.trajectory import real_extent, trim_padding
 from hyperrl.transforms.schedules import lr_multiplier

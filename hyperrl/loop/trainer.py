@@ -14,7 +14,7 @@ controller's state) and calls its collaborators, all built by the composition ro
 * the **pipeline** (:class:`~hyperrl.loop.pipeline.Pipeline`): advantages and the loss terms
   (:mod:`hyperrl.algorithms.terms`) whose sum is :meth:`Trainer.loss`;
 * the **learner** (:class:`~hyperrl.loop.learner.Learner`): optimizers, lr schedule, one composed loss;
-* the **data-parallel strategy** (:mod:`hyperrl.distributed.data_parallel`): every collective;
+* the **data-parallel strategy** (:mod:`hyperrl.distributed.strategy`): every collective;
 * the **publisher** (:class:`~hyperrl.loop.publish.PolicyPublisher`), the **evaluator**
   (:class:`~hyperrl.loop.evaluate.Evaluator`, or :class:`~hyperrl.loop.preference.PairEvaluator`) and the
   **checkpointer** (:class:`~hyperrl.loop.checkpointer.Checkpointer`).

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -37,7 +38,8 @@ from hyperrl.errors import HyperRLError
 from hyperrl.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "DeltaError", "WeightTransaction",
-           "TransactionalEngine"]
+           "TransactionalEngine", "KeptCopy", "ResumableEngine", "DeltaEngine", "AdapterEngine", "BufferEngine",
+           "CAPABILITY_PROTOCOLS", "check_capabilities", "transformers_capabilities", "vllm_capabilities"]
 
 
 class WeightPublishError(HyperRLError, RuntimeError):
@@ -84,6 +86,27 @@ class Capabilities:
     tp: int = 1
 
 
+def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
+    """What the transformers engine built with these arguments can do — its registration's declaration and the
+    built engine's ``capabilities`` (one function: declared once)."""
+    return Capabilities(keyed=True, resumable=True, shared_weights=share_weights, routes=True, deltas=True,
+                        images=True, fp32_head=tp == 1, tp=tp)
+
+
+def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = False, transport: str | None = None,
+                      **_) -> Capabilities:
+    """What the vLLM engine built with these arguments can do (its registration's declaration and the built
+    engine's): ``buffers`` where its weight transport writes in place (None: ``shm``, ``file`` without /dev/shm)."""
+    from hyperrl.rollout.transports import transport_class
+
+    try:
+        in_place = transport_class(transport or ("shm" if Path("/dev/shm").is_dir() else "file")).in_place
+    except ValueError:  # an unknown transport: refused at load, naming the registered ones (_vllm_arguments)
+        in_place = False
+    return Capabilities(resumable=True, lora_adapters=lora_adapters, routes=routed_experts, buffers=in_place,
+                        deltas=True)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """A rollout engine: generation over token-id prompts, its parameter layout, and the
@@ -111,6 +134,54 @@ class RolloutEngine(Protocol):
                      version: int) -> None: ...
 
 
+@runtime_checkable
+class ResumableEngine(Protocol):
+    """What an engine declaring ``capabilities.resumable`` has (:mod:`hyperrl.rollout.requests`)."""
+
+    def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict: ...
+
+
+@runtime_checkable
+class DeltaEngine(Protocol):
+    """What an engine declaring ``capabilities.deltas`` has (:mod:`hyperrl.rollout.delta`)."""
+
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None: ...
+
+    def stage_deltas(self, deltas) -> None: ...
+
+    def expect_deltas(self) -> None: ...
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """What an engine declaring ``capabilities.lora_adapters`` has: the LoRA adapters of ``policy`` as ``version``."""
+
+    def load_lora(self, policy, version: int) -> None: ...
+
+
+@runtime_checkable
+class BufferEngine(Protocol):
+    """What an engine declaring ``capabilities.buffers`` has: its destination buffers, for the publisher to write."""
+
+    def buffers(self) -> dict[str, torch.Tensor] | None: ...
+
+
+# a declared capability → the optional members the loop then calls (checked where an engine is built)
+CAPABILITY_PROTOCOLS = {"resumable": ResumableEngine, "deltas": DeltaEngine, "lora_adapters": AdapterEngine,
+                        "buffers": BufferEngine}
+
+
+def check_capabilities(engine, where: str = "engine") -> None:
+    """An engine declaring a capability has the members it promises (:data:`CAPABILITY_PROTOCOLS`), else a
+    ``TypeError`` naming the flag and the missing members — at build, not at the first publication."""
+    for flag, proto in CAPABILITY_PROTOCOLS.items():
+        if getattr(engine.capabilities, flag) and not isinstance(engine, proto):
+            members = [m for m, v in vars(proto).items() if callable(v) and not m.startswith("_")]
+            missing = [m for m in members if not callable(getattr(engine, m, None))]
+            raise TypeError(f"{where}: {type(engine).__name__} declares capabilities.{flag} but lacks "
+                            f"{', '.join(sorted(missing))} ({proto.__name__})")
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """Every element finite. One reduction pass (a NaN or inf anywhere makes the sum non-finite;
     15× faster than ``isfinite(t).all()`` on a 0.6B model here); only a non-finite sum — maybe an
@@ -132,7 +203,7 @@ class WeightTransaction:
         self.expected, self.version, self.current, self.partial = expected, version, current, partial
         self.aliases = dict(aliases or {})
         self.staged: dict[str, torch.Tensor] = {}
-        self.kept: dict[str, torch.Tensor] = {}  # a keeps_copy engine's copies of the staged pieces
+        self.kept: dict[str, torch.Tensor] = {}  # copies of the staged pieces, for a KeptCopy
 
     def _refuse(self, why: str) -> WeightPublishError:
         return WeightPublishError(f"{why}; refusing version {self.version} (still serving version {self.current})")
@@ -147,7 +218,7 @@ class WeightTransaction:
             raise self._refuse(f"{name}: staged twice")
         if delta.numel != want.numel():
             raise self._refuse(f"{name}: a delta of {delta.numel} elements for a tensor of {want.numel()}")
-        if delta.kind != "xor_zstd" and delta.values.is_floating_point() and not _all_finite(delta.values):
+        if delta.elementwise and delta.values.is_floating_point() and not _all_finite(delta.values):
             raise self._refuse(f"{name}: contains NaN/inf")
 
     def add(self, name: str, t: torch.Tensor, *, finite_checked: bool = False) -> torch.Tensor:
@@ -192,23 +263,53 @@ class WeightTransaction:
         return self.staged
 
 
+class KeptCopy:
+    """What an engine whose weights live elsewhere (vLLM's worker keeps them packed: they are not read back)
+    composes to apply deltas: a copy of the pieces of its last committed publication — one more copy of the model
+    in this process's memory — kept once a publisher announces deltas (:meth:`expect`), from the publication under
+    way on. ``version``: the publication the copy is of (None: none held)."""
+
+    def __init__(self):
+        self.keeping = False
+        self.version: int | None = None
+        self.pieces: dict[str, torch.Tensor] = {}
+
+    def expect(self) -> None:
+        """Deltas follow: keep copies of what is staged from now on."""
+        self.keeping = True
+
+    def holds(self, version: int) -> bool:
+        """Is the copy of ``version``?"""
+        return self.version is not None and self.version == version
+
+    def commit(self, txn: WeightTransaction) -> None:
+        """``txn`` committed: its kept pieces are the copy (a partial publication updates the copy of the version
+        it was staged on, else leaves none)."""
+        if not self.keeping:
+            return
+        if not txn.partial:
+            self.version, self.pieces = txn.version, txn.kept
+        elif self.holds(txn.current):
+            self.version, self.pieces = txn.version, {**self.pieces, **txn.kept}
+        else:
+            self.version, self.pieces = None, {}
+
+
 class TransactionalEngine:
     """``begin / stage / commit / abort`` and ``load_weights`` over the engine's ``_expected()``
     (``name → tensor`` with the shapes it accepts), ``_aliases`` and ``_apply(staged)``; the
     version is bumped only after ``_apply`` returns.
 
-    Deltas (:meth:`stage_deltas`) apply to the weights the engine serves — ``_expected()`` when those
-    are its own tensors. An engine whose weights live elsewhere (``weights_elsewhere``: vLLM's worker
-    keeps them packed) applies them to a copy of what it last committed, kept (``keeps_copy``; one more
-    copy of the model in this process's memory) once a publisher announces deltas (:meth:`expect_deltas`);
-    a delta that finds no copy is refused and the publisher's full publication follows."""
+    Deltas (:meth:`stage_deltas`, an engine declaring ``capabilities.deltas``) apply to the weights the engine
+    serves — ``_expected()`` when those are its own tensors. An engine whose weights live elsewhere composes a
+    :class:`KeptCopy` (``kept_copy``) and applies them to that copy of what it last committed, kept once a
+    publisher announces deltas (:meth:`expect_deltas`); a delta that finds no copy is refused and the
+    publisher's full publication follows."""
 
     _txn: WeightTransaction | None = None
     _aliases: Mapping[str, str] = {}
     capabilities: Capabilities = Capabilities()
-    weights_elsewhere = False
-    keeps_copy = False
-    _held: tuple[int, dict] | None = None  # (version, pieces): the copy a keeps_copy engine serves
+    kept_copy: KeptCopy | None = None  # an engine whose weights live elsewhere sets one in its constructor
 
     def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
         """Open the publication of ``version``; ``base``: it is a delta against that version (refused unless the
@@ -224,22 +325,22 @@ class TransactionalEngine:
     def expect_deltas(self) -> None:
         """A publisher's notice that delta publications follow: an engine whose weights live elsewhere starts
         keeping the copy they apply to (from the publication under way on)."""
-        if self.weights_elsewhere:
-            self.keeps_copy = True
+        if self.kept_copy is not None:
+            self.kept_copy.expect()
 
     def _delta_base(self) -> Mapping[str, torch.Tensor]:
-        """What a delta applies to: the served weights (a ``keeps_copy`` engine: its copy of them)."""
-        return self._held[1] if self.weights_elsewhere else self._expected()
+        """What a delta applies to: the served weights (an engine keeping a copy: the copy)."""
+        return self.kept_copy.pieces if self.kept_copy is not None else self._expected()
 
     def stage_deltas(self, deltas) -> None:
         """Stage ``name → TensorDelta`` pieces (:mod:`hyperrl.rollout.delta`): each applied to the weight this
         engine serves now and its checksum verified before it is staged; a failure aborts the transaction."""
         if self._txn is None:
             raise WeightPublishError("stage_deltas() without begin(version, base=...)")
-        if self.weights_elsewhere and (self._held is None or self._held[0] != self.policy_version):
+        if self.kept_copy is not None and not self.kept_copy.holds(self.policy_version):
             version = self._txn.version
             self.abort()
-            self.keeps_copy = True  # from the next publication on
+            self.kept_copy.expect()  # from the next publication on
             raise DeltaError(f"a delta against version {self.policy_version}, but this engine holds no copy of it to "
                              f"apply the delta to (it keeps one from its next full publication); refusing version "
                              f"{version}")
@@ -260,7 +361,8 @@ class TransactionalEngine:
         if self._txn is None:
             raise WeightPublishError("stage() without begin(version)")
         try:
-            self._txn.add_all(pieces, self._stage_kept if self.keeps_copy else self._stage_one)
+            keep = self.kept_copy is not None and self.kept_copy.keeping
+            self._txn.add_all(pieces, self._stage_kept if keep else self._stage_one)
         except Exception:
             self.abort()
             raise
@@ -284,10 +386,8 @@ class TransactionalEngine:
             self._on_abort()
             raise
         self._version = txn.version
-        if self.keeps_copy:  # a partial publication updates the copy of the version it was staged on, else none
-            held = self._held if self._held is not None and self._held[0] == txn.current else None
-            self._held = (txn.version, {**held[1], **txn.kept}) if txn.partial and held else \
-                None if txn.partial else (txn.version, txn.kept)
+        if self.kept_copy is not None:
+            self.kept_copy.commit(txn)
 
     def prepare(self) -> None:
         """Check the staged publication complete — what :meth:`commit` checks before applying — so

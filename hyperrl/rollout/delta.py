@@ -8,8 +8,9 @@ base version the delta is against: an engine serving another version refuses it 
 to a full publication); a checksum that does not match fails the transaction naming the tensor — never a
 silently wrong weight. Peers: verl's ``delta_sharded``, slime's xor + zstd with a checksum per tensor.
 
-Two encodings (``codec``): ``sparse`` — int32 flat indices + values (6 bytes per changed bf16 element; no codec
-on the receiver) — and ``xor_zstd`` — the xor of the new and old bits, compressed by zstd (the ``zstandard``
+Two encodings (``codec``, each a :class:`Codec` registered in ``DELTA_CODECS``, with ``dense`` their fallback):
+``sparse`` — int32 flat indices + values (6 bytes per changed bf16 element; no codec on the receiver) — and
+``xor_zstd`` — the xor of the new and old bits, compressed by zstd (the ``zstandard``
 package; level 1): 2.6–4× fewer bytes than sparse at lr 1e-6 … 1e-5, at 1.5–2× its encoding time
 (benchmarks/delta.py ``--codecs``). Sparse wins where the wire is as fast as memory (one machine), xor + zstd where
 the wire is the bottleneck. Either falls back to the dense tensor when that is smaller.
@@ -23,15 +24,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hyperrl.registry import Registry
 from hyperrl.rollout import delta_kernels as kernels
 from hyperrl.rollout.base import DeltaError
 
 __all__ = ["TensorDelta", "encode_delta", "apply_delta", "apply_delta_", "undo_delta_", "tensor_checksum",
            "DeltaError", "to_wire", "from_wire", "tensor_to_wire", "tensor_from_wire", "SliceDelta", "encode_slice",
-           "apply_slice", "execute_direct_delta", "CODECS"]
-
-CODECS = ("sparse", "xor_zstd")
-_KINDS = ("dense", "sparse", "xor_zstd")  # a slice header's kind code is the index
+           "apply_slice", "execute_direct_delta", "CODECS", "DELTA_CODECS", "Codec", "codec_of"]
 
 
 def _zstd():
@@ -82,6 +81,12 @@ class TensorDelta(NamedTuple):
     def apply(self, base: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         """:func:`apply_delta` of this delta to ``base``."""
         return apply_delta(base, self, name)
+
+    @property
+    def elementwise(self) -> bool:
+        """Its values are the new tensor's elements — checked finite before any write — as its codec declares (an
+        xor delta's are compressed bytes: known only once applied)."""
+        return codec_of(self).elementwise
 
     @property
     def nbytes(self) -> int:
@@ -180,25 +185,181 @@ def _swap_(flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> tuple
     return old, tensor_checksum(flat)
 
 
+class Codec:
+    """One way a tensor's change travels, registered in ``DELTA_CODECS`` under the ``kind`` its deltas carry:
+    ``dense`` (the whole new tensor), ``sparse`` (the changed elements' flat indices and new values), ``xor_zstd``
+    (the xor of the new and old bits, compressed). ``encode(new, base, scan)`` → a :class:`TensorDelta` (scan:
+    :func:`_scan`'s ``(indices, values, changed, checksum)``); ``slice(new, old, scan)`` → ``(code, payload)`` of a
+    planned transfer (None: the dense slice); ``write_(flat, delta)`` applies one in place → ``(undo, checksum or
+    None: not known without hashing)``; ``undo_(flat, undo)`` restores; ``write_slice_(flat, payload, changed)`` →
+    a checksum or None. ``code``: a slice header's kind; ``elementwise``: its values are the new tensor's elements
+    (checked finite before any write; a compressed payload is bytes); ``whole``: it carries the whole tensor;
+    ``selectable``: a ``rollout.delta_encoding`` (dense is the fallback of both)."""
+
+    code = 0
+    elementwise = True
+    whole = False
+    selectable = False
+
+    @staticmethod
+    def encode(new: torch.Tensor, base: torch.Tensor, scan: tuple) -> TensorDelta:
+        """The delta of ``new`` against ``base`` in this codec (or the fallback it chooses)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def slice(new: torch.Tensor, old: torch.Tensor, scan: tuple) -> tuple[int, torch.Tensor] | None:
+        """A changed slice's ``(code, payload)`` (None: send it dense)."""
+        return None
+
+    @staticmethod
+    def write_(flat: torch.Tensor, delta: TensorDelta) -> tuple[tuple, int | None]:
+        """Apply ``delta`` to ``flat`` (1-D, in place)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def undo_(flat: torch.Tensor, undo: tuple) -> None:
+        """Restore ``flat`` from :meth:`write_`'s undo."""
+        raise NotImplementedError
+
+    @staticmethod
+    def write_slice_(flat: torch.Tensor, payload: torch.Tensor, changed: int) -> int | None:
+        """Write a received slice payload into ``flat`` (1-D, contiguous, in place)."""
+        raise NotImplementedError
+
+
+DELTA_CODECS: Registry = Registry("delta codec")
+
+
+def _sparse_or_dense(new: torch.Tensor, scan: tuple) -> TensorDelta:
+    """The sparse delta, or the dense tensor where that is no bigger (the scan found too many changes)."""
+    changed, values, k, check = scan
+    flat = new.detach().reshape(-1)
+    if changed is None:
+        return TensorDelta("dense", None, flat.clone(), new.numel(), check, k)
+    return TensorDelta("sparse", changed, values, new.numel(), check, k)
+
+
+@DELTA_CODECS.register("dense")
+class DenseCodec(Codec):
+    """The whole new tensor (what either encoding falls back to where it is smaller)."""
+
+    code, whole = 0, True
+
+    @staticmethod
+    def encode(new, base, scan):
+        return TensorDelta("dense", None, new.detach().reshape(-1).clone(), new.numel(), scan[3], scan[2])
+
+    @staticmethod
+    def write_(flat, delta):
+        undo = (None, flat.clone())
+        flat.copy_(delta.values.to(device=flat.device, dtype=flat.dtype))
+        return undo, None
+
+    @staticmethod
+    def undo_(flat, undo):
+        flat.copy_(undo[1])
+
+    @staticmethod
+    def write_slice_(flat, payload, changed):
+        flat.copy_(payload.view(flat.dtype))
+        return None
+
+
+@DELTA_CODECS.register("sparse")
+class SparseCodec(Codec):
+    """int32 (int64 past 2³¹ elements) flat indices + the new values of the changed elements: 6 bytes per changed
+    bf16 element, no codec on the receiver; the dense tensor where that is smaller."""
+
+    code, selectable = 1, True
+
+    @staticmethod
+    def encode(new, base, scan):
+        return _sparse_or_dense(new, scan)
+
+    @staticmethod
+    def slice(new, old, scan):
+        changed, values, _, _ = scan
+        return None if changed is None else (1, torch.cat([changed.view(torch.uint8), values.view(torch.uint8)]))
+
+    @staticmethod
+    def write_(flat, delta):
+        old, check = _swap_(flat, delta.indices, delta.values)
+        return (delta.indices, old), check
+
+    @staticmethod
+    def undo_(flat, undo):
+        idx, old = undo
+        flat[idx.long().to(flat.device)] = old.to(flat.device)
+
+    @staticmethod
+    def write_slice_(flat, payload, changed):
+        return _swap_(flat, payload[:4 * changed].view(torch.int32), payload[4 * changed:].view(flat.dtype))[1]
+
+
+@DELTA_CODECS.register("xor_zstd", requires=(("zstandard", "pip install zstandard (hyperrl's train extra), or "
+                                                           "rollout.delta_encoding=sparse"),))
+class XorZstdCodec(Codec):
+    """zstd (level 1) of the xor of the new and old bits: 2.6–4× fewer bytes than sparse at lr 1e-6 … 1e-5, at
+    1.5–2× its encoding time (benchmarks/delta.py ``--codecs``); a float tensor only, else (or where the
+    compressed xor is no smaller) sparse or dense — a slice, dense."""
+
+    code, elementwise, selectable = 2, False, True
+
+    @staticmethod
+    def encode(new, base, scan):
+        if new.is_floating_point():
+            packed = _xor_compress(_flat(_bits(new)), _flat(_bits(base)))
+            if packed.numel() < new.numel() * new.element_size():
+                return TensorDelta("xor_zstd", None, packed, new.numel(), scan[3], scan[2])
+        return _sparse_or_dense(new, scan)
+
+    @staticmethod
+    def slice(new, old, scan):
+        packed = _xor_compress(_bits(new), _bits(old))
+        return (2, packed) if packed.numel() < new.numel() * new.element_size() else None
+
+    @staticmethod
+    def write_(flat, delta):
+        bits = flat.view(_BITS[flat.element_size()])
+        bits.bitwise_xor_(_xor_decompress(delta.values.cpu(), bits.dtype, bits.numel()).to(bits.device))
+        return (None, delta.values), None  # compressed: decompressed again only to undo
+
+    @staticmethod
+    def undo_(flat, undo):
+        bits = flat.view(_BITS[flat.element_size()])
+        bits.bitwise_xor_(_xor_decompress(undo[1].cpu(), bits.dtype, bits.numel()).to(bits.device))
+
+    @staticmethod
+    def write_slice_(flat, payload, changed):
+        bits = _bits(_flat(flat))
+        flat.copy_(torch.bitwise_xor(bits, _xor_decompress(payload, bits.dtype, bits.numel())).view(flat.dtype))
+        return None
+
+
+CODECS = tuple(n for n in DELTA_CODECS.in_order() if DELTA_CODECS.get(n).selectable)  # rollout.delta_encoding's
+_BY_CODE = {DELTA_CODECS.get(n).code: DELTA_CODECS.get(n) for n in DELTA_CODECS.in_order()}  # a slice header's kind
+
+
+def codec_of(delta: TensorDelta) -> type[Codec]:
+    """The codec a delta was encoded in (its ``kind``)."""
+    return DELTA_CODECS.get(delta.kind)
+
+
 def encode_delta(new: torch.Tensor, base: torch.Tensor, codec: str = "sparse") -> TensorDelta:
-    """``new`` against ``base`` (same shape and dtype: the engine's): the changed elements sparse (or, ``codec =
-    "xor_zstd"``, the xor of the bits compressed — ``values`` the compressed bytes), or the whole tensor when
-    that is smaller (sparse: ``changed × (index + value bytes) ≥ numel × value bytes``)."""
+    """``new`` against ``base`` (same shape and dtype: the engine's) in ``codec`` (:data:`CODECS`): the changed
+    elements sparse (or, ``xor_zstd``, the xor of the bits compressed — ``values`` the compressed bytes), or the
+    whole tensor when that is smaller (sparse: ``changed × (index + value bytes) ≥ numel × value bytes``)."""
     if codec not in CODECS:
         raise ValueError(f"delta codec {codec!r}; choose one of {', '.join(CODECS)}")
     if new.shape != base.shape or new.dtype != base.dtype:
         raise ValueError(f"encode_delta: new {tuple(new.shape)} {new.dtype} against base {tuple(base.shape)} "
                          f"{base.dtype}; a delta needs one shape and dtype")
-    flat, n = new.detach().reshape(-1), new.numel()
-    index_dtype = torch.int32 if n < 2**31 else torch.int64
-    changed, values, k, check = _scan(new, base, index_dtype.itemsize)
-    if codec == "xor_zstd" and new.is_floating_point():
-        packed = _xor_compress(_flat(_bits(new)), _flat(_bits(base)))
-        if packed.numel() < n * new.element_size():
-            return TensorDelta("xor_zstd", None, packed, n, check, k)
-    if changed is None:  # the dense tensor is no bigger
-        return TensorDelta("dense", None, flat.clone(), n, check, k)
-    return TensorDelta("sparse", changed, values, n, check, k)
+    index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
+    return DELTA_CODECS.get(codec).encode(new, base, _scan(new, base, index_dtype.itemsize))
+
+
+_MISMATCH = "checksum mismatch after applying the delta (the engine's base differs from the publisher's, or the " \
+            "delta was damaged)"
 
 
 def apply_delta(base: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> torch.Tensor:
@@ -206,22 +367,14 @@ def apply_delta(base: torch.Tensor, delta: TensorDelta, name: str = "tensor") ->
     checksum verified — a mismatch is a :class:`DeltaError` naming ``name``."""
     if delta.numel != base.numel():
         raise DeltaError(f"{name}: a delta of {delta.numel} elements for a tensor of {base.numel()}")
-    if delta.kind == "dense":
-        out = delta.values.to(base.dtype).reshape(base.shape).clone()
-    elif delta.kind == "xor_zstd":
-        old = _flat(_bits(base.detach().cpu()))
-        try:
-            x = _xor_decompress(delta.values.cpu(), old.dtype, old.numel())
-        except DeltaError as e:
-            raise DeltaError(f"{name}: {e}") from None
-        out = torch.bitwise_xor(old, x).view(base.dtype).reshape(base.shape).to(base.device)
-    else:
-        out = base.detach().clone().reshape(-1)
-        _, check = _swap_(out, delta.indices, delta.values)
-        out = out.reshape(base.shape)
-    if (check if delta.kind == "sparse" else tensor_checksum(out)) != delta.checksum:
-        raise DeltaError(f"{name}: checksum mismatch after applying the delta (the engine's base differs from the "
-                         "publisher's, or the delta was damaged)")
+    out = base.detach().clone().reshape(-1)
+    try:
+        _, check = codec_of(delta).write_(out, delta)
+    except DeltaError as e:
+        raise DeltaError(f"{name}: {e}") from None
+    out = out.reshape(base.shape)
+    if (check if check is not None else tensor_checksum(out)) != delta.checksum:
+        raise DeltaError(f"{name}: {_MISMATCH}")
     return out
 
 
@@ -233,38 +386,21 @@ def apply_delta_(t: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> t
     if delta.numel != t.numel():
         raise DeltaError(f"{name}: a delta of {delta.numel} elements for a tensor of {t.numel()}")
     flat = t.detach().view(-1)
-    if delta.kind == "dense":
-        undo = ("dense", None, flat.clone())
-        flat.copy_(delta.values.to(device=flat.device, dtype=flat.dtype))
-    elif delta.kind == "xor_zstd":
-        bits = flat.view(_BITS[flat.element_size()])
-        try:
-            x = _xor_decompress(delta.values.cpu(), bits.dtype, bits.numel()).to(bits.device)
-        except DeltaError as e:
-            raise DeltaError(f"{name}: {e}") from None
-        bits.bitwise_xor_(x)
-        undo = ("xor_zstd", None, delta.values)  # compressed: decompressed again only to undo
-    else:
-        old, check = _swap_(flat, delta.indices, delta.values)
-        undo = ("sparse", delta.indices, old)
-    if (check if delta.kind == "sparse" else tensor_checksum(t)) != delta.checksum:
+    try:
+        undo, check = codec_of(delta).write_(flat, delta)
+    except DeltaError as e:
+        raise DeltaError(f"{name}: {e}") from None
+    undo = (delta.kind, *undo)
+    if (check if check is not None else tensor_checksum(t)) != delta.checksum:
         undo_delta_(t, undo)
-        raise DeltaError(f"{name}: checksum mismatch after applying the delta (the engine's base differs from the "
-                         "publisher's, or the delta was damaged)")
+        raise DeltaError(f"{name}: {_MISMATCH}")
     return undo
 
 
 def undo_delta_(t: torch.Tensor, undo: tuple) -> None:
     """Restore ``t`` from :func:`apply_delta_`'s undo (bit for bit)."""
-    kind, idx, old = undo
-    flat = t.detach().view(-1)
-    if kind == "dense":
-        flat.copy_(old)
-    elif kind == "xor_zstd":
-        bits = flat.view(_BITS[flat.element_size()])
-        bits.bitwise_xor_(_xor_decompress(old.cpu(), bits.dtype, bits.numel()).to(bits.device))
-    else:
-        flat[idx.long().to(flat.device)] = old.to(flat.device)
+    kind, *rest = undo
+    DELTA_CODECS.get(kind).undo_(t.detach().view(-1), tuple(rest))
 
 
 class SliceDelta(NamedTuple):
@@ -282,18 +418,13 @@ def encode_slice(new: torch.Tensor, old: torch.Tensor, codec: str = "sparse") ->
     """The delta of one transfer's slice ``new`` against what was sent the last time (``old``, same shape and
     dtype) in ``codec`` (:data:`CODECS`), or the whole slice when that is smaller; the checksum of ``new``."""
     new, old = _flat(new.contiguous()), _flat(old.contiguous())
-    n, item = new.numel(), new.element_size()
-    changed, values, k, check = _scan(new, old, 4)
-    packed = _xor_compress(_bits(new), _bits(old)) if codec == "xor_zstd" and k else None
+    scan = _scan(new, old, 4)
+    k, check = scan[2], scan[3]
     if not k:  # nothing changed: an empty sparse slice
-        payload, kind = torch.empty(0, dtype=torch.uint8), 1
-    elif packed is not None and packed.numel() < n * item:
-        payload, kind = packed, 2
-    elif packed is None and changed is not None:
-        payload, kind = torch.cat([changed.view(torch.uint8), values.view(torch.uint8)]), 1
+        code, payload = SparseCodec.code, torch.empty(0, dtype=torch.uint8)
     else:
-        payload, kind = new.view(torch.uint8), 0
-    return SliceDelta(torch.tensor([kind, k, check, payload.numel()], dtype=torch.int64), payload, k, n)
+        code, payload = DELTA_CODECS.get(codec).slice(new, old, scan) or (DenseCodec.code, new.view(torch.uint8))
+    return SliceDelta(torch.tensor([code, k, check, payload.numel()], dtype=torch.int64), payload, k, new.numel())
 
 
 def payload_bytes(header: torch.Tensor) -> int:
@@ -304,21 +435,13 @@ def payload_bytes(header: torch.Tensor) -> int:
 def apply_slice(target: torch.Tensor, header: torch.Tensor, payload: torch.Tensor, where: str) -> str | None:
     """Write a received slice delta into ``target`` (a view of the receiver's copy of its last publication,
     the base) in place and verify the checksum; returns the failure (naming ``where``), or None."""
-    kind, k, check, _ = (int(v) for v in header)
+    code, k, check, _ = (int(v) for v in header)
     contiguous = target.is_contiguous()
     flat = target.view(-1) if contiguous else target.contiguous().view(-1)  # a copy only when strided
-    got = None
-    if kind == 1:
-        _, got = _swap_(flat, payload[:4 * k].view(torch.int32), payload[4 * k:].view(flat.dtype))
-    elif kind == 2:
-        bits = _bits(_flat(flat))
-        try:
-            x = _xor_decompress(payload, bits.dtype, bits.numel())
-        except DeltaError as e:
-            return f"{where}: {e}"
-        flat.copy_(torch.bitwise_xor(bits, x).view(flat.dtype))
-    else:
-        flat.copy_(payload.view(flat.dtype))
+    try:
+        got = _BY_CODE[code].write_slice_(flat, payload, k)
+    except DeltaError as e:
+        return f"{where}: {e}"
     if not contiguous:
         target.copy_(flat.view(target.shape))
     if (got if got is not None else tensor_checksum(flat)) != check:

@@ -10,34 +10,13 @@ from pathlib import Path
 import torch
 
 from hyperrl.registry import Registry
-from hyperrl.rollout.base import Capabilities
+from hyperrl.rollout.base import Capabilities, check_capabilities, transformers_capabilities, vllm_capabilities
 
 __all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities",
-           "transformers_capabilities", "vllm_capabilities"]
+           "transformers_capabilities", "vllm_capabilities", "build_engine"]
 
 ENGINES: Registry = Registry("rollout engine", capabilities=Capabilities())
 register_engine = ENGINES.register  # with capabilities=: a function of the engine's arguments → Capabilities
-
-
-def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
-    """What the transformers engine built with these arguments can do — its registration's declaration and the
-    built engine's ``capabilities`` (one function: declared once)."""
-    return Capabilities(keyed=True, resumable=True, shared_weights=share_weights, routes=True, deltas=True,
-                        images=True, fp32_head=tp == 1, tp=tp)
-
-
-def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = False, transport: str | None = None,
-                      **_) -> Capabilities:
-    """What the vLLM engine built with these arguments can do (its registration's declaration and the built
-    engine's): ``buffers`` where its weight transport writes in place (None: ``shm``, ``file`` without /dev/shm)."""
-    from hyperrl.rollout.transports import transport_class
-
-    try:
-        in_place = transport_class(transport or ("shm" if Path("/dev/shm").is_dir() else "file")).in_place
-    except ValueError:  # an unknown transport: refused at load, naming the registered ones (_vllm_arguments)
-        in_place = False
-    return Capabilities(resumable=True, lora_adapters=lora_adapters, routes=routed_experts, buffers=in_place,
-                        deltas=True)
 
 
 def _vllm_arguments(*, transport: str | None = None, **_) -> None:
@@ -183,6 +162,15 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
         pad_id=ctx.tokenizer.pad_token_id, **extra), gpus=1 if ctx.device.type == "cuda" else 0)
     return spec if ctx.remote else spec.build()
+
+
+def build_engine(name: str, args: dict, ctx: EngineContext):
+    """``rollout.engine``'s engine (or, ``ctx.remote``, its :class:`EngineSpec`), checked to have the members its
+    declared capabilities promise (:func:`~hyperrl.rollout.base.check_capabilities`)."""
+    engine = ENGINES.build(name, **args)(ctx)
+    if not isinstance(engine, EngineSpec):
+        check_capabilities(engine, f"rollout.engine={name}")
+    return engine
 
 
 def declared_capabilities(name: str, args: dict) -> Capabilities:

@@ -16,8 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
-from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError
-from hyperrl.rollout.engines import transformers_capabilities
+from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError, transformers_capabilities
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
@@ -128,7 +127,7 @@ class TransformersEngine(TransactionalEngine):
                     txn.check_delta(name, d)
                     t = current[name]
                     self._undo.append((t, apply_delta_(t, d, name)))
-                    txn.add(name, t, finite_checked=d.kind != "xor_zstd")
+                    txn.add(name, t, finite_checked=d.elementwise)
         except Exception:
             self.abort()
             raise

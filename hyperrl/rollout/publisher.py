@@ -35,7 +35,19 @@ from hyperrl.sharding.plan import Plan, reshard_plan
 from hyperrl.sharding.spec import Spec
 
 __all__ = ["Publisher", "WeightPublishError", "source_layout", "cast_to_destination", "IdentityExecutor",
-           "LocalExecutor", "DirectExecutor", "FullGatherExecutor"]
+           "LocalExecutor", "DirectExecutor", "FullGatherExecutor", "DeltaBase"]
+
+
+@dataclass(frozen=True)
+class DeltaBase:
+    """What the next delta publication is against — the last publication the engine committed: its ``version``,
+    the ``pieces`` sent (in the engine's layout and dtype: what a one-process delta encodes against, and what a
+    receiving rank of the direct plan applies slices to) and, across processes, this rank's source ``shards`` then
+    (what a sending rank encodes its slices against)."""
+
+    version: int
+    pieces: dict
+    shards: dict | None = None
 
 
 def source_layout(model: torch.nn.Module, world: int) -> Layout:
@@ -152,22 +164,27 @@ class Publisher:
     """Publishes a trainer's weights into an engine's own layout: the reshard plan from the source ``Layout`` (read
     from the model's DTensor placements) into the destination ``DstLayout`` (``engine.layout(world)``), run
     by ``executor`` (identity views in one process, direct-reshard across processes) inside the engine's
-    ``begin → stage → commit`` transaction."""
+    ``begin → stage → commit`` transaction. ``parallel``: the run's parallel strategy
+    (:mod:`hyperrl.distributed.strategy`) — the ranks agree through it on a delta publication across processes
+    (``min_over_ranks``, ``sum_over_ranks``, ``gather_objects``)."""
 
     def __init__(self, src: Layout, dst: DstLayout, executor=None, *, engine=None, rank: int = 0,
-                 fan_out: bool = False):
+                 fan_out: bool = False, parallel=None):
         self.src, self.dst = cast_to_destination(src, dst), dst
-        self.engine, self.rank = engine, rank
+        self.engine, self.rank, self.parallel = engine, rank, parallel
         self.last: dict = {}  # what the last publication sent (see publish)
+        self._base: DeltaBase | None = None  # delta publication: the last publication, when the engine holds it
         self.plan = reshard_plan(self.src, dst, fan_out=fan_out)  # checks compatibility, names listed
         if executor is None and len(self.src.ranks() | dst.ranks()) == 1:
             executor = IdentityExecutor() if _one_to_one(self.plan) else LocalExecutor()
         self.executor = executor or DirectExecutor()
 
     @classmethod
-    def for_engine(cls, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, executor=None):
+    def for_engine(cls, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, executor=None,
+                   parallel=None):
         """Plan from ``model``'s parameters into ``engine.layout(world)`` (one engine replica per rank)."""
-        return cls(source_layout(model, world), engine.layout(world), executor, engine=engine, rank=rank)
+        return cls(source_layout(model, world), engine.layout(world), executor, engine=engine, rank=rank,
+                   parallel=parallel)
 
     def shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's local source shards, cast to what the destination reads."""
@@ -204,13 +221,13 @@ class Publisher:
         pieces = {k: v.detach().clone() if v.untyped_storage().data_ptr() in live else v
                   for k, v in self._gather(model, version, buffers=False).items()}
         full = sum(v.numel() * v.element_size() for v in pieces.values())
-        base = getattr(self, "_base", None)
-        if base is None and hasattr(self.engine, "expect_deltas"):
+        base = self._base
+        if base is None and self.engine.capabilities.deltas:
             self.engine.expect_deltas()  # deltas follow: an engine that needs a copy to apply them keeps it now
         if base is not None:
             try:
                 self._publish_delta(pieces, version, base, full)
-                self._base = (version, pieces)
+                self._base = DeltaBase(version, pieces)
                 return
             except WeightPublishError as e:  # a base the engine does not hold, a checksum: the full weights instead
                 self.last = {"delta_fallback": str(e)}
@@ -218,7 +235,7 @@ class Publisher:
         self.engine.stage(pieces)
         self.engine.commit()
         self.last |= {"publish_bytes": full, "publish_full_bytes": full, "delta_frac": 1.0}
-        self._base = (version, pieces)
+        self._base = DeltaBase(version, pieces)
 
     def _publish_direct_delta(self, model: torch.nn.Module, version: int) -> None:
         """Delta publication across processes, every rank together: when every rank holds the last publication
@@ -229,49 +246,48 @@ class Publisher:
         checksum on any rank — the full weights go by the direct plan, and ``last["delta_fallback"]`` says why.
         ``last``: ``publish_bytes`` / ``publish_full_bytes`` on the wire over all ranks, ``delta_frac`` of the
         elements sent."""
-        import torch.distributed as dist
-
         from hyperrl.rollout.delta import execute_direct_delta
+
+        par = self.parallel
+        if par is None:
+            raise WeightPublishError("delta publication across processes: the ranks agree through the run's parallel "
+                                     "strategy — Publisher(..., parallel=hyperrl.distributed.make_parallel(dims))")
 
         live = {k: local(p).data_ptr() for k, p in model.named_parameters()}
         shards = {k: v.detach().clone() if v.data_ptr() == live.get(k) else v  # the next base: never a live view
                   for k, v in self.shards(model).items()}
-        base, current = getattr(self, "_base", None), self.engine.policy_version
+        base, current = self._base, self.engine.policy_version
         why = "no earlier publication" if base is None else None
-        if base is not None and current != base[0]:
-            why = f"a delta against version {base[0]}, but this engine serves version {current}"
-        flags = torch.tensor([int(why is None), -1 if base is None else base[0], -(-1 if base is None else base[0])])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        if base is not None and current != base.version:
+            why = f"a delta against version {base.version}, but this engine serves version {current}"
+        at = -1 if base is None else base.version
+        flags = par.min_over_ranks([int(why is None), at, -at])
         if bool(flags[0]) and int(flags[1]) == -int(flags[2]):  # every rank ready, at one base version
             # the receiver's copy of its last pieces is updated in place (on a failure the full weights replace it);
             # a fan-out forward (phase ≥ 1) reads the old pieces, so then a copy
             forwards = any(t.phase for t in self.plan)
-            pieces = {k: v.clone() for k, v in base[2].items()} if forwards else base[2]
-            res = execute_direct_delta(self.plan, self.rank, shards, base[1], pieces, base[2],
+            pieces = {k: v.clone() for k, v in base.pieces.items()} if forwards else base.pieces
+            res = execute_direct_delta(self.plan, self.rank, shards, base.shards, pieces, base.pieces,
                                        max_bytes=getattr(self.executor, "max_bytes", 128 << 20), codec=self._codec)
-            sums = torch.tensor([len(res["errors"]), res["bytes"], res["full"], res["changed"], res["numel"]],
-                                dtype=torch.float64)
-            dist.all_reduce(sums)
+            sums = par.sum_over_ranks([len(res["errors"]), res["bytes"], res["full"], res["changed"], res["numel"]])
             if not sums[0]:
                 self._base = None  # until the engine holds it (a refused commit leaves no base to delta against)
-                self.engine.begin(version, base=base[0])
+                self.engine.begin(version, base=base.version)
                 self.engine.stage(pieces)
                 self.engine.commit()
-                self._base = (version, shards, pieces)
+                self._base = DeltaBase(version, pieces, shards)
                 self.last = {"publish_bytes": float(sums[1]), "publish_full_bytes": float(sums[2]),
                              "delta_frac": float(sums[3] / max(float(sums[4]), 1.0))}
                 return
             why = res["errors"][0] if res["errors"] else None
-        reasons: list = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, why)
+        reasons = par.gather_objects(why)
         said = next((f"rank {r}: {w}" for r, w in enumerate(reasons) if w), None)
         self._base = None
         pieces = self._publish_full(model, version, keep=True)
-        self._base = (version, shards, pieces)
+        self._base = DeltaBase(version, pieces, shards)
         full = sum(t.nbytes for t in self.plan if not t.local and t.src_rank == self.rank)
-        totals = torch.tensor([float(full)], dtype=torch.float64)
-        dist.all_reduce(totals)
-        self.last = {"publish_bytes": float(totals[0]), "publish_full_bytes": float(totals[0]), "delta_frac": 1.0}
+        total = par.sum_over_ranks([full])[0]
+        self.last = {"publish_bytes": total, "publish_full_bytes": total, "delta_frac": 1.0}
         if base is not None and said:
             self.last["delta_fallback"] = said
 
@@ -300,14 +316,14 @@ class Publisher:
                                      f"{e!r}; still serving version {self.engine.policy_version}") from e
 
     def _publish_delta(self, pieces: dict, version: int, base, full: int) -> None:
-        """One delta publication of ``pieces`` against ``base = (version, pieces)``, the last published."""
-        from hyperrl.rollout.delta import encode_delta
+        """One delta publication of ``pieces`` against ``base`` (:class:`DeltaBase`), the last published."""
+        from hyperrl.rollout.delta import codec_of, encode_delta
 
-        deltas = {k: encode_delta(v, base[1][k], self._codec) for k, v in pieces.items()}
-        self.engine.begin(version, base=base[0])
+        deltas = {k: encode_delta(v, base.pieces[k], self._codec) for k, v in pieces.items()}
+        self.engine.begin(version, base=base.version)
         self.engine.stage_deltas(deltas)
         self.engine.commit()
         numel = sum(d.numel for d in deltas.values())
         self.last = {"publish_bytes": sum(d.nbytes for d in deltas.values()), "publish_full_bytes": full,
                      "delta_frac": sum(d.changed for d in deltas.values()) / max(numel, 1),
-                     "delta_dense_tensors": sum(d.kind == "dense" for d in deltas.values())}
+                     "delta_dense_tensors": sum(codec_of(d).whole for d in deltas.values())}

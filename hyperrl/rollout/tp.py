@@ -27,8 +27,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from hyperrl.rollout.base import TransactionalEngine, WeightPublishError
-from hyperrl.rollout.engines import transformers_capabilities
+from hyperrl.rollout.base import TransactionalEngine, WeightPublishError, transformers_capabilities
 from hyperrl.rollout.hf import TransformersEngine
 
 __all__ = ["TPTransformersEngine", "VocabParallelEmbedding", "GatheredLMHead", "GroupExperts"]

@@ -33,8 +33,14 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError, _all_finite
-from hyperrl.rollout.engines import vllm_capabilities
+from hyperrl.rollout.base import (
+    KeptCopy,
+    SamplingParams,
+    TransactionalEngine,
+    WeightPublishError,
+    _all_finite,
+    vllm_capabilities,
+)
 from hyperrl.rollout.requests import Request
 from hyperrl.rollout.transports import TRANSPORTS, transport_class
 from hyperrl.trajectory import NO_VERSION, stack_episodes
@@ -52,7 +58,6 @@ class VLLMEngine(TransactionalEngine):
     vLLM's LoRA path when ``lora_rank`` is set. Deltas apply to the engine's copy of its last version (vLLM's
     worker keeps its weights packed: they are not read back) and the whole new version goes to the worker."""
 
-    weights_elsewhere = True
     _broken: str | None = None  # a native transfer failed midway: no version is served
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
@@ -64,6 +69,7 @@ class VLLMEngine(TransactionalEngine):
         from vllm import LLM
 
         self.model_dir, self.pad_id, self._version = Path(model_dir), pad_id, version
+        self.kept_copy = KeptCopy()  # vLLM's worker keeps its weights packed: deltas apply to a copy kept here
         self._stacked = stacked_experts  # the publisher's experts: transformers ≥ 5's gate_up_proj / down_proj
         self._request_ids = itertools.count()  # vLLM request ids of generate_requests (unique per engine)
         self._shapes: dict[str, torch.Tensor] = {}

@@ -102,3 +102,26 @@ def test_a_task_lacking_a_member_is_refused_naming_it():
             make_task(cfg.task, char_tokenizer(), 0)
     finally:
         TASKS.remove("no_limits")
+
+
+def test_an_engine_lacking_what_its_capabilities_promise_is_refused_where_it_is_built():
+    """A declared capability ties the optional members the loop calls (its protocol): an engine declaring deltas
+    without ``stage_deltas`` / ``expect_deltas`` is refused when built, naming the flag and the members."""
+    from hyperrl.rollout.base import CAPABILITY_PROTOCOLS, DeltaEngine
+    from hyperrl.rollout.engines import build_engine
+    from hyperrl.rollout.hf import TransformersEngine
+
+    class HalfDelta:
+        capabilities = Capabilities(deltas=True)
+
+        def begin(self, version, *, partial=False, base=None):
+            """Opens a publication."""
+
+    register_engine("half_delta", capabilities=Capabilities(deltas=True))(lambda ctx: HalfDelta())
+    try:
+        with pytest.raises(TypeError, match=r"rollout.engine=half_delta: HalfDelta declares capabilities.deltas but "
+                                            r"lacks expect_deltas, stage_deltas \(DeltaEngine\)"):
+            build_engine("half_delta", {}, None)
+    finally:
+        ENGINES.remove("half_delta")
+    assert CAPABILITY_PROTOCOLS["deltas"] is DeltaEngine and issubclass(TransformersEngine, DeltaEngine)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 import hyperrl.transforms as T
 from hyperrl.config import load_config
-from hyperrl.distributed.data_parallel import LocalParallel
+from hyperrl.distributed.strategy import LocalParallel
 from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.loop.learner import Learner, Optimized
 from hyperrl.loop.pipeline import build_pipeline
@@ -108,7 +108,7 @@ def test_loss_output_sum_refuses_a_name_twice():
 
 
 def _dp_worker(rank, world):
-    from hyperrl.distributed.data_parallel import make_parallel
+    from hyperrl.distributed.strategy import make_parallel
 
     p = make_parallel()
     norm = p.global_normalizer(T.Normalizer(torch.tensor(3.0 + rank), torch.tensor(1.0), 4.0))
@@ -124,7 +124,7 @@ def _dp_worker(rank, world):
 @pytest.mark.dist
 def test_data_parallel_rules_on_two_gloo_processes():
     r = run_gloo(_dp_worker, 2)
-    assert r[0]["kind"] == "TorchDataParallel"
+    assert r[0]["kind"] == "TorchParallel"
     assert r[0]["norm"] == r[1]["norm"] == (7.0, 2.0, 4.0)  # summed over ranks, the constant kept
     assert r[0]["micros"] == r[1]["micros"] == 2 and (r[0]["none"], r[1]["none"]) == (1, 0)
     assert r[0]["agree"] == r[1]["agree"] == (False, 4)  # shared only if all prefer it; the largest S

@@ -80,8 +80,9 @@ def test_tp_fsdp_resume_is_bit_identical(tmp_path):
 def _grad_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hyperrl.distributed.data_parallel import TorchDataParallel
+    from hyperrl.distributed import ParallelDims
     from hyperrl.distributed.parallelize import parallelize, tp_partial_params
+    from hyperrl.distributed.strategy import TorchParallel
     from hyperrl.models.tiny import tiny_qwen3
 
     model = tiny_qwen3(50, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, intermediate=48, seed=1)
@@ -96,7 +97,7 @@ def _grad_worker(rank, world):
         return -lp.gather(-1, tokens[rows, 1:, None]).sum() / (tokens.shape[0] * (tokens.shape[1] - 1))
 
     loss_of(whole, slice(None)).backward()
-    par = TorchDataParallel(tp=2)
+    par = TorchParallel(ParallelDims.from_env(tp=2))
     parallelize(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     par.sum_over_tp(tp_partial_params(model))
     mine = par.shard(list(range(8)))

@@ -205,7 +205,7 @@ def test_fsdp2_mixed_precision_bf16_compute_over_fp32_shards(tmp_path):
 
 
 def _sync_worker(rank, world):
-    from hyperrl.distributed.data_parallel import make_parallel
+    from hyperrl.distributed.strategy import make_parallel
 
     par = make_parallel()
     torch.manual_seed(rank)  # different weights per rank until replicate()

@@ -4,6 +4,8 @@ damaged delta failing the transaction with the engine still serving its version;
 gloo processes where each planned slice travels as its delta (FSDP2 into per-rank engines, TP × FSDP2 into the
 TP engine)."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -263,10 +265,10 @@ def _dist_worker(rank, world, out_dir, extra, faults, codec="sparse"):
     name = "model.layers.0.mlp.down_proj.weight"
     for step in range(1, 7):
         if faults and step == 3 and rank == 0:  # rank 0's copy of its last pieces is damaged in rank 1's half, at
-            half = pub._base[2][name][64:]  # its largest weight (the widest bf16 ulp: the step does not change it)
+            half = pub._base.pieces[name][64:]  # its largest weight (the widest bf16 ulp: the step does not change it)
             half.view(-1)[half.abs().argmax()] += 1
         if faults and step == 5 and rank == 1:  # rank 1 believes its last publication was another version
-            pub._base = (pub._base[0] - 1, *pub._base[1:])
+            pub._base = dataclasses.replace(pub._base, version=pub._base.version - 1)
         m = tr.step()
         full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(torch.bfloat16)
                 for k, p in tr.policy.named_parameters()}
@@ -319,3 +321,26 @@ def test_delta_publication_is_refused_where_it_does_not_run_yet():
     with pytest.raises(ConfigError, match=r"rollout.delta_publication with an engine sharing the trainer's weights"):
         load_config(None, ["--rollout.delta_publication=true", "--rollout.engine={name: transformers, "
                                                                "share_weights: true}"])
+
+
+def test_the_codecs_are_registered_objects_and_the_configs_choices():
+    """Every delta kind is a :class:`Codec` in ``DELTA_CODECS`` (distinct slice codes; what the engines and the
+    publisher ask of a delta — finite-checkable values, the whole tensor — is its declaration), and the selectable
+    ones are exactly ``rollout.delta_encoding``'s choices."""
+    from typing import get_args
+
+    from hyperrl.config.schema import RolloutConfig
+    from hyperrl.rollout.delta import CODECS, DELTA_CODECS, codec_of
+
+    assert DELTA_CODECS.in_order() == ["dense", "sparse", "xor_zstd"]
+    assert sorted(DELTA_CODECS.get(n).code for n in DELTA_CODECS.in_order()) == [0, 1, 2]
+    assert get_args(RolloutConfig.model_fields["delta_encoding"].annotation) == CODECS == ("sparse", "xor_zstd")
+    base = torch.zeros(4000, dtype=torch.bfloat16)
+    new = base.clone()
+    new[::400] = 1.0
+    kinds = {}
+    for codec, changed in (("sparse", new), ("xor_zstd", new), ("sparse", torch.ones_like(base))):
+        d = encode_delta(changed, base, codec)
+        kinds[d.kind] = (codec_of(d).elementwise, codec_of(d).whole)
+        assert torch.equal(apply_delta(base, d).view(torch.int16), changed.view(torch.int16))
+    assert kinds == {"sparse": (True, False), "xor_zstd": (False, False), "dense": (True, True)}

@@ -108,7 +108,7 @@ def run() -> dict:
         full = {k: v.clone() for k, v in tr.publisher.publisher.gather(tr.policy, buffers=False).items()}
 
         def held(a):
-            return a.engine._held[0], {k: v.clone() for k, v in a.engine._held[1].items()}
+            return a.engine.kept_copy.version, {k: v.clone() for k, v in a.engine.kept_copy.pieces.items()}
 
         res["held_exact"] = []
         for w in workers:
