@@ -395,6 +395,7 @@ def _check_groups(cfg: TrainConfig) -> None:
 def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     """The ``async`` section (``max_staleness`` set: the asynchronous loop)."""
     from hyperrl.rollout.workers import EXECUTORS
+    from hyperrl.rollout.workers.schedules import ASYNC_SCHEDULES
 
     s, r = getattr(cfg, "async"), cfg.rollout
     if s.max_staleness is None:
@@ -406,9 +407,8 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if caps.shared_weights:
         raise ConfigError("rollout.engine.share_weights: the engine would generate from weights the learner is "
                           "changing; an asynchronous run needs its own copy (share_weights: false)")
-    # async.schedule is a Literal of the config's own: the loop's registry of schedule objects sits above the config
-    # layer (tests/config/test_checks_at_load.py holds the two lists equal), so its values are compared here
-    if s.replay is not None and s.schedule != "free":
+    schedule = ASYNC_SCHEDULES.get(s.schedule)  # what it declared (tests/config/test_checks_at_load.py: every
+    if s.replay is not None and not schedule.records:  # registered schedule is a choice of the config's Literal)
         raise ConfigError(f"async.replay with async.schedule={s.schedule}: an event log records a free-running run "
                           "(a gated run reproduces without one)")
     if s.kv_cache == "keep" and s.replay is not None:
@@ -418,12 +418,12 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if caps.lora_adapters and not executor.adapters:
         raise ConfigError(f"rollout.engine.lora_adapters with async.executor={s.executor.name}: the workers' engines "
                           "are published merged weights (the group has no adapter path); set lora_adapters: false")
-    if s.kv_cache == "keep" and s.schedule == "free" and not executor.parks:
+    if s.kv_cache == "keep" and schedule.interrupts and not executor.parks:
         raise ConfigError(f"async.kv_cache=keep: the {s.executor.name} executor's workers cannot park mid-generation "
                           "(the thread executor's can); use kv_cache: reprefill")
-    if s.schedule == "gated" and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:
-        raise ConfigError(f"async.max_concurrent={s.max_concurrent}: the gated schedule admits whole steps — set 0 "
-                          f"or ≥ (η + 1) · rollout.prompts_per_step = {(eta + 1) * r.prompts_per_step}")
+    if schedule.whole_steps and s.max_concurrent and s.max_concurrent < (eta + 1) * r.prompts_per_step:
+        raise ConfigError(f"async.max_concurrent={s.max_concurrent}: the {s.schedule} schedule admits whole steps — "
+                          f"set 0 or ≥ (η + 1) · rollout.prompts_per_step = {(eta + 1) * r.prompts_per_step}")
     if cfg.env is not None and s.replay is not None:
         raise ConfigError("async.replay with env: an environment's steps (an agent's calls) come in their own time, "
                           "which the event log does not record; reproduce a multi-turn run with "

@@ -3,7 +3,9 @@
 * :mod:`.trainer` — :class:`Trainer` (state, step, save / resume; one class for every kind of run —
   ``SyncTrainer``, ``AsyncTrainer`` and ``PreferenceTrainer`` are its earlier names);
 * :mod:`.collect` — the :class:`Collector` protocol, its :class:`Collected` record and the synchronous collector;
-  :mod:`.collect_async` — the asynchronous one; :mod:`.admission` — its pure buffer;
+  :mod:`.collect_async` — the asynchronous one (a coordinator), :mod:`.async_queue` — its units, rows and waiting
+  requests, :mod:`hyperrl.rollout.workers.schedules` — its schedules, :mod:`.admission` — its pure buffer;
+  :mod:`.drivers` — one driver per kind of rollout (plain, episodes, agent), used by both collectors;
 * :mod:`.generation`, :mod:`.scoring` — generation rounds and rewards;
 * :mod:`.pipeline` — the algorithm's bound components; :mod:`.prepare` — the trainer's forwards and
   the key providers' runner (values, baselines, old / reference log-probs, the gate:

@@ -57,9 +57,9 @@ import torch
 from hyperrl import transforms as T
 from hyperrl.loop import admission as A
 from hyperrl.loop.async_queue import AsyncQueue
-from hyperrl.loop.async_schedules import make_schedule
 from hyperrl.loop.collect import Collected, Timer, score_and_shape
 from hyperrl.rollout.workers.base import WorkerDied, WorkerError
+from hyperrl.rollout.workers.schedules import make_schedule
 from hyperrl.trajectory import cat_batches, validate
 
 __all__ = ["AsyncCollector", "WorkerError"]

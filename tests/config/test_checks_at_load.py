@@ -78,7 +78,7 @@ def test_every_async_schedule_is_a_config_choice():
     from typing import get_args
 
     from hyperrl.config import AsyncConfig
-    from hyperrl.loop.async_schedules import ASYNC_SCHEDULES, ReplaySchedule, make_schedule
+    from hyperrl.rollout.workers.schedules import ASYNC_SCHEDULES, ReplaySchedule, make_schedule
 
     assert set(get_args(AsyncConfig.model_fields["schedule"].annotation)) == set(ASYNC_SCHEDULES.names())
     for name in ASYNC_SCHEDULES.names():

@@ -1,5 +1,6 @@
 """The asynchronous collector's schedules: how rollout workers take requests, and what a pause
-(before a publication or an evaluation) waits for. Small objects, one per mode, called by
+(before a publication or an evaluation) waits for. Small objects, one per mode (``async.schedule``), each
+declaring what it does (``interrupts``, ``records``, ``whole_steps``: read by the config's checks at load), called by
 :class:`~hyperrl.loop.collect_async.AsyncCollector` under the lock of its queue (``q``, an
 :class:`~hyperrl.loop.async_queue.AsyncQueue`):
 
