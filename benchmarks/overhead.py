@@ -3,6 +3,8 @@
 Each version runs in its own process (a ``git worktree`` of ``--ref`` for the old one), alternating,
 ``--repeats`` times: build the trainer, ``--warmup`` steps, then ``--steps`` timed ``trainer.step()``
 calls. Reports the median seconds per step of each version and their ratio; appends to RESULTS.md.
+``--profile``: the timed steps run under cProfile, and the Python function calls per step are reported beside the
+time (the work each version does, whatever the machine's noise).
 
     python benchmarks/overhead.py --ref e67ffff --steps 200
 """
@@ -36,17 +38,27 @@ cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f
 tr = build_trainer(cfg)
 for _ in range(warmup):
     tr.step()
+profile = sys.argv[5] == "1"
+if profile:
+    import cProfile, pstats
+    pr = cProfile.Profile()
+    pr.enable()
 t0 = time.perf_counter()
 for _ in range(steps):
     tr.step()
-print(json.dumps({"s_per_step": (time.perf_counter() - t0) / steps}))
+dt = time.perf_counter() - t0
+calls = 0
+if profile:
+    pr.disable()
+    calls = pstats.Stats(pr).total_calls
+print(json.dumps({"s_per_step": dt / steps, "calls_per_step": calls / steps}))
 """
 
 
-def _run(src: Path, warmup: int, steps: int, out: str) -> float:
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(warmup), str(steps), out], capture_output=True,
-                       text=True, cwd=src, check=True)
-    return json.loads(r.stdout.strip().splitlines()[-1])["s_per_step"]
+def _run(src: Path, warmup: int, steps: int, out: str, profile: bool) -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(warmup), str(steps), out, str(int(profile))],
+                       capture_output=True, text=True, cwd=src, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -55,26 +67,34 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="time under cProfile and count function calls per step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "old"
         subprocess.run(["git", "worktree", "add", "--detach", str(old), args.ref], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            times = {"old": [], "new": []}
+            runs = {"old": [], "new": []}
             for i in range(args.repeats):
                 for name, src in (("old", old), ("new", ROOT)):
-                    times[name].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{name}_{i}"))
+                    runs[name].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{name}_{i}", args.profile))
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+    times = {k: [r["s_per_step"] for r in v] for k, v in runs.items()}
+    calls = {k: statistics.median(r["calls_per_step"] for r in v) for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = [[f"before ({args.ref})", round(med["old"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["old"])],
             ["this checkout", round(med["new"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["new"])],
             ["new / old", round(med["new"] / med["old"], 3), ""]]
-    append_results("loop overhead (old commit vs this checkout)",
+    heads = ["version", "median ms/step", "runs (ms/step)"]
+    if args.profile:  # the work per step: Python function calls, independent of the machine's load
+        heads.append("function calls / step")
+        for row, k in zip(rows, ("old", "new")):
+            row.append(round(calls[k]))
+        rows[2].append(round(calls["new"] / calls["old"], 3))
+    append_results("loop overhead (old commit vs this checkout)" + (", under cProfile" if args.profile else ""),
                    f"Default config (32 prompts x 16, tiny Qwen3), {args.steps} timed steps after {args.warmup}, "
-                   f"{args.repeats} alternating processes each:\n\n"
-                   + table(["version", "median ms/step", "runs (ms/step)"], rows))
+                   f"{args.repeats} alternating processes each:\n\n" + table(heads, rows))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 
 from tensordict import TensorDict
@@ -38,7 +39,7 @@ __all__ = ["ROLLOUT_DRIVERS", "Driver", "PlainDriver", "EpisodeDriver", "AgentDr
 ROLLOUT_DRIVERS: Registry = Registry("rollout driver")
 
 
-class Driver:
+class Driver(ABC):
     """A kind of rollout (module doc). ``env``: what the kind drives (None; an environment factory; a bound
     agent); ``capabilities``: the environment's declaration. Class attributes: ``multi_turn`` (rows carry
     observations: the scorer reads the episode's rewards), ``several_rows`` (a sample may leave several rows
@@ -52,18 +53,18 @@ class Driver:
         self.gen = self.q = None
         self.lockstep = False
 
+    @abstractmethod
     def generate(self, gen, samples, sampling, n: int, group_offset: int, uids, step: int) -> TensorDict:
         """A synchronous round: ``[len(samples)·n]`` rows (:meth:`~hyperrl.loop.generation.Generator.generate`)."""
-        raise NotImplementedError
 
     def attach(self, gen, q, *, lockstep: bool) -> None:
         """Drive an asynchronous collector's units: ``gen`` the run's generator, ``q`` its queue; ``lockstep``:
         η = 0 or gated — turns taken as the synchronous round takes them (multi-turn)."""
         self.gen, self.q, self.lockstep = gen, q, lockstep
 
+    @abstractmethod
     def open(self, unit) -> list[Request]:
         """(under the queue's lock) A newly admitted unit's first requests."""
-        raise NotImplementedError
 
     def deliver(self, done: TensorDict, worker: str) -> TensorDict:
         """(under the queue's lock) Finished rows from ``worker`` → those that are their unit's rows."""
@@ -87,12 +88,15 @@ class Driver:
 
     def reset(self) -> None:
         """Forget the units in flight (a resume generates them again)."""
+        return None  # a default hook: nothing to do
 
     def detach(self) -> None:
         """Release what :meth:`attach` started (the environments' steps under way finish on their own)."""
+        return None  # a default hook: nothing to do
 
     def close(self) -> None:
         """Release what the driver holds (an agent's gateway)."""
+        return None  # a default hook: nothing to do
 
 
 @ROLLOUT_DRIVERS.register("plain")
@@ -161,8 +165,9 @@ class EpisodeDriver(Driver):
 
     def deliver(self, done, worker):
         for i in range(done.batch_size[0]):
-            uid, ep = self.turns.pop(int(done["sample_uid"][i]))
-            self.q.limits.pop(int(done["sample_uid"][i]))
+            request = int(done["sample_uid"][i])
+            uid, ep = self.turns.pop(request)
+            self.q.limits.pop(request)
             m = done["action_mask"][i]
             args = (done["tokens"][i][m].tolist(), done["rollout_logprobs"][i][m].tolist(),
                     done["token_version"][i][m].tolist(),

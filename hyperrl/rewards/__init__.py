@@ -1,6 +1,7 @@
 """Rewards: one registry (``REWARDS``: reward functions and reward factories), the built-in
 functions (:mod:`.builtin`), and rewards as users write them — TRL-, verl- and hyperrl-style
-functions from a file or the registry, weighted, routed by ``data_source``, batched (:mod:`.styles`).
+functions from a file or the registry, weighted, routed by ``data_source``, batched (:mod:`.styles`; how each
+style calls its functions: :mod:`.calling`).
 """
 
 from hyperrl.rewards.builtin import (

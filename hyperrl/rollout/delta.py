@@ -13,12 +13,14 @@ Two encodings (``codec``, each a :class:`Codec` registered in ``DELTA_CODECS``, 
 ``xor_zstd`` — the xor of the new and old bits, compressed by zstd (the ``zstandard``
 package; level 1): 2.6–4× fewer bytes than sparse at lr 1e-6 … 1e-5, at 1.5–2× its encoding time
 (benchmarks/delta.py ``--codecs``). Sparse wins where the wire is as fast as memory (one machine), xor + zstd where
-the wire is the bottleneck. Either falls back to the dense tensor when that is smaller.
+the wire is the bottleneck. Either falls back to the dense tensor when that is smaller. Across processes each planned
+slice travels as its delta: :mod:`hyperrl.rollout.delta_direct`.
 """
 
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 from typing import NamedTuple
 
 import numpy as np
@@ -29,8 +31,8 @@ from hyperrl.rollout import delta_kernels as kernels
 from hyperrl.rollout.base import DeltaError
 
 __all__ = ["TensorDelta", "encode_delta", "apply_delta", "apply_delta_", "undo_delta_", "tensor_checksum",
-           "DeltaError", "to_wire", "from_wire", "tensor_to_wire", "tensor_from_wire", "SliceDelta", "encode_slice",
-           "apply_slice", "execute_direct_delta", "CODECS", "DELTA_CODECS", "Codec", "codec_of"]
+           "DeltaError", "to_wire", "from_wire", "tensor_to_wire", "tensor_from_wire", "CODECS", "DELTA_CODECS",
+           "Codec", "codec", "codec_of", "codec_by_code"]
 
 
 def _zstd():
@@ -185,7 +187,7 @@ def _swap_(flat: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> tuple
     return old, tensor_checksum(flat)
 
 
-class Codec:
+class Codec(ABC):
     """One way a tensor's change travels, registered in ``DELTA_CODECS`` under the ``kind`` its deltas carry:
     ``dense`` (the whole new tensor), ``sparse`` (the changed elements' flat indices and new values), ``xor_zstd``
     (the xor of the new and old bits, compressed). ``encode(new, base, scan)`` → a :class:`TensorDelta` (scan:
@@ -201,30 +203,25 @@ class Codec:
     whole = False
     selectable = False
 
-    @staticmethod
-    def encode(new: torch.Tensor, base: torch.Tensor, scan: tuple) -> TensorDelta:
+    @abstractmethod
+    def encode(self, new: torch.Tensor, base: torch.Tensor, scan: tuple) -> TensorDelta:
         """The delta of ``new`` against ``base`` in this codec (or the fallback it chooses)."""
-        raise NotImplementedError
 
-    @staticmethod
-    def slice(new: torch.Tensor, old: torch.Tensor, scan: tuple) -> tuple[int, torch.Tensor] | None:
+    def slice(self, new: torch.Tensor, old: torch.Tensor, scan: tuple) -> tuple[int, torch.Tensor] | None:
         """A changed slice's ``(code, payload)`` (None: send it dense)."""
         return None
 
-    @staticmethod
-    def write_(flat: torch.Tensor, delta: TensorDelta) -> tuple[tuple, int | None]:
+    @abstractmethod
+    def write_(self, flat: torch.Tensor, delta: TensorDelta) -> tuple[tuple, int | None]:
         """Apply ``delta`` to ``flat`` (1-D, in place)."""
-        raise NotImplementedError
 
-    @staticmethod
-    def undo_(flat: torch.Tensor, undo: tuple) -> None:
+    @abstractmethod
+    def undo_(self, flat: torch.Tensor, undo: tuple) -> None:
         """Restore ``flat`` from :meth:`write_`'s undo."""
-        raise NotImplementedError
 
-    @staticmethod
-    def write_slice_(flat: torch.Tensor, payload: torch.Tensor, changed: int) -> int | None:
+    @abstractmethod
+    def write_slice_(self, flat: torch.Tensor, payload: torch.Tensor, changed: int) -> int | None:
         """Write a received slice payload into ``flat`` (1-D, contiguous, in place)."""
-        raise NotImplementedError
 
 
 DELTA_CODECS: Registry = Registry("delta codec")
@@ -245,22 +242,18 @@ class DenseCodec(Codec):
 
     code, whole = 0, True
 
-    @staticmethod
-    def encode(new, base, scan):
+    def encode(self, new, base, scan):
         return TensorDelta("dense", None, new.detach().reshape(-1).clone(), new.numel(), scan[3], scan[2])
 
-    @staticmethod
-    def write_(flat, delta):
+    def write_(self, flat, delta):
         undo = (None, flat.clone())
         flat.copy_(delta.values.to(device=flat.device, dtype=flat.dtype))
         return undo, None
 
-    @staticmethod
-    def undo_(flat, undo):
+    def undo_(self, flat, undo):
         flat.copy_(undo[1])
 
-    @staticmethod
-    def write_slice_(flat, payload, changed):
+    def write_slice_(self, flat, payload, changed):
         flat.copy_(payload.view(flat.dtype))
         return None
 
@@ -272,27 +265,22 @@ class SparseCodec(Codec):
 
     code, selectable = 1, True
 
-    @staticmethod
-    def encode(new, base, scan):
+    def encode(self, new, base, scan):
         return _sparse_or_dense(new, scan)
 
-    @staticmethod
-    def slice(new, old, scan):
+    def slice(self, new, old, scan):
         changed, values, _, _ = scan
         return None if changed is None else (1, torch.cat([changed.view(torch.uint8), values.view(torch.uint8)]))
 
-    @staticmethod
-    def write_(flat, delta):
+    def write_(self, flat, delta):
         old, check = _swap_(flat, delta.indices, delta.values)
         return (delta.indices, old), check
 
-    @staticmethod
-    def undo_(flat, undo):
+    def undo_(self, flat, undo):
         idx, old = undo
         flat[idx.long().to(flat.device)] = old.to(flat.device)
 
-    @staticmethod
-    def write_slice_(flat, payload, changed):
+    def write_slice_(self, flat, payload, changed):
         return _swap_(flat, payload[:4 * changed].view(torch.int32), payload[4 * changed:].view(flat.dtype))[1]
 
 
@@ -305,44 +293,48 @@ class XorZstdCodec(Codec):
 
     code, elementwise, selectable = 2, False, True
 
-    @staticmethod
-    def encode(new, base, scan):
+    def encode(self, new, base, scan):
         if new.is_floating_point():
             packed = _xor_compress(_flat(_bits(new)), _flat(_bits(base)))
             if packed.numel() < new.numel() * new.element_size():
                 return TensorDelta("xor_zstd", None, packed, new.numel(), scan[3], scan[2])
         return _sparse_or_dense(new, scan)
 
-    @staticmethod
-    def slice(new, old, scan):
+    def slice(self, new, old, scan):
         packed = _xor_compress(_bits(new), _bits(old))
         return (2, packed) if packed.numel() < new.numel() * new.element_size() else None
 
-    @staticmethod
-    def write_(flat, delta):
+    def write_(self, flat, delta):
         bits = flat.view(_BITS[flat.element_size()])
         bits.bitwise_xor_(_xor_decompress(delta.values.cpu(), bits.dtype, bits.numel()).to(bits.device))
         return (None, delta.values), None  # compressed: decompressed again only to undo
 
-    @staticmethod
-    def undo_(flat, undo):
+    def undo_(self, flat, undo):
         bits = flat.view(_BITS[flat.element_size()])
         bits.bitwise_xor_(_xor_decompress(undo[1].cpu(), bits.dtype, bits.numel()).to(bits.device))
 
-    @staticmethod
-    def write_slice_(flat, payload, changed):
+    def write_slice_(self, flat, payload, changed):
         bits = _bits(_flat(flat))
         flat.copy_(torch.bitwise_xor(bits, _xor_decompress(payload, bits.dtype, bits.numel())).view(flat.dtype))
         return None
 
 
 CODECS = tuple(n for n in DELTA_CODECS.in_order() if DELTA_CODECS.get(n).selectable)  # rollout.delta_encoding's
-_BY_CODE = {DELTA_CODECS.get(n).code: DELTA_CODECS.get(n) for n in DELTA_CODECS.in_order()}  # a slice header's kind
 
 
-def codec_of(delta: TensorDelta) -> type[Codec]:
+def codec(name: str) -> Codec:
+    """The registered codec ``name``, ready to use (an unknown name: a ``KeyError`` listing the registered ones)."""
+    return DELTA_CODECS.get(name)()
+
+
+def codec_of(delta: TensorDelta) -> Codec:
     """The codec a delta was encoded in (its ``kind``)."""
-    return DELTA_CODECS.get(delta.kind)
+    return codec(delta.kind)
+
+
+def codec_by_code(code: int) -> Codec | None:
+    """The codec a slice header's kind ``code`` names (None: no registered codec has it)."""
+    return next((codec(n) for n in DELTA_CODECS.in_order() if DELTA_CODECS.get(n).code == code), None)
 
 
 def encode_delta(new: torch.Tensor, base: torch.Tensor, codec: str = "sparse") -> TensorDelta:
@@ -355,7 +347,7 @@ def encode_delta(new: torch.Tensor, base: torch.Tensor, codec: str = "sparse") -
         raise ValueError(f"encode_delta: new {tuple(new.shape)} {new.dtype} against base {tuple(base.shape)} "
                          f"{base.dtype}; a delta needs one shape and dtype")
     index_dtype = torch.int32 if new.numel() < 2**31 else torch.int64
-    return DELTA_CODECS.get(codec).encode(new, base, _scan(new, base, index_dtype.itemsize))
+    return DELTA_CODECS.get(codec)().encode(new, base, _scan(new, base, index_dtype.itemsize))
 
 
 _MISMATCH = "checksum mismatch after applying the delta (the engine's base differs from the publisher's, or the " \
@@ -400,110 +392,4 @@ def apply_delta_(t: torch.Tensor, delta: TensorDelta, name: str = "tensor") -> t
 def undo_delta_(t: torch.Tensor, undo: tuple) -> None:
     """Restore ``t`` from :func:`apply_delta_`'s undo (bit for bit)."""
     kind, *rest = undo
-    DELTA_CODECS.get(kind).undo_(t.detach().view(-1), tuple(rest))
-
-
-class SliceDelta(NamedTuple):
-    """One planned transfer's delta on the wire: ``header = [kind, changed, checksum, payload bytes]`` (int64;
-    kind 0 dense, 1 sparse, 2 xor_zstd) sent first, then ``payload`` — the slice's values (dense), the changed
-    elements' int32 flat indices then their values (sparse), or the compressed xor of the bits — one byte buffer."""
-
-    header: torch.Tensor
-    payload: torch.Tensor
-    changed: int
-    numel: int
-
-
-def encode_slice(new: torch.Tensor, old: torch.Tensor, codec: str = "sparse") -> SliceDelta:
-    """The delta of one transfer's slice ``new`` against what was sent the last time (``old``, same shape and
-    dtype) in ``codec`` (:data:`CODECS`), or the whole slice when that is smaller; the checksum of ``new``."""
-    new, old = _flat(new.contiguous()), _flat(old.contiguous())
-    scan = _scan(new, old, 4)
-    k, check = scan[2], scan[3]
-    if not k:  # nothing changed: an empty sparse slice
-        code, payload = SparseCodec.code, torch.empty(0, dtype=torch.uint8)
-    else:
-        code, payload = DELTA_CODECS.get(codec).slice(new, old, scan) or (DenseCodec.code, new.view(torch.uint8))
-    return SliceDelta(torch.tensor([code, k, check, payload.numel()], dtype=torch.int64), payload, k, new.numel())
-
-
-def payload_bytes(header: torch.Tensor) -> int:
-    """The payload length a ``header`` announces."""
-    return int(header[3])
-
-
-def apply_slice(target: torch.Tensor, header: torch.Tensor, payload: torch.Tensor, where: str) -> str | None:
-    """Write a received slice delta into ``target`` (a view of the receiver's copy of its last publication,
-    the base) in place and verify the checksum; returns the failure (naming ``where``), or None."""
-    code, k, check, _ = (int(v) for v in header)
-    contiguous = target.is_contiguous()
-    flat = target.view(-1) if contiguous else target.contiguous().view(-1)  # a copy only when strided
-    try:
-        got = _BY_CODE[code].write_slice_(flat, payload, k)
-    except DeltaError as e:
-        return f"{where}: {e}"
-    if not contiguous:
-        target.copy_(flat.view(target.shape))
-    if (got if got is not None else tensor_checksum(flat)) != check:
-        return f"{where}: checksum mismatch after applying the delta (the receiver's base differs from the sender's, " \
-               f"or the delta was damaged)"
-    return None
-
-
-def execute_direct_delta(plan, rank: int, src: dict, src_base: dict, dst: dict, dst_base: dict, *,
-                         max_bytes: int = 128 << 20, group=None, codec: str = "sparse") -> dict:
-    """The direct plan with each transfer's *delta* on the wire (the same buckets and peers as
-    :func:`hyperrl.sharding.execute.execute_direct`): per bucket, every sender encodes each of its slices against
-    the same slice of the last publication (``src_base``: its shards then; a fan-out forward, phase ≥ 1, against
-    ``dst_base``: the receiver-side pieces then) in ``codec`` and sends a 4-number header, then the payload whose
-    length the header announced; every receiver writes it into ``dst`` — a copy of its last publication's pieces — and
-    verifies the slice's checksum. Local transfers copy the new values. A failure is recorded, never raised
-    mid-way (the peers' collectives must still match); returns counters and ``errors``."""
-    import torch.distributed as dist
-
-    errors, sent = [], {"bytes": 0, "full": 0, "changed": 0, "numel": 0}
-    for bucket in plan.buckets(max_bytes):
-        heads, ops, todo = [], [], []
-        for t in bucket:
-            new_from = src[t.tensor] if t.phase == 0 else dst[t.param]
-            if t.local and t.src_rank == rank and t.dst_rank == rank:
-                dst[t.param][t.dst_slice.slices()].copy_(new_from[t.src_slice.slices()])
-                continue
-            if t.src_rank == rank:
-                old_from = src_base[t.tensor] if t.phase == 0 else dst_base[t.param]
-                d = encode_slice(new_from[t.src_slice.slices()], old_from[t.src_slice.slices()], codec)
-                heads.append(dist.P2POp(dist.isend, d.header, t.dst_rank, group=group))
-                ops.append(("send", t, d))
-                sent["bytes"] += d.payload.numel() + d.header.numel() * 8
-                sent["full"] += t.nbytes
-                sent["changed"] += d.changed
-                sent["numel"] += d.numel
-            if t.dst_rank == rank:
-                h = torch.empty(4, dtype=torch.int64)
-                heads.append(dist.P2POp(dist.irecv, h, t.src_rank, group=group))
-                todo.append((t, h))
-        if heads:
-            for req in dist.batch_isend_irecv(heads):
-                req.wait()
-        payloads, recv = [], []
-        for _, t, d in ops:
-            if d.payload.numel():  # nothing changed: the header said so, no payload
-                payloads.append(dist.P2POp(dist.isend, d.payload, t.dst_rank, group=group))
-        for t, h in todo:
-            target = dst[t.param][t.dst_slice.slices()]
-            buf = torch.empty(payload_bytes(h), dtype=torch.uint8)
-            if buf.numel():
-                payloads.append(dist.P2POp(dist.irecv, buf, t.src_rank, group=group))
-            recv.append((t, h, buf, target))
-        if payloads:
-            for req in dist.batch_isend_irecv(payloads):
-                req.wait()
-        for t, h, buf, target in recv:
-            where = f"{t.param}{t.dst_slice} from rank {t.src_rank}"
-            try:
-                err = apply_slice(target, h, buf, where)
-            except Exception as e:  # noqa: BLE001 - a malformed payload is recorded: the later buckets must still run
-                err = f"{where}: the delta does not apply ({e!r})"
-            if err is not None:
-                errors.append(err)
-    return {**sent, "errors": errors}
+    codec(kind).undo_(t.detach().view(-1), tuple(rest))

@@ -240,13 +240,13 @@ class Publisher:
     def _publish_direct_delta(self, model: torch.nn.Module, version: int) -> None:
         """Delta publication across processes, every rank together: when every rank holds the last publication
         (its source shards and its received pieces, both of version ``V``) and every engine serves ``V``, each
-        planned slice crosses as its changed elements (:func:`~hyperrl.rollout.delta.execute_direct_delta`),
+        planned slice crosses as its changed elements (:func:`~hyperrl.rollout.delta_direct.execute_direct_delta`),
         applied to a copy of the receiver's last pieces and checked slice by slice; the engine then stages the
         new pieces in one transaction as a full publication would. Otherwise — or when any slice fails its
         checksum on any rank — the full weights go by the direct plan, and ``last["delta_fallback"]`` says why.
         ``last``: ``publish_bytes`` / ``publish_full_bytes`` on the wire over all ranks, ``delta_frac`` of the
         elements sent."""
-        from hyperrl.rollout.delta import execute_direct_delta
+        from hyperrl.rollout.delta_direct import execute_direct_delta
 
         par = self.parallel
         if par is None:

@@ -257,7 +257,7 @@ def test_a_registered_reward_style_calls_its_functions_its_own_way(tmp_path):
     added from a test file is accepted at load, checks a file function's signature and calls it its own way."""
     import inspect
 
-    from hyperrl.rewards.styles import REWARD_STYLES, RewardStyle, _value, register_reward_style
+    from hyperrl.rewards.calling import REWARD_STYLES, RewardStyle, check_value, invoke, register_reward_style
 
     @register_reward_style("by_answer")
     class ByAnswer(RewardStyle):
@@ -265,12 +265,11 @@ def test_a_registered_reward_style_calls_its_functions_its_own_way(tmp_path):
 
         calls = "fn(answer, text)"
 
-        @staticmethod
-        def call(reward, prompts, texts, ids, samples):
-            return [_value(reward.fn(s.answer, t), reward, i) for i, (t, s) in enumerate(zip(texts, samples))]
+        def call(self, reward, prompts, texts, ids, samples):
+            return [check_value(invoke(reward, i, s.answer, t), reward, i) for i, (t, s) in enumerate(zip(texts,
+                                                                                                          samples))]
 
-        @staticmethod
-        def unfit(sig, kwargs):
+        def unfit(self, sig, kwargs):
             return None if list(sig.parameters)[:2] == ["answer", "text"] else "it does not take (answer, text)"
 
     f = tmp_path / "mine.py"

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyperrl.rollout.delta import DeltaError, apply_delta, apply_slice, encode_delta, encode_slice, tensor_checksum
+from hyperrl.rollout.delta import DeltaError, apply_delta, encode_delta, tensor_checksum
+from hyperrl.rollout.delta_direct import apply_slice, encode_slice
 from tests.dist_helpers import run_gloo
 
 
@@ -250,6 +251,9 @@ def test_a_slice_delta_rebuilds_the_new_slice_in_place(n, frac, strided, seed, c
     damaged = d.header.clone()
     damaged[2] ^= 1
     assert "w: checksum mismatch" in apply_slice(view, damaged, d.payload, "w")
+    unknown = d.header.clone()
+    unknown[0] = 7  # a kind no codec has: named, nothing written
+    assert "w: a slice header of delta kind 7" in apply_slice(view, unknown, d.payload, "w")
 
 
 def _dist_worker(rank, world, out_dir, extra, faults, codec="sparse"):
