@@ -7,6 +7,7 @@ calls. Reports the median seconds per step of each version and their ratio; appe
 time (the work each version does, whatever the machine's noise).
 
     python benchmarks/overhead.py --ref e67ffff --steps 200
+    python benchmarks/overhead.py --ref 6fa1566 57447a8 --repeats 5      # several versions, interleaved
 """
 
 from __future__ import annotations
@@ -63,39 +64,46 @@ def _run(src: Path, warmup: int, steps: int, out: str, profile: bool) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ref", default="e67ffff", help="the older commit to compare with")
+    ap.add_argument("--ref", nargs="+", default=["e67ffff"], help="the older commit(s) to compare with (several: "
+                    "every version runs once per repeat, in turn)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="time under cProfile and count function calls per step")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), args.ref], cwd=ROOT, check=True,
-                       capture_output=True)
+        trees = {ref: Path(tmp) / f"ref_{ref}" for ref in args.ref}
+        for ref, path in trees.items():
+            subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=ROOT, check=True,
+                           capture_output=True)
+        trees["this checkout"] = ROOT
         try:
-            runs = {"old": [], "new": []}
+            runs = {k: [] for k in trees}
             for i in range(args.repeats):
-                for name, src in (("old", old), ("new", ROOT)):
-                    runs[name].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{name}_{i}", args.profile))
+                for k, src in trees.items():
+                    runs[k].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{len(runs[k])}_{i}_{k[:7]}",
+                                        args.profile))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, capture_output=True)
+            for ref in args.ref:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees[ref])], cwd=ROOT, capture_output=True)
     times = {k: [r["s_per_step"] for r in v] for k, v in runs.items()}
     calls = {k: statistics.median(r["calls_per_step"] for r in v) for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    rows = [[f"before ({args.ref})", round(med["old"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["old"])],
-            ["this checkout", round(med["new"] * 1e3, 2), " ".join(f"{t * 1e3:.2f}" for t in times["new"])],
-            ["new / old", round(med["new"] / med["old"], 3), ""]]
-    heads = ["version", "median ms/step", "runs (ms/step)"]
+    first = args.ref[0]
+    heads = ["version", "median ms/step", "runs (ms/step)", f"median / {first}'s"]
     if args.profile:  # the work per step: Python function calls, independent of the machine's load
-        heads.append("function calls / step")
-        for row, k in zip(rows, ("old", "new")):
-            row.append(round(calls[k]))
-        rows[2].append(round(calls["new"] / calls["old"], 3))
-    append_results("loop overhead (old commit vs this checkout)" + (", under cProfile" if args.profile else ""),
+        heads += ["function calls / step", f"calls / {first}'s"]
+    rows = []
+    for k in trees:
+        row = [k if k == "this checkout" else f"before ({k})", round(med[k] * 1e3, 2),
+               " ".join(f"{t * 1e3:.2f}" for t in times[k]), round(med[k] / med[first], 3)]
+        if args.profile:
+            row += [round(calls[k]), round(calls[k] / calls[first], 3)]
+        rows.append(row)
+    append_results("loop overhead (old commits vs this checkout)" + (", under cProfile" if args.profile else ""),
                    f"Default config (32 prompts x 16, tiny Qwen3), {args.steps} timed steps after {args.warmup}, "
-                   f"{args.repeats} alternating processes each:\n\n" + table(heads, rows))
-
+                   f"{args.repeats} rounds, each version once per round in turn, a process each:\n\n"
+                   + table(heads, rows))
 
 if __name__ == "__main__":
     main()
