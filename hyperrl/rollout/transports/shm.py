@@ -13,7 +13,7 @@ import torch
 
 from hyperrl.rollout.transports.base import Transport, register_transport
 
-__all__ = ["ShmTransport"]
+__all__ = ["ShmTransport", "WorkerShards"]
 
 
 @register_transport("shm")
@@ -71,3 +71,49 @@ class ShmTransport(Transport):
             for s in shape:
                 n *= s
             yield name, seg[off:off + n].view(dt).view(shape).clone()
+
+
+class WorkerShards(Transport):
+    """``shm`` into a tensor-parallel vLLM engine: one segment per worker holding only that worker's shards, in
+    vLLM's local layout (``shapes[r]``). Staging a whole engine parameter copies each worker's planned boxes
+    (``cuts[name][r]``: :func:`hyperrl.sharding.vllm.worker_cuts`) into that worker's segment, so a worker maps
+    and reads exactly its share — ``received[r]``, the real (unpadded) bytes of the last publication, is the
+    plan's per-rank ``B_recv_min``. Not in place: a publisher's whole parameters are cut, not written into."""
+
+    name = "shm"
+
+    def __init__(self, shapes: list[dict[str, torch.Tensor]], dtype: torch.dtype, cuts: dict[str, list]):
+        super().__init__(shapes[0], dtype)
+        self.workers = [ShmTransport(s, dtype) for s in shapes]
+        self.cuts = cuts
+        self.received = [0] * len(shapes)
+
+    def stage(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        for r, (worker, cuts) in enumerate(zip(self.workers, self.cuts[name])):
+            slot = worker._slot(name)
+            for src, dst, real in cuts:
+                slot[dst.slices()].copy_(t[src.slices()])
+                self.received[r] += real * self.dtype.itemsize
+        return self.workers[0]._slot(name)  # no reference to the trainer's tensor is kept
+
+    def payload(self, staged, views, version: int) -> tuple:
+        """One ``shm`` payload per worker (its own segment and manifest): the RPC carries all of them, each worker
+        maps only ``payloads[tp_rank]``."""
+        return ([w.payload({k: None for k in staged}, lambda k, _, w=w: [(k, 0, tuple(w.shapes[k].shape))], version)
+                 for w in self.workers],)
+
+    def done(self) -> None:
+        self.received = [0] * len(self.workers)
+
+    @property
+    def path(self) -> list[str]:
+        return [w.path for w in self.workers]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+
+    @staticmethod
+    def receive(*payload):
+        return ShmTransport.receive(*payload)
