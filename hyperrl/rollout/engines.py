@@ -193,10 +193,11 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
         if not torch.distributed.is_initialized():
             raise ValueError("rollout.engine.colocated: runs under torchrun (each trainer rank hosts one TP worker); "
                              "start with `torchrun --nproc-per-node N hyperrl train …`, or drop colocated")
-        init = Path(ctx.out_dir) / "engine_init" / "colocated"
+        init = [str(Path(ctx.out_dir) / "engine_init" / "colocated")]
         if rank == 0:
-            ctx.policy.save_pretrained(init)
-        torch.distributed.barrier()
+            ctx.policy.save_pretrained(init[0])
+        torch.distributed.broadcast_object_list(init, src=0)  # rank 0's directory (written before it answers)
+        init = Path(init[0])
     else:
         init = Path(ctx.out_dir) / "engine_init" / f"rank{rank}"
         ctx.policy.save_pretrained(init)

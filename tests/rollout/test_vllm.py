@@ -253,3 +253,19 @@ def test_default_task_trains_through_a_vllm_tp2_engine_checked_every_publication
     assert r["workers_equal_trainer"]
     first, last = sum(r["rewards"][:10]) / 10, sum(r["rewards"][-10:]) / 10
     assert last > first + 0.05, (first, last)
+
+
+def test_colocated_tp2_under_torchrun_trains_each_rank_loading_only_its_shards(reports):
+    ranks = _part(reports, "check_vllm_colocated")["ranks"]
+    r0 = ranks[0]
+    assert r0["colocated"] and r0["engine_tp"] == 2 and r0["task"] == "arith"
+    assert any("Shard(dim=1)" in p for p in r0["placements"])  # the trainer is FSDP2 × TP itself
+    for r in ranks:
+        assert r["versions"] == list(range(1, 41)) and r["served"] == 40  # verify: true checked every one
+        assert r["equal_trainer"]  # this rank's worker == the trainer's final weights, cut by vLLM's layout
+        assert r["mismatch_max"] < 1e-4
+        # the direct plan delivered this rank's shards only (the loaded bytes add the padded vocabulary's zeros)
+        assert r["plan_in"] <= r["received"] < 0.55 * r["model_bytes"], r
+        assert r["rewards"] == r0["rewards"]  # one batch per TP group: both ranks report the same run
+    first, last = sum(r0["rewards"][:10]) / 10, sum(r0["rewards"][-10:]) / 10
+    assert last > first + 0.05, (first, last)

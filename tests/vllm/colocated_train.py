@@ -15,7 +15,9 @@ def main(steps: int) -> None:
 
     from hyperrl.compose import build_trainer
     from hyperrl.config import load_config
+    from hyperrl.distributed.dims import init_distributed
 
+    init_distributed("cpu")
     out = os.environ.get("HYPERRL_OUT") or tempfile.mkdtemp()
     cfg = load_config(None, ["--run.tp=2", "--rollout.engine={name: vllm, tp: 2, colocated: true, verify: true, "
                              "enforce_eager: true}", f"--run.out_dir={out}", f"--run.steps={steps}",
