@@ -8,6 +8,12 @@ RESULTS.md.
 
     .venv/bin/python benchmarks/gpu_smoke.py                 # on a CUDA machine
     .venv/bin/python benchmarks/gpu_smoke.py --device cpu --tiny --steps 3   # checks the script here
+    python benchmarks/gpu_smoke.py --vllm-sleep    # + vLLM's sleep/wake around a publication (vLLM on the GPU)
+
+``--vllm-sleep`` (issue 49) adds a step where vLLM is installed: the same model in a vLLM engine with
+``sleep: 1``, device memory in use (``torch.cuda.mem_get_info``, device-wide: vLLM's workers are other processes)
+sampled after each phase — awake, asleep, ``begin`` (weights woken), ``commit`` (new version loaded), KV cache
+woken — for hyperrl's order and for the naive one (everything woken, then the load), peak of each appended.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a tiny model (to check the script on CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--vllm-sleep", action="store_true", help="also measure vLLM's sleep/wake around a publication")
     args = ap.parse_args()
     shape = TINY if args.tiny else QWEN3_0_6B
     tok = char_tokenizer()
@@ -83,6 +90,47 @@ def main() -> None:
     print(body)
     append_results(f"GPU smoke: {args.steps} GRPO steps, bf16, transformers engine on the same device "
                    "(16 prompts × 8, up to %d new tokens)" % args.max_new_tokens, body)
+    if args.vllm_sleep:
+        vllm_sleep_step(shape, ckpt)
+
+
+def vllm_sleep_step(shape: dict, ckpt: Path) -> None:
+    """vLLM's wake-up peak: hyperrl's order (weights woken at begin, KV cache after commit) vs all woken first."""
+    if not torch.cuda.is_available():
+        print("--vllm-sleep: needs a CUDA GPU (vLLM's sleep mode uses its CUDA memory pool); skipped")
+        return
+    from hyperrl.rollout.vllm_engine import VLLMEngine
+
+    def used() -> float:
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**30
+
+    model_sd = tiny_qwen3(shape["vocab"], hidden=shape["hidden"], layers=shape["layers"], heads=shape["heads"],
+                          kv_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+                          intermediate=shape["intermediate"], max_positions=1024).state_dict()
+    from hyperrl.sharding.simulate import expected_destination
+
+    rows = []
+    for order in ("hyperrl", "naive"):
+        eng = VLLMEngine(ckpt, dtype="bfloat16", sleep=1, max_model_len=1024, gpu_memory_utilization=0.5)
+        pieces = expected_destination(eng.layout(1), model_sd, ranks=[0])[0]  # vLLM's fused parameters
+        samples = {"awake": used()}
+        eng.sleep()
+        samples["asleep"] = used()
+        if order == "naive":  # everything back before the load: old weights and the KV cache, then the new version
+            eng.llm.wake_up()
+            eng._asleep = ()
+        eng.begin(1)  # hyperrl: only the weights wake here
+        samples["begin"] = used()
+        eng.stage(pieces)
+        eng.commit()  # the new version loaded, then (hyperrl) the KV cache re-allocated
+        torch.cuda.synchronize()
+        samples["after commit"] = used()
+        rows.append([order, *(f"{v:.2f}" for v in samples.values()), f"{max(samples.values()):.2f}"])
+        eng.close()
+    body = table(["order", *samples.keys(), "peak GiB"], rows)
+    print(body)
+    append_results("GPU smoke: vLLM sleep → publish → wake, device memory in use per phase (GiB)", body)
 
 
 if __name__ == "__main__":

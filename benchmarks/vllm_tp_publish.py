@@ -26,6 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _human(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
 def byte_rows() -> list[list]:
     import torch
 
@@ -48,9 +55,8 @@ def byte_rows() -> list[list]:
                 nb = g.geo.numel * g.itemsize
                 for r in range(tp):
                     inbound[r] += int(nb[g.dst_rank == r + 1].sum()) * len(g.members)
-            rows.append([name, tp, f"{full / 2**30:.3f}", f"{max(inbound) / 2**30:.3f}",
-                         f"{min(inbound) / 2**30:.3f}", f"{max(inbound) / full:.3f}", f"{1 / tp:.3f}",
-                         f"{time.perf_counter() - t0:.1f}"])
+            rows.append([name, tp, _human(full), _human(max(inbound)), _human(min(inbound)),
+                         f"{max(inbound) / full:.3f}", f"{1 / tp:.3f}", f"{time.perf_counter() - t0:.1f}"])
     return rows
 
 
@@ -67,7 +73,7 @@ def _child(engine: str) -> None:
     gens, toks = [], []
     for _ in range(4):
         t0 = time.perf_counter()
-        b = tr.engine.generate(prompts, sp, cfg.rollout.group_size)
+        b = tr.engine.generate(prompts, sp, cfg.rollout.n)
         gens.append(time.perf_counter() - t0)
         toks.append(int(b["action_mask"].sum()))
     pubs = []
@@ -121,8 +127,8 @@ def main() -> None:
                    "bf16. vLLM's own (non-planned) update hands every worker the whole checkpoint (`load_weights` "
                    "cuts its rows); hyperrl's plan sends each worker its shards only (the worker's `B_recv_min`; "
                    "replicated norms and kv heads count on every worker that holds them).\n\n"
-                   + table(["model", "tp", "vLLM's path GiB / worker", "plan GiB (busiest worker)",
-                            "plan GiB (least)", "plan / vLLM's", "1 / tp", "plan s"], byte_rows()))
+                   + table(["model", "tp", "vLLM's path / worker", "plan (busiest worker)", "plan (least)",
+                            "plan / vLLM's", "1 / tp", "plan s"], byte_rows()))
 
 
 if __name__ == "__main__":
