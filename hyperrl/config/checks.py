@@ -371,6 +371,25 @@ def _check_replay(cfg: TrainConfig, caps) -> None:
                           "routing replay runs tasks and environments (env: calculator, …), not agent programs")
 
 
+def _check_devices(per_engine: int, engines: int, engine: str, executor: str) -> None:
+    """``engines`` replicas of ``per_engine`` devices each fit this machine: its GPUs, or on CPU its cores (one per
+    TP worker — unless ``VLLM_CPU_OMP_THREADS_BIND`` shares them knowingly)."""
+    import os
+
+    import torch
+
+    need = per_engine * engines
+    if per_engine <= 1 or not engines:
+        return
+    have, what = (torch.cuda.device_count(), "GPUs") if torch.cuda.is_available() else \
+        (len(os.sched_getaffinity(0)), "CPU cores")
+    if need > have and (torch.cuda.is_available() or not os.environ.get("VLLM_CPU_OMP_THREADS_BIND")):
+        raise ConfigError(f"async.executor={executor} with {engines} workers × rollout.engine={engine}'s "
+                          f"{per_engine} TP workers each = {need} devices; this machine has {have} {what} — lower "
+                          "workers or tp" + ("" if torch.cuda.is_available() else ", or share the cores knowingly "
+                                             "(VLLM_CPU_OMP_THREADS_BIND, e.g. \"0|1\" for every engine)"))
+
+
 def _check_groups(cfg: TrainConfig) -> None:
     """A group-relative advantage or a group filter (its factory ``needs`` ``group_id``) with
     ``rollout.n < 2``: every group is a singleton — advantages 0 (nothing learned), every group
@@ -419,6 +438,7 @@ def _check_async(cfg: TrainConfig, caps, needs: set[str], world: int) -> None:
         raise ConfigError("async.kv_cache=keep with async.replay: where a kept cache met new weights is not in the "
                           "event log; replay a run recorded with kv_cache: reprefill")
     executor = EXECUTORS.factory(s.executor.name).capabilities_for(s.executor.args)
+    _check_devices(caps.devices, executor.local_engines, r.engine.name, s.executor.name)
     if caps.lora_adapters and not executor.adapters:
         raise ConfigError(f"rollout.engine.lora_adapters with async.executor={s.executor.name}: the workers' engines "
                           "are published merged weights (the group has no adapter path); set lora_adapters: false")

@@ -73,7 +73,9 @@ class Capabilities:
     * ``fp32_head`` — computes the LM head in fp32 when the policy does (``model.lm_head_fp32``);
     * ``tp`` — its copy is split over TP groups of ``tp`` consecutive trainer ranks (1: whole on each rank; the
       trainer's ``run.tp`` must be the same);
-    * ``sleeps`` — frees its memory while the trainer updates (``sleep()``; the next publication wakes it).
+    * ``sleeps`` — frees its memory while the trainer updates (``sleep()``; the next publication wakes it);
+    * ``devices`` — the accelerators one engine takes (vLLM: its ``tp`` workers, one GPU each — on CPU one core group
+      each), checked against the machine when an executor starts several replicas.
     """
 
     keyed: bool = False
@@ -87,6 +89,7 @@ class Capabilities:
     fp32_head: bool = False
     tp: int = 1
     sleeps: bool = False
+    devices: int = 1
 
 
 def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
@@ -112,7 +115,7 @@ def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = Fal
         in_place = False
     return Capabilities(resumable=not colocated, lora_adapters=lora_adapters, routes=routed_experts,
                         buffers=in_place and tp == 1 and not colocated, deltas=not colocated, sleeps=bool(sleep),
-                        tp=tp if colocated else 1)
+                        tp=tp if colocated else 1, devices=tp)
 
 
 @runtime_checkable

@@ -267,7 +267,7 @@ class VLLMEngine(TransactionalEngine):
             if m is None:
                 raise RuntimeError(f"routed_experts: vLLM request id {rid!r} is not <id>-<8 hex>; cannot match it")
             key = (m.group(2), int(m.group(1) or 0))
-            out[key] = np.frombuffer(data, dtype=np.int16).reshape(n, L, k)
+            out[key] = np.frombuffer(data, dtype=np.int16).reshape(n, L, k).copy()  # writable: torch takes it
         return out
 
     def _row(self, r: Request, c, *, finished: bool, uid: bool = False, routed=None) -> dict:

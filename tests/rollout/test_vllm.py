@@ -281,3 +281,18 @@ def test_colocated_tp2_under_torchrun_trains_each_rank_loading_only_its_shards(r
         assert r["rewards"] == r0["rewards"]  # one batch per TP group: both ranks report the same run
     first, last = sum(r0["rewards"][:10]) / 10, sum(r0["rewards"][-10:]) / 10
     assert last > first + 0.05, (first, last)
+
+
+def test_replicas_of_vllm_tp2_engines_in_ray_actors_keep_the_async_guarantees(reports):
+    """Two Ray actors, each a vLLM TP 2 engine (the cores shared knowingly on this 2-core machine): publications
+    (deltas into each actor's kept copy, the whole version cut per worker) reach both; a killed actor is born again
+    at the current version; every sample trained once, within η; both serve the learner's weights."""
+    r = _part(reports, "check_vllm_ray_tp")
+    assert r["actor_engines"] == ["VLLMEngine"] * 2 and r["built_here"] == [] and r["pids"] == 2
+    full = r["publish_bytes"][0][1]
+    for tp, received in r["engine_tp"]:
+        assert tp == 2 and len(received) == 2 and 0 < max(received) < 0.55 * full, (tp, received, full)
+    assert r["restarts"] == [0, 1] and r["versions"] == [r["learner_version"]] * 2
+    assert r["trained"] == r["distinct"] and r["conservation"] and r["evicted"] == 0
+    assert max(r["token_staleness"]) <= 1
+    assert max(r["gaps"]) < 1e-5 and r["held_exact"] == [True, True] and r["actors_agree"]

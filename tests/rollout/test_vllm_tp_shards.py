@@ -111,3 +111,21 @@ def test_a_sleeping_engine_is_refused_in_the_asynchronous_loop(monkeypatch):
     load_config(None, ["--rollout.engine={name: vllm, sleep: 1}"])  # synchronous: it sleeps during the update
     with pytest.raises(ConfigError, match=r"rollout\.engine\.sleep=1 with async\.max_staleness=1: .*never sleeps"):
         load_config(None, ["--rollout.engine={name: vllm, sleep: 1}", "--async.max_staleness=1"])
+
+
+def test_replicas_of_tp_engines_must_fit_the_machine(monkeypatch):
+    from hyperrl.rollout.engines import ENGINES
+
+    vllm = ENGINES.factory("vllm")
+    monkeypatch.setattr(type(vllm), "check_requirements", lambda self, key: None)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})  # a 2-core machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = ["--rollout.engine={name: vllm, tp: 2}", "--async.max_staleness=1"]
+    load_config(None, args + ["--async.executor={name: ray, workers: 1}"])  # 2 TP workers on 2 cores
+    with pytest.raises(ConfigError, match=r"2 workers × rollout\.engine=vllm's 2 TP workers each = 4 devices; this "
+                                          r"machine has 2 CPU cores .*VLLM_CPU_OMP_THREADS_BIND"):
+        load_config(None, args + ["--async.executor={name: ray, workers: 2}"])
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # the cores shared knowingly
+    load_config(None, args + ["--async.executor={name: ray, workers: 2}"])
+    load_config(None, args + ["--async.executor={name: ray, workers: 2, address: auto}"])  # a cluster's nodes

@@ -14,7 +14,7 @@ from pathlib import Path
 
 CHECKS = ("check_vllm", "check_vllm_trainer", "check_vllm_lora", "check_vllm_export", "check_vllm_stops",
           "check_vllm_async", "check_vllm_moe", "check_vllm_ray", "check_vllm_native", "check_vllm_tp",
-          "check_vllm_tp_trainer", "check_vllm_colocated")
+          "check_vllm_tp_trainer", "check_vllm_colocated", "check_vllm_ray_tp")
 
 
 def main(names=CHECKS):

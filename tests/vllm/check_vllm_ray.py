@@ -18,7 +18,7 @@ import tempfile
 import time
 
 
-def run() -> dict:
+def run(engine: str = "{name: vllm, enforce_eager: true}") -> dict:
     import torch
 
     from hyperrl.compose import build_trainer
@@ -53,7 +53,7 @@ def run() -> dict:
         actor.engine.generate_requests = lambda reqs, sp, abort=None, **kw: gen(reqs, sp, abort=_Slow(abort), **kw)
         return type(actor.engine).__name__
 
-    cfg = load_config(None, ["--rollout.engine={name: vllm, enforce_eager: true}",
+    cfg = load_config(None, [f"--rollout.engine={engine}",
                              "--async.executor={name: ray, workers: 2, num_cpus: 1, timeout_s: 600}",
                              f"--run.out_dir={tempfile.mkdtemp()}", "--task=modsum", "--rollout.max_new_tokens=8",
                              "--rollout.prompts_per_step=4", "--rollout.n=4", "--run.eval_every=0",
@@ -118,6 +118,11 @@ def run() -> dict:
         res["actors_agree"] = torch.equal(outs[0]["tokens"], outs[1]["tokens"]) and \
             torch.equal(outs[0]["rollout_logprobs"], outs[1]["rollout_logprobs"])
         res["served_versions"] = [sorted(set(o["policy_version"].tolist())) for o in outs]
+
+        def tp_of(a):  # the actor's engine: its TP degree and what each of its workers read at the last commit
+            return [a.engine.tp, list(a.engine.last_received)]
+
+        res["engine_tp"] = ray.get([w.actor.__ray_call__.remote(tp_of) for w in workers])
     finally:
         tr.close()
         EngineSpec.build = build

@@ -43,11 +43,13 @@ class ExecutorCapabilities:
     ``parks`` — park a generation with its KV cache kept (``async.kv_cache: keep``); ``remote`` — build engines in
     their own processes (the run's engine factory describes its engine — an ``EngineSpec`` — instead of starting
     one in the learner's process); ``adapters`` — their engines receive LoRA adapters (an engine's
-    ``lora_adapters``), not only merged weights."""
+    ``lora_adapters``), not only merged weights; ``local_engines`` — the engine replicas it starts on this machine
+    (their devices are checked against the machine's at load)."""
 
     parks: bool = False
     remote: bool = False
     adapters: bool = False
+    local_engines: int = 0  # engine replicas it starts on this machine (each taking its engine's devices)
 
 
 EXECUTORS: Registry = Registry("rollout executor", capabilities=ExecutorCapabilities())
@@ -64,7 +66,12 @@ def thread_executor(engine) -> Workers:
 _RAY_HINT = "pip install -c constraints.txt -e '.[async]' (Ray is the async extra)"
 
 
-@register_executor("ray", requires=(("ray", _RAY_HINT),), capabilities=ExecutorCapabilities(remote=True))
+def _ray_capabilities(*, workers: int = 1, address: str | None = None, **_) -> ExecutorCapabilities:
+    """Ray's workers build their own engines; on a local cluster (no ``address``) all ``workers`` on this machine."""
+    return ExecutorCapabilities(remote=True, local_engines=workers if address is None else 0)
+
+
+@register_executor("ray", requires=(("ray", _RAY_HINT),), capabilities=_ray_capabilities)
 def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: int = 1, address: str | None = None,
                  max_restarts: int = 10, timeout_s: float = 120.0) -> Workers:
     """``workers`` Ray actors (``num_cpus`` each, spread over the cluster's nodes, ``threads`` torch
