@@ -23,6 +23,7 @@ Use under an ``if __name__ == "__main__":`` guard (vLLM starts worker processes)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -241,8 +242,9 @@ class VLLMEngine(TransactionalEngine):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
-                                 lora_request=self._lora)
+        with self._dead_is_broken():
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
+                                     lora_request=self._lora)
         routes = self._take_routes()
         rows = [self._row(Request(0, tuple(p), group_offset + i), c, finished=True,
                           routed=routes.get((out.request_id, c.index)))
@@ -250,6 +252,17 @@ class VLLMEngine(TransactionalEngine):
         if self._group is not None:
             _check_group_agrees(rows, self._group)
         return stack_episodes(rows, self.pad_id)
+
+    @contextlib.contextmanager
+    def _dead_is_broken(self):
+        """vLLM's engine died under a call (a worker process gone: ``EngineDeadError``): the engine is marked broken
+        — it serves nothing more, and says so on every later call (a Ray actor holding it ends, to be restarted)."""
+        try:
+            yield
+        except Exception as e:
+            if type(e).__name__ == "EngineDeadError":
+                self._broken = f"vLLM's engine died ({e!r}); the engine serves nothing now — restart it"
+            raise
 
     def _take_routes(self) -> dict:
         """hyperrl's capture (``_capture``): the routes the worker recorded since the last call, by ``(request id,
@@ -321,12 +334,13 @@ class VLLMEngine(TransactionalEngine):
             eng.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.partial)), sp,
                             lora_request=self._lora)
         latest = {}
-        while eng.has_unfinished_requests():
-            if abort is not None and abort.is_set():
-                eng.abort_request([rid for rid in ids if rid not in latest or not latest[rid].finished])
-                break
-            for out in eng.step():
-                latest[out.request_id] = out
+        with self._dead_is_broken():
+            while eng.has_unfinished_requests():
+                if abort is not None and abort.is_set():
+                    eng.abort_request([rid for rid in ids if rid not in latest or not latest[rid].finished])
+                    break
+                for out in eng.step():
+                    latest[out.request_id] = out
         rows, routes = [], self._take_routes()
         for rid, r in ids.items():
             out = latest.get(rid)
@@ -585,9 +599,11 @@ class VLLMEngine(TransactionalEngine):
             self.last_received = list(transport.received)
             try:
                 said = self.llm.collective_rpc("hyperrl_check_shards", args=(transport.name, *args))
-            except Exception as e:  # noqa: BLE001 — a worker that cannot answer (dead) refuses for the group
-                raise WeightPublishError(f"version {version}: a TP worker did not answer the check ({e!r}); every "
-                                         f"worker keeps serving version {self._version}") from e
+            except Exception as e:  # noqa: BLE001 — a worker that cannot answer: vLLM's executor fails (dies)
+                self._broken = (f"version {version}: a TP worker did not answer the check ({e!r}); nothing was "
+                                f"loaded, but vLLM's executor stops with a dead worker — the engine serves nothing "
+                                "now; restart it (the ray executor restarts its actors)")
+                raise WeightPublishError(self._broken) from e
             refused = [s for s in said if s]
             if refused:
                 raise WeightPublishError(f"version {version} refused by {'; '.join(refused)}; every worker keeps "

@@ -296,3 +296,11 @@ def test_replicas_of_vllm_tp2_engines_in_ray_actors_keep_the_async_guarantees(re
     assert r["trained"] == r["distinct"] and r["conservation"] and r["evicted"] == 0
     assert max(r["token_staleness"]) <= 1
     assert max(r["gaps"]) < 1e-5 and r["held_exact"] == [True, True] and r["actors_agree"]
+
+
+def test_vllm_tp_worker_killed_mid_publication_is_named_and_nothing_is_half_loaded(tp_report):
+    k = tp_report["killed"]
+    assert k["workers"] == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert k["commit"].startswith("WeightPublishError: version ") and "a TP worker did not answer" in k["commit"]
+    assert k["version_kept"] and k["commit_s"] < 30  # refused promptly, nothing loaded
+    assert k["generate"].startswith("WeightPublishError") and "restart it" in k["generate"]  # no silent half-engine

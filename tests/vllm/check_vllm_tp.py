@@ -82,6 +82,7 @@ def run() -> dict:
     out["version_after_refusal"] = eng.policy_version
     out["unchanged_after_refusal"] = eng.worker_checksums() == before
     out["sleep"] = sleep_order(eng, pub, model)
+    out["killed"] = kill_a_worker(eng, pub, model, prompts, sp)
     eng.close()
     from hyperrl.rollout.engines import EngineContext, vllm_engine
 
@@ -91,6 +92,33 @@ def run() -> dict:
         out["bad_tp"] = "accepted"
     except ValueError as e:
         out["bad_tp"] = str(e)
+    return out
+
+
+def kill_a_worker(eng, pub, model, prompts, sp) -> dict:
+    """TP worker 1 killed between staging and commit: the commit refuses promptly, naming it, the version stays;
+    vLLM's executor stops with a dead worker, so the engine then refuses to serve (restart it), named."""
+    import psutil
+
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::Worker_TP")]
+    out = {"workers": sorted(p.name() for p in workers)}
+    version = eng.policy_version
+    eng.begin(version + 1)
+    eng.stage(pub.gather(model, buffers=False))
+    next(p for p in workers if p.name() == "VLLM::Worker_TP1").kill()
+    time.sleep(1)
+    t0 = time.perf_counter()
+    try:
+        eng.commit()
+        out["commit"] = "accepted"
+    except Exception as e:  # noqa: BLE001
+        out["commit"] = f"{type(e).__name__}: {e}"[:400]
+    out["commit_s"], out["version_kept"] = time.perf_counter() - t0, eng.policy_version == version
+    try:
+        eng.generate(prompts, sp)
+        out["generate"] = "served"
+    except Exception as e:  # noqa: BLE001
+        out["generate"] = f"{type(e).__name__}: {e}"[:300]
     return out
 
 

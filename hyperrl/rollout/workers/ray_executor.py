@@ -100,6 +100,9 @@ class _EngineActor:
         flag = decode_flag(_Flag(self._aborted, call), stop_after)
         try:
             return self.engine.generate_requests(requests, sampling, abort=flag), flag.result
+        except Exception:
+            self._exit_if_broken()
+            raise
         finally:
             self._aborted.discard(call)
 
@@ -108,7 +111,11 @@ class _EngineActor:
 
     def generate(self, prompts, sampling, n: int, group_offset: int):
         self._threads()
-        return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
+        try:
+            return self.engine.generate(prompts, sampling, n, group_offset=group_offset)
+        except Exception:
+            self._exit_if_broken()
+            raise
 
     def prepare(self, weights, version: int, keep: bool = False) -> None:
         """Stage a full publication (``keep``: the group publishes deltas — the engine keeps what they
@@ -134,8 +141,18 @@ class _EngineActor:
 
     def commit(self) -> int:
         with self._publishing:
-            self.engine.commit()
+            try:
+                self.engine.commit()
+            except Exception:
+                self._exit_if_broken()
+                raise
             return self.engine.policy_version
+
+    def _exit_if_broken(self) -> None:
+        """An engine that can serve nothing any more (a vLLM TP worker died: its executor stopped) ends this actor,
+        so the group restarts it serving the current version — the path of any actor that dies."""
+        if getattr(self.engine, "_broken", None):
+            os._exit(1)
 
     def cancel(self) -> None:
         """Abort the publication staged here (after a staging call still running has finished)."""
