@@ -170,7 +170,7 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
     published = MergedView(policy) if lora else policy
     publisher = PolicyPublisher(engine, policy, published,
                                 Publisher.for_engine(published, engine, rank=parallel.rank, world=parallel.world,
-                                                     parallel=parallel),
+                                                     parallel=parallel, fan_out=r.fan_out),
                                 adapters_only=lora and engine.capabilities.lora_adapters,
                                 delta=r.delta_encoding if r.delta_publication else False)
     checkpointer = Checkpointer(Path(cfg.run.out_dir) / "checkpoints", parallel, keep_last_k=cfg.run.keep_last_k)

@@ -207,6 +207,10 @@ class RolloutConfig(_Frozen):
                                                           "xor of the bits compressed by zstd (xor_zstd: 2.6-4x fewer "
                                                           "bytes, slower to encode; needs the zstandard package) — "
                                                           "per tensor, the dense tensor when smaller")
+    fan_out: bool = Field(False, description="publication across processes (torchrun) into engine replicas: the "
+                          "planner's fan-out tree — the trainer's ranks send each destination shard once, the "
+                          "replicas holding it forward it to the others (trainer egress one model copy; "
+                          "docs/sharding.md)")
     max_generation_batches: int = Field(4, ge=1, description="with algo.filter: generation rounds per step to "
                                         "refill the batch with informative groups (verl max_num_gen_batches)")
 

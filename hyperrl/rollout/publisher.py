@@ -181,10 +181,11 @@ class Publisher:
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, engine, *, rank: int = 0, world: int = 1, executor=None,
-                   parallel=None):
-        """Plan from ``model``'s parameters into ``engine.layout(world)`` (one engine replica per rank)."""
+                   parallel=None, fan_out: bool = False):
+        """Plan from ``model``'s parameters into ``engine.layout(world)`` (one engine replica per rank; ``fan_out``:
+        the planner's fan-out tree across replicas)."""
         return cls(source_layout(model, world), engine.layout(world), executor, engine=engine, rank=rank,
-                   parallel=parallel)
+                   parallel=parallel, fan_out=fan_out)
 
     def shards(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's local source shards, cast to what the destination reads."""

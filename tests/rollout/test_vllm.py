@@ -304,3 +304,19 @@ def test_vllm_tp_worker_killed_mid_publication_is_named_and_nothing_is_half_load
     assert k["commit"].startswith("WeightPublishError: version ") and "a TP worker did not answer" in k["commit"]
     assert k["version_kept"] and k["commit_s"] < 30  # refused promptly, nothing loaded
     assert k["generate"].startswith("WeightPublishError") and "restart it" in k["generate"]  # no silent half-engine
+
+
+def test_two_colocated_tp2_replicas_in_one_process_group_train_fed_by_the_plan(reports):
+    """``torchrun --nproc-per-node 4``: a dp 2 × tp 2 trainer, two vLLM TP 2 engines (one per TP group) in the
+    same process group, published through the planner's fan-out tree; each rank holds the trainer's weights cut
+    by vLLM's layout after every step. The trainer's shards already sit on the replicas' ranks, so the fan-out
+    tree moves no fewer bytes than the plain plan here (both one model copy on the wire) — it pays where the
+    sources are fewer than the replicas (docs/sharding.md)."""
+    ranks = _part(reports, "check_vllm_colocated")["replicas"]
+    assert [r["world"] for r in ranks] == [4] * 4 and all(r["fan_out"] for r in ranks)
+    for r in ranks:
+        assert r["versions"] == list(range(1, 7)) and r["equal_trainer"] and r["mismatch_max"] < 1e-4, r
+        assert r["plan_in"] <= r["received"] < 0.55 * r["model_bytes"]
+        assert r["plan"]["fan_out"] and not r["plan_other"]["fan_out"]
+        assert r["plan"]["wire"] <= r["plan_other"]["wire"] < 1.05 * r["model_bytes"]  # one copy on the wire
+    assert len({tuple(r["rewards"]) for r in ranks}) == 1

@@ -11,17 +11,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run(steps: int = 40) -> dict:
+def _torchrun(nproc: int, steps: int, *extra: str) -> list[dict]:
     out = tempfile.mkdtemp()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", "29533",
-                        str(HERE / "colocated_train.py"), str(steps)], capture_output=True, text=True, timeout=900,
-                       cwd=HERE.parents[1], env={**os.environ, "HYPERRL_OUT": out,
-                                                 "PYTHONPATH": str(HERE.parents[1])})
+    r = subprocess.run([torchrun, "--nproc-per-node", str(nproc), "--master-port", "29533",
+                        str(HERE / "colocated_train.py"), str(steps), *extra], capture_output=True, text=True,
+                       timeout=900, cwd=HERE.parents[1], env={**os.environ, "HYPERRL_OUT": out,
+                                                              "PYTHONPATH": str(HERE.parents[1])})
     ranks = [json.loads(ln[len("RESULT "):]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-    if r.returncode or len(ranks) != 2:
+    if r.returncode or len(ranks) != nproc:
         raise RuntimeError(f"torchrun failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-    return {"ranks": sorted(ranks, key=lambda x: x["rank"])}
+    return sorted(ranks, key=lambda x: x["rank"])
+
+
+def run(steps: int = 40) -> dict:
+    """One engine over 2 ranks (``steps`` steps), then two replicas over 4 ranks fed by the fan-out tree (6 steps)."""
+    return {"ranks": _torchrun(2, steps), "replicas": _torchrun(4, 6, "--rollout.fan_out=true")}
 
 
 if __name__ == "__main__":
