@@ -44,6 +44,13 @@ from hyperrl.rollout.base import (
 )
 from hyperrl.rollout.requests import Request
 from hyperrl.rollout.transports import TRANSPORTS, transport_class
+from hyperrl.rollout.vllm_tp import (
+    bind_cpu_workers,
+    check_group_agrees,
+    checksum,
+    colocated_group,
+    served_shapes,
+)
 from hyperrl.trajectory import NO_VERSION, stack_episodes
 
 __all__ = ["VLLMEngine"]
@@ -73,14 +80,14 @@ class VLLMEngine(TransactionalEngine):
         self.last_received: list[int] = []  # real bytes each TP worker read at the last commit (WorkerShards)
         self.colocated, self._group, self._refused = colocated, None, None
         if colocated:  # SPMD under torchrun: this rank hosts one TP worker of its group's engine, in process
-            self._group = _colocated_group(tp)
+            self._group = colocated_group(tp)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's external launcher: the engine in process
             if not torch.cuda.is_available():
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer's threads stay unbound
             engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
         elif tp > 1:
             engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
-            _bind_cpu_workers(tp)
+            bind_cpu_workers(tp)
         from safetensors import safe_open
         from vllm import LLM
 
@@ -250,7 +257,7 @@ class VLLMEngine(TransactionalEngine):
                           routed=routes.get((out.request_id, c.index)))
                 for i, (p, out) in enumerate(zip(prompts, outs)) for c in out.outputs]
         if self._group is not None:
-            _check_group_agrees(rows, self._group)
+            check_group_agrees(rows, self._group)
         return stack_episodes(rows, self.pad_id)
 
     @contextlib.contextmanager
@@ -301,7 +308,6 @@ class VLLMEngine(TransactionalEngine):
             got = routed if self._capture else getattr(c, "routed_experts", None)
             row["routes"] = row_routes(got, len(row["tokens"]), P, r.partial_routes, self._route_shape)
         return row
-
 
 
     def generate_requests(self, requests, sampling: SamplingParams, *, abort=None) -> TensorDict:
@@ -410,7 +416,7 @@ class VLLMEngine(TransactionalEngine):
         except ValueError:
             return
         served = self.llm.collective_rpc("hyperrl_params")  # one report per worker, in TP rank order
-        per_worker = [_served_shapes(w) for w in served]
+        per_worker = [served_shapes(w) for w in served]
         shapes = per_worker[0]
         # vLLM ≥ 0.32 keeps a mixture's stacked experts under ``experts.routed_experts.``: the layout takes its names
         moved = {n: n.replace(".experts.w", ".experts.routed_experts.w") for n in lay.params
@@ -679,82 +685,6 @@ class VLLMEngine(TransactionalEngine):
         core = getattr(getattr(getattr(self, "llm", None), "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
-
-
-def checksum(t: torch.Tensor) -> list:
-    """``[float64 sum, float64 sum of squares, sha256 of the bytes]`` of ``t`` — what a worker's
-    ``hyperrl_checksums`` reports per parameter (the hash decides; the sums show how far apart)."""
-    import hashlib
-
-    t = t.detach().contiguous()
-    return [float(t.double().sum()), float(t.double().square().sum()),
-            hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]]
-
-
-def _served_shapes(served: dict) -> dict[str, tuple]:
-    """A worker's ``hyperrl_params`` report as ``{name: local shape}`` (a packed-away CPU linear layer's shape
-    from vLLM's own partition numbers)."""
-    mods, shapes = served["modules"], {}
-    for name, shape, _ in served["params"]:
-        m = mods.get(name.rsplit(".", 1)[0], {})
-        if 0 in shape and "output_size_per_partition" in m:  # packed away: vLLM's own numbers
-            shape = [m["output_size_per_partition"], m["input_size_per_partition"]]
-        elif 0 in shape and "output_size" in m:  # a replicated linear (an MoE router's GateLinear)
-            shape = [m["output_size"], m["input_size"]]
-        shapes[name] = tuple(shape)
-    return shapes
-
-
-def _colocated_group(tp: int):
-    """This rank's TP group (``tp`` consecutive ranks of the initialised default group — vLLM's external launcher
-    groups them the same way), every rank creating every group in order."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() % tp:
-        raise ValueError(f"rollout.engine.colocated with tp={tp}: runs under torchrun, each trainer rank hosting one "
-                         f"TP worker; needs an initialised process group whose size divides by {tp}")
-    world, rank, mine = dist.get_world_size(), dist.get_rank(), None
-    for g in range(world // tp):
-        ranks = list(range(g * tp, (g + 1) * tp))
-        made = dist.new_group(ranks)
-        if rank in ranks:
-            mine = made
-    return mine
-
-
-def _check_group_agrees(rows: list[dict], group) -> None:
-    """The ranks of a colocated TP group ran one engine on the same prompts: their sampled tokens must be the
-    same (vLLM's external launcher relies on deterministic scheduling; nothing broadcasts them). A rank whose rows
-    differ is named instead of training on a batch its group does not share."""
-    import torch.distributed as dist
-
-    h = torch.tensor([float(sum((i + 1) * (t % 9973) for r in rows for i, t in enumerate(r["tokens"]))), len(rows)],
-                     dtype=torch.float64)
-    lo, hi = h.clone(), h.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(lo, hi):
-        raise RuntimeError(f"rank {dist.get_rank()}: the ranks of this colocated TP group sampled different tokens "
-                           "(vLLM's external launcher needs the same prompts, sampling and seed on every rank of a "
-                           "group) — the run stops rather than train on rows its group does not share")
-
-
-def _bind_cpu_workers(tp: int) -> None:
-    """vllm-cpu binds each TP worker's OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``, ``|`` between
-    workers); its automatic binding needs one NUMA node per worker, so on a one-node machine give each worker a
-    contiguous run of this process's cores — or refuse a ``tp`` larger than the cores. Set by the user: kept."""
-    import torch as _torch
-
-    if _torch.cuda.is_available() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < tp:
-        raise ValueError(f"rollout.engine.tp={tp}: vllm-cpu runs one worker per core group and this process has "
-                         f"{len(cores)} cores ({cores}); lower tp, or set VLLM_CPU_OMP_THREADS_BIND yourself")
-    per = len(cores) // tp
-    groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        f"{g[0]}-{g[-1]}" if g[-1] - g[0] == len(g) - 1 and len(g) > 1 else ",".join(map(str, g)) for g in groups)
 
 
 def row_routes(routed, n_tokens: int, prompt_len: int, partial_routes, shape: tuple[int, int]) -> torch.Tensor:
