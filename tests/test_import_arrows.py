@@ -5,7 +5,7 @@ imports resolved), so a cycle hidden behind a function-level import is still one
 is stated once, here (docs/trainer.md draws it):
 
    -1 errors        HyperRLError, the one exception base every layer raises from
-    0 foundations   trajectory, registry, sampling, device, tokenizer, routing, multimodal
+    0 foundations   trajectory, registry, sampling, device, tokenizer, routing, multimodal, sandbox
     1 kernels       transforms, sharding
     2 rewards
     3 inputs        envs, data
@@ -28,7 +28,7 @@ PKG = Path(__file__).parents[1] / "hyperrl"
 
 LAYERS = [
     ("errors",),
-    ("trajectory", "registry", "sampling", "device", "tokenizer", "routing", "multimodal"),
+    ("trajectory", "registry", "sampling", "device", "tokenizer", "routing", "multimodal", "sandbox"),
     ("transforms", "sharding"),
     ("rewards",),
     ("envs", "data"),
