@@ -1,0 +1,118 @@
+"""The ``code`` reward: a completion's program run against the row's unit tests in the sandbox
+(:mod:`hyperrl.sandbox`), scored by the fraction of tests passed (or 1.0 only when all pass).
+
+Tests come in the formats code-RL datasets use (verl's and TRL's rows): a list of Python statements — asserts,
+``assert f(2) == 7`` (MBPP / HumanEval style: all run in one process after the program, each in its own ``try``) —
+or stdin/stdout pairs, ``{"inputs": [...], "outputs": [...]}`` (APPS / verl's ``input_output``, possibly a JSON
+string: the program runs once per pair with the input on stdin, its stdout compared line by line with trailing
+whitespace ignored). The program is the completion's last fenced code block (```` ```python … ``` ````), else the
+whole completion.
+
+Known limit (shared with verl's sandbox-fusion and every harness that runs tests beside the program): the program
+runs with the harness's privileges, so one that forges the harness's report (prints its marker, exits 0 early) is
+not told apart; the sandbox keeps it from harming anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from hyperrl.rewards.builtin import register_reward_factory
+from hyperrl.rewards.calling import RewardError
+from hyperrl.sandbox import Limits, Sandbox
+
+__all__ = ["code_reward", "extract_program", "parse_tests"]
+
+_FENCE = re.compile(r"```(?:python|py|Python)?[^\n]*\n(.*?)```", re.DOTALL)
+_MARK = "HYPERRL_TEST_RESULTS "
+_HARNESS = """import json, sys
+src = open('solution.py').read()
+tests = json.load(open('tests.json'))
+ns = {'__name__': '__solution__'}
+try:
+    exec(compile(src, 'solution.py', 'exec'), ns)
+    loaded = True
+except BaseException:
+    loaded = False
+results = []
+for t in tests:
+    if not loaded:
+        results.append(False)
+        continue
+    try:
+        exec(compile(t, 'test', 'exec'), dict(ns))
+        results.append(True)
+    except BaseException:
+        results.append(False)
+sys.stdout.write('\\n""" + _MARK + """' + json.dumps(results) + '\\n')
+"""
+
+
+def extract_program(completion: str) -> str:
+    """The program in a completion: its last fenced code block, else the whole text (stripped)."""
+    blocks = _FENCE.findall(completion)
+    return (blocks[-1] if blocks else completion).strip()
+
+
+def parse_tests(tests, row: int | None = None) -> tuple[str, list]:
+    """A row's ``tests`` as ``("asserts", [statement, …])`` or ``("io", [(stdin, stdout), …])``; a row without
+    tests (or in no known format) is a :class:`~hyperrl.rewards.calling.RewardError` naming the row."""
+    where = f"code reward: row {row}" if row is not None else "code reward"
+    if isinstance(tests, str):
+        try:
+            tests = json.loads(tests)
+        except json.JSONDecodeError:
+            tests = [tests]  # one statement
+    if isinstance(tests, dict) and "inputs" in tests and "outputs" in tests:
+        ins, outs = list(tests["inputs"]), list(tests["outputs"])
+        if len(ins) != len(outs) or not ins:
+            raise RewardError(f"{where}: tests has {len(ins)} inputs and {len(outs)} outputs; need as many, ≥ 1",
+                              row=row)
+        return "io", [(str(i), str(o)) for i, o in zip(ins, outs)]
+    if isinstance(tests, list | tuple) and tests and all(isinstance(t, str) for t in tests):
+        return "asserts", list(tests)
+    raise RewardError(f"{where}: no tests — a row needs `tests`: a list of assert statements or "
+                      f"{{'inputs': [...], 'outputs': [...]}} (got {type(tests).__name__}: {str(tests)[:80]!r})",
+                      row=row)
+
+
+def _same_output(got: str, want: str) -> bool:
+    norm = [line.rstrip() for line in got.strip().splitlines()]
+    return norm == [line.rstrip() for line in want.strip().splitlines()]
+
+
+def _score(box: Sandbox, program: str, kind: str, tests: list) -> list[bool]:
+    """Which tests the program passes."""
+    if kind == "asserts":
+        r = box.run_python(_HARNESS, files={"solution.py": program, "tests.json": json.dumps(tests)})
+        line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(_MARK)), None)
+        if line is None:  # killed, timed out, out of memory before reporting: nothing passed
+            return [False] * len(tests)
+        got = json.loads(line[len(_MARK):])
+        return [bool(x) for x in got][:len(tests)] + [False] * max(0, len(tests) - len(got))
+    return [(r := box.run_python(program, stdin=i)).ok and _same_output(r.stdout, o) for i, o in tests]
+
+
+@register_reward_factory("code")
+def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512,
+                processes: int = 64):
+    """A TRL-style reward ``(prompts, completions, tests, **kw) → [float]``: each completion's program (see
+    :func:`extract_program`) run against its row's ``tests`` (:func:`parse_tests`) in the sandbox under the given
+    limits; the fraction of tests passed, or — ``all_pass`` — 1.0 only when every test passes. The sandbox is made
+    once, here: a machine without its mechanism fails at load, naming what to install."""
+    box = Sandbox(Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes))
+
+    def code(prompts, completions, tests=None, **kw):
+        if tests is None:
+            raise RewardError("code reward: the rows carry no `tests` column (a list of asserts or "
+                              "{'inputs': [...], 'outputs': [...]} per row)")
+        out = []
+        for row, (completion, t) in enumerate(zip(completions, tests)):
+            kind, cases = parse_tests(t, row)
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            passed = _score(box, extract_program(text), kind, cases)
+            out.append(float(all(passed)) if all_pass else sum(passed) / len(passed))
+        return out
+
+    return code

@@ -1,0 +1,64 @@
+"""The ``code`` reward: programs run against their rows' unit tests in the sandbox (bubblewrap, installed by
+.ci/run) — asserts and stdin/stdout pairs, as code-RL datasets carry them; different correct programs all pass."""
+
+import json
+import textwrap
+
+import pytest
+
+from hyperrl.config import load_config
+from hyperrl.data import Sample
+from hyperrl.rewards import RewardError, build_rewards
+from hyperrl.rewards.code import extract_program, parse_tests
+
+pytestmark = pytest.mark.xdist_group("sandbox")  # beside tests/foundations/test_sandbox.py's fork bomb: one worker
+
+ASSERTS = ["assert f(1) == 4", "assert f(2) == 7", "assert f(3) == 10"]
+
+
+def _rewards(tmp_path, kwargs: str = "{cpu_s: 1, wall_s: 4}"):
+    y = tmp_path / "c.yaml"
+    y.write_text(textwrap.dedent(f"rewards: [{{fn: code, kwargs: {kwargs}}}]"))
+    return build_rewards(load_config(y, [f"--run.out_dir={tmp_path / 'run'}"]).rewards)
+
+
+def _score(rs, completions, tests):
+    samples = [Sample("f(1)=4, f(2)=7, f(3)=10 -> ", "", "code", {"tests": t}) for t in tests]
+    comps, _, _ = rs.score([s.prompt for s in samples], completions, [[1]] * len(samples), samples)
+    return comps[:, 0].tolist()
+
+
+def test_different_correct_programs_all_pass_and_wrong_ones_score_their_fraction(tmp_path):
+    rs = _rewards(tmp_path)
+    programs = ["def f(x): return 3*x+1", "def f(x):\n    return x*3+1", "f = lambda x: 1 + 3 * x",
+                "def f(x): return 3*x", "def f(x): return 4 if x == 1 else 7", "def f(x) return", "import os"]
+    # hand-derived: 3x+1 passes 3/3 three ways; 3x passes none; the lookup passes f(1), f(2): 2/3;
+    # a syntax error and a program without f pass none
+    assert _score(rs, programs, [ASSERTS] * len(programs)) == [1.0, 1.0, 1.0, 0.0, pytest.approx(2 / 3), 0.0, 0.0]
+
+
+def test_a_fenced_block_is_the_program_and_a_hanging_one_scores_zero(tmp_path):
+    rs = _rewards(tmp_path)
+    fenced = "Here you go:\n```python\ndef f(x):\n    return 3*x + 1\n```\nDone."
+    hang = "def f(x):\n    while True: pass"
+    assert _score(rs, [fenced, hang], [ASSERTS, ASSERTS]) == [1.0, 0.0]
+    assert extract_program(fenced) == "def f(x):\n    return 3*x + 1"
+    assert extract_program("  x = 1  ") == "x = 1"
+
+
+def test_stdin_stdout_pairs_and_the_all_pass_mode(tmp_path):
+    io = json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]})  # verl's input_output, a JSON string
+    right = "a, b = map(int, input().split())\nprint(a + b)"
+    half = "a, b = map(int, input().split())\nprint(3)"
+    assert _score(_rewards(tmp_path), [right, half], [io, io]) == [1.0, 0.5]
+    strict = _rewards(tmp_path, "{all_pass: true, cpu_s: 1, wall_s: 4}")
+    assert _score(strict, [right, half], [io, io]) == [1.0, 0.0]
+
+
+def test_rows_without_tests_are_named(tmp_path):
+    rs = _rewards(tmp_path)
+    with pytest.raises(RewardError, match=r"code reward: row 1: no tests — a row needs `tests`"):
+        _score(rs, ["def f(x): return 1", "def f(x): return 1"], [ASSERTS, []])
+    with pytest.raises(RewardError, match=r"row 0: tests has 2 inputs and 1 outputs"):
+        parse_tests({"inputs": ["1", "2"], "outputs": ["1"]}, 0)
+    assert parse_tests("assert True") == ("asserts", ["assert True"])
