@@ -96,23 +96,41 @@ def _score(box: Sandbox, program: str, kind: str, tests: list) -> list[bool]:
 
 @register_reward_factory("code")
 def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512,
-                processes: int = 64):
+                processes: int = 64, workers: int = 4):
     """A TRL-style reward ``(prompts, completions, tests, **kw) → [float]``: each completion's program (see
     :func:`extract_program`) run against its row's ``tests`` (:func:`parse_tests`) in the sandbox under the given
-    limits; the fraction of tests passed, or — ``all_pass`` — 1.0 only when every test passes. The sandbox is made
-    once, here: a machine without its mechanism fails at load, naming what to install."""
-    box = Sandbox(Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes))
+    limits; the fraction of tests passed, or — ``all_pass`` — 1.0 only when every test passes. ``workers`` rows run
+    at once (threads waiting on sandboxed processes), each slot a sandbox of its own uid — one program's fork bomb
+    cannot starve another's process limit; the values are in row order, the same as one at a time. The sandboxes
+    are made once, here: a machine without their mechanism fails at load, naming what to install."""
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    if workers < 1:
+        raise RewardError(f"code reward: workers={workers}; must be ≥ 1")
+    limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes)
+    slots: queue.Queue = queue.Queue()
+    for k in range(workers):
+        slots.put(Sandbox(limits, uid=65534 - k))  # nobody, then the uids below it: no user owns them
+
+    def one(row: int, completion, t) -> float:
+        kind, cases = parse_tests(t, row)
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        box = slots.get()
+        try:
+            passed = _score(box, extract_program(text), kind, cases)
+        finally:
+            slots.put(box)
+        return float(all(passed)) if all_pass else sum(passed) / len(passed)
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyperrl-code-reward")
 
     def code(prompts, completions, tests=None, **kw):
         if tests is None:
             raise RewardError("code reward: the rows carry no `tests` column (a list of asserts or "
                               "{'inputs': [...], 'outputs': [...]} per row)")
-        out = []
-        for row, (completion, t) in enumerate(zip(completions, tests)):
-            kind, cases = parse_tests(t, row)
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            passed = _score(box, extract_program(text), kind, cases)
-            out.append(float(all(passed)) if all_pass else sum(passed) / len(passed))
-        return out
+        for row, t in enumerate(tests):  # every row's tests are named before anything runs
+            parse_tests(t, row)
+        return list(pool.map(one, range(len(completions)), completions, tests))
 
     return code

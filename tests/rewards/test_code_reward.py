@@ -62,3 +62,12 @@ def test_rows_without_tests_are_named(tmp_path):
     with pytest.raises(RewardError, match=r"row 0: tests has 2 inputs and 1 outputs"):
         parse_tests({"inputs": ["1", "2"], "outputs": ["1"]}, 0)
     assert parse_tests("assert True") == ("asserts", ["assert True"])
+
+
+def test_rows_run_concurrently_give_the_values_of_one_at_a_time(tmp_path):
+    programs = ["def f(x): return 3*x+1", "def f(x): return 3*x", "def f(x):\n    while True: pass",
+                "import os\nwhile True:\n    os.fork()", "def f(x): return 4 if x == 1 else 7"] * 2
+    serial = _score(_rewards(tmp_path, "{cpu_s: 1, wall_s: 4, workers: 1}"), programs, [ASSERTS] * len(programs))
+    pooled = _score(_rewards(tmp_path, "{cpu_s: 1, wall_s: 4, workers: 4}"), programs, [ASSERTS] * len(programs))
+    # a fork bomb in one slot does not starve the others (each slot its own uid): 3x+1 still passes beside it
+    assert serial == pooled == [1.0, 0.0, 0.0, 0.0, pytest.approx(2 / 3)] * 2
