@@ -98,7 +98,8 @@ def _score(box: Sandbox, program: str, kind: str, tests: list) -> list[bool]:
 def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512,
                 processes: int = 64, workers: int = 4):
     """A TRL-style reward ``(prompts, completions, tests, **kw) → [float]``: each completion's program (see
-    :func:`extract_program`) run against its row's ``tests`` (:func:`parse_tests`) in the sandbox under the given
+    :func:`extract_program`) run against its row's ``tests`` — or, verl's code rows, its ground truth ``answer`` —
+    (:func:`parse_tests`) in the sandbox under the given
     limits; the fraction of tests passed, or — ``all_pass`` — 1.0 only when every test passes. ``workers`` rows run
     at once (threads waiting on sandboxed processes), each slot a sandbox of its own uid — one program's fork bomb
     cannot starve another's process limit; the values are in row order, the same as one at a time. The sandboxes
@@ -125,10 +126,11 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyperrl-code-reward")
 
-    def code(prompts, completions, tests=None, **kw):
+    def code(prompts, completions, tests=None, answer=None, **kw):
+        tests = tests if tests is not None else answer  # verl's code rows: the tests are the ground truth
         if tests is None:
             raise RewardError("code reward: the rows carry no `tests` column (a list of asserts or "
-                              "{'inputs': [...], 'outputs': [...]} per row)")
+                              "{'inputs': [...], 'outputs': [...]} per row) and no ground truth")
         for row, t in enumerate(tests):  # every row's tests are named before anything runs
             parse_tests(t, row)
         return list(pool.map(one, range(len(completions)), completions, tests))

@@ -1,7 +1,8 @@
 """Regenerate the tiny fixtures shipped with the tests (no downloads):
-gsm8k_tiny.parquet (verl's column layout), pairs_tiny.parquet (preference pairs: prompt / chosen / rejected,
-TRL's and verl's explicit plain format, arithmetic the character tokenizer encodes) and corpus.jsonl (for BM25
-search)."""
+gsm8k_tiny.parquet (verl's column layout), code_tiny.parquet (code-RL rows in verl's layout: the unit tests as
+the ground truth — asserts, or stdin/stdout pairs as a JSON string), pairs_tiny.parquet (preference pairs:
+prompt / chosen / rejected, TRL's and verl's explicit plain format, arithmetic the character tokenizer encodes)
+and corpus.jsonl (for BM25 search)."""
 
 import json
 from pathlib import Path
@@ -38,6 +39,16 @@ def main():
         {"id": 3, "text": "Mount Everest is Earth's highest mountain above sea level."},
     ]
     (HERE / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    code = [("f(1)=4, f(2)=7, f(3)=10. def f(x): return ",
+             ["assert f(1) == 4", "assert f(2) == 7", "assert f(3) == 10"]),
+            ("f(1)=2, f(2)=4. def f(x): return ", ["assert f(1) == 2", "assert f(2) == 4"]),
+            ("print a+b for the two numbers on stdin: ", {"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})]
+    pq.write_table(pa.table({
+        "data_source": ["code"] * len(code),
+        "prompt": [[{"role": "user", "content": q}] for q, _ in code],
+        "reward_model": [{"style": "rule", "ground_truth": json.dumps(t)} for _, t in code],
+        "extra_info": [{"index": i} for i in range(len(code))],
+    }), HERE / "code_tiny.parquet")
 
 
 if __name__ == "__main__":

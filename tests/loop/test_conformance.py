@@ -55,6 +55,13 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
     ("algo.objective", "dro"): ["--algo.objective={{name: dro, beta: 0.1}}"],  # verl requires dro_beta too
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
 }
+_ROWS = {  # a name that needs rows the default task does not carry: its first step names what is missing, and it
+    # runs one step on rows that carry it (verl's code rows: the unit tests as the ground truth)
+    ("rewards[].fn", "code"): (r"code reward: row 0: no tests", ["--task=parquet",
+                                                                   "--task.path=tests/data/code_tiny.parquet",
+                                                                   "--rewards=[{fn: code, kwargs: {cpu_s: 1, "
+                                                                   "wall_s: 3, workers: 2}}]"]),
+}
 
 # valid, but beyond the tiny config's budget
 _NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"],
@@ -133,6 +140,13 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
             with pytest.raises(ConfigError, match="vllm is not installed"):
                 load_config(None, [override])
             return
+    if (kind, name) in _ROWS:
+        from hyperrl.rewards import RewardError
+
+        missing, rows = _ROWS[kind, name]
+        with pytest.raises(RewardError, match=missing):
+            _step(tmp_path / "default", [override, *extra])
+        extra = extra + rows
     tr, _ = _step(tmp_path, [override, *extra])
     getattr(tr, "close", lambda: None)()  # an asynchronous run's workers (a Ray the run started)
 
