@@ -141,6 +141,8 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
             driver.close()
         if toolbox is not None:
             toolbox.close()
+        if rewards is not None:  # their worker processes
+            rewards.close()
         raise
 
 

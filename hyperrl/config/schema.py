@@ -409,8 +409,26 @@ class RewardSpec(_Frozen):
     data_source: str | list[str] | None = Field(None, description="score only samples of these data_source "
                                                 "values (the rest: not applicable)")
     timeout_s: float = Field(120.0, gt=0, description="a call that has not returned after this many seconds is "
-                             "stopped (SIGALRM on the main thread) and is a RewardError naming the reward — never a "
-                             "stalled step; a TRL-style reward is called once per batch")
+                             "stopped and reported, naming the reward — never a stalled step (inline: SIGALRM on the "
+                             "main thread; pool: process: its worker killed and restarted; pool: thread: its result "
+                             "dropped; async: cancelled); a TRL-style reward is called once per batch (or per chunk)")
+    workers: int = Field(0, ge=0, description="calls at once: 0 = on the trainer's thread, one after another; N = a "
+                         "pool of N (pool), so a batch's calls overlap each other and generation; an async def "
+                         "reward runs on one event loop with at most N in flight (0: 32)")
+    pool: str = Field("thread", description="where pooled calls run (workers > 0): thread — rewards that wait (a "
+                      "sandbox, a server, a judge); process — CPU-bound Python (math-verify): N worker processes "
+                      "started once, each rebuilding the reward; one past timeout_s is killed, one that dies is "
+                      "restarted; a reward process cannot touch the trainer's memory")
+    retries: int = Field(0, ge=0, description="a call that failed (raised, timed out, its worker died) is made "
+                         "again up to this many times (back-off 0.1 s doubling to 2 s); counted in "
+                         "reward_<name>_retries")
+    on_error: Literal["raise", "abstain"] = Field("raise", description="a call still failing after its retries: "
+                                                  "raise — the step fails naming the reward and the row; abstain — "
+                                                  "its rows are not scored (not applicable), counted in "
+                                                  "reward_<name>_failed and warned")
+    batch: int | None = Field(None, ge=1, description="rows per call of a batch-style (trl) reward: null = the whole "
+                              "batch inline, an equal share per worker when pooled (a reward that compares rows "
+                              "across the batch must stay inline)")
     abstains: bool = Field(False, description="a TRL-style reward may return None for rows it does not score "
                            "(TRL's multi-task convention): those rows are not applicable, counted in "
                            "reward_<name>_applicable_frac; false = a None is an error naming the row")

@@ -46,6 +46,11 @@ class Scorer:
         rs = self.reward_set
         return (("env",) if self.multi_turn else ()) + (rs.names if rs is not None else ())
 
+    def close(self) -> None:
+        """Release the configured rewards' threads and worker processes."""
+        if self._rewards is not None:
+            self._rewards.close()
+
     def pop_extra(self) -> dict[str, float]:
         """The extra metrics scored since the last call (a verl dict reward's other keys)."""
         out, self._extra = self._extra, {}

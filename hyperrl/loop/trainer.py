@@ -256,11 +256,15 @@ class Trainer:
         return True
 
     def close(self) -> None:
-        """Release the collector's workers (an asynchronous run's threads, Ray actors) and an agent's gateway."""
+        """Release the collector's workers (an asynchronous run's threads, Ray actors), an agent's gateway and the
+        rewards' pools."""
         try:
             self.collector.close()
         finally:
-            self.generator.close()
+            try:
+                self.generator.close()
+            finally:
+                self.scorer.close()
 
     def _emit(self, event: str, metrics: dict) -> None:
         for h in self.hooks:

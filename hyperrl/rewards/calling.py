@@ -18,9 +18,10 @@ import torch
 
 from hyperrl.errors import HyperRLError
 from hyperrl.registry import Registry
+from hyperrl.rewards.runners import RUNNERS, Call
 
 __all__ = ["Reward", "RewardError", "RewardStyle", "REWARD_STYLES", "register_reward_style", "call_reward",
-           "check_value", "invoke", "source_of", "style_of", "check_signature", "reward_style"]
+           "check_value", "invoke", "failure_error", "source_of", "style_of", "check_signature", "reward_style", "Call"]
 
 
 class RewardError(HyperRLError, ValueError):
@@ -46,7 +47,29 @@ class Reward:
     data_sources: tuple[str, ...] | None = None
     kwargs: dict = field(default_factory=dict)
     abstains: bool = False  # None for a row = not applicable (counted), not an error
-    timeout_s: float | None = None  # a call past this is stopped and reported (main thread: SIGALRM)
+    timeout_s: float | None = None  # a call past this is stopped and reported
+    workers: int = 0  # calls at once (0: on the caller's thread, one after another); see hyperrl.rewards.runners
+    pool: str = "thread"  # where pooled calls run: a registered runner (thread | process)
+    retries: int = 0  # a failed call (raised, timed out, its worker died) is made again this many times at most
+    on_error: str = "raise"  # after its retries a failed call raises, or its rows abstain (counted)
+    batch: int | None = None  # rows per call of a batch-style reward (None: all; pooled: an equal share per worker)
+    recipe: bytes | None = field(default=None, repr=False, compare=False)  # how a worker process rebuilds fn
+
+    @property
+    def runner_kind(self) -> str:
+        """Where its calls run: ``process`` (``workers`` worker processes), ``async`` (an ``async def`` function:
+        the event loop), ``inline`` (``workers: 0``) or ``pool``."""
+        if self.workers and self.pool == "process":
+            return "process"
+        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__):
+            return "async"
+        return "inline" if self.workers == 0 else self.pool
+
+    def batch_rows(self, n: int) -> int:
+        """Rows per call of a batch-style reward over ``n`` rows."""
+        if self.batch:
+            return self.batch
+        return -(-n // self.workers) if self.workers > 1 and self.runner_kind != "async" else max(n, 1)
 
 
 def _short(v) -> str:
@@ -84,84 +107,61 @@ def check_value(v, reward: Reward, row: int) -> tuple[float | None, dict]:
     return float(v), extra
 
 
-class _Deadline(Exception):
-    pass
-
-
-class _deadline:
-    """Stop what runs inside after ``seconds`` (``SIGALRM`` through a real-time interval timer, on
-    the main thread, where Python delivers signals; elsewhere no limit can be enforced in-process and
-    none is set). Python code and sleeps are interrupted; a C extension that never returns to the
-    interpreter is not — run such a reward in its own process."""
-
-    def __init__(self, seconds: float | None):
-        import threading
-
-        self.seconds = seconds if seconds and threading.current_thread() is threading.main_thread() else None
-
-    def __enter__(self):
-        import signal
-
-        if self.seconds:
-            def fire(signum, frame):
-                raise _Deadline()
-
-            self._old = signal.signal(signal.SIGALRM, fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        if self.seconds:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._old)
-        return False
-
-
-def invoke(reward: Reward, row: int | None, *args, **kwargs):
-    """``reward.fn(...)`` within ``reward.timeout_s``; an exception from the user's code — or the
-    deadline — becomes a :class:`RewardError` naming the reward (and the row, for a per-sample style)."""
-    try:
-        with _deadline(reward.timeout_s):
-            return reward.fn(*args, **kwargs)
-    except RewardError:
-        raise
-    except _Deadline:
-        where = "" if row is not None else f" (one call on {len(kwargs.get('completions', []))} rows)"
-        raise RewardError(f"reward {reward.name!r} did not return within rewards[].timeout_s={reward.timeout_s} s"
-                          f"{where}; it was stopped — make it faster or raise its timeout_s", row=row) from None
-    except Exception as e:  # noqa: BLE001 - any failure in user code is reported as the reward's
-        where = "" if row is not None else f" (one call on {len(kwargs.get('completions', []))} rows)"
-        raise RewardError(f"reward {reward.name!r} raised {type(e).__name__}: {e}{where}", row=row) from e
-
-
 def call_reward(reward: Reward, prompts, texts, ids, samples) -> tuple[list, list[dict]]:
-    """One reward over the rows it applies to, called as its style calls it: values (float | None) and per-row
-    extras. Every input is a copy: a reward that mutates its arguments cannot change the dataset."""
+    """One reward over the rows it applies to, called as its style calls it, on the caller's thread (each call
+    through :func:`invoke`): values (float | None) and per-row extras. Every input is a copy: a reward that mutates
+    its arguments cannot change the dataset. (:class:`hyperrl.rewards.RewardSet` runs the same calls on the reward's
+    runner.)"""
     import copy
 
     prompts, samples = copy.deepcopy(list(prompts)), copy.deepcopy(list(samples))
-    vals = reward_style(reward.style).call(reward, prompts, texts, ids, samples)
+    conv = reward_style(reward.style)
+    vals = [v for c in conv.make_calls(reward, prompts, texts, ids, samples)
+            for v in conv.read(reward, c, invoke(reward, c))]
     return [v for v, _ in vals], [e for _, e in vals]
+
+
+def failure_error(reward: Reward, call: Call, failure: str) -> RewardError:
+    """The :class:`RewardError` of a failed call: the reward, what happened, and its row (or its rows' count)."""
+    if len(call.rows) == 1 and reward_style(reward.style).per_row:
+        return RewardError(f"reward {reward.name!r} {failure}", row=call.rows[0])
+    return RewardError(f"reward {reward.name!r} {failure} (one call on {len(call.rows)} rows)")
+
+
+def invoke(reward: Reward, call: Call):
+    """``reward.fn(*call.args, **call.kwargs)`` here and now, within ``reward.timeout_s`` (on the main thread); a
+    failure — an exception from the user's code, the deadline — is a :class:`RewardError` naming the reward (and
+    the row, for a per-sample style)."""
+    o = RUNNERS.get("inline")(reward.fn, workers=0, timeout_s=reward.timeout_s).start(call).result()
+    if o.failure is None:
+        return o.value
+    if isinstance(o.error, RewardError):
+        raise o.error
+    raise failure_error(reward, call, o.failure) from o.error
 
 
 class RewardStyle(ABC):
     """A calling convention of reward functions (``rewards[].style``), registered in ``REWARD_STYLES``:
-    ``call(reward, prompts, texts, ids, samples)`` → one ``(value, extras)`` per row (each returned value read by
-    :func:`check_value`, each call made through :func:`invoke`); ``unfit(sig, kwargs)`` — why a function of
-    signature ``sig`` cannot be called so (None: it can); ``fits(params)`` — a registered function with these
-    parameters is of this style (styles are tried in registration order); ``calls`` — the call, as messages show
-    it; ``scores_dicts`` — a returned dict's ``score`` is the value (its other numeric keys logged);
+    ``make_calls(reward, prompts, texts, ids, samples)`` → the :class:`~hyperrl.rewards.runners.Call` s that score the
+    rows (one per row when ``per_row``, else chunks of ``reward.batch_rows(n)``); ``read(reward, call, out)`` → one
+    ``(value, extras)`` per row of the call (each value read by :func:`check_value`); ``unfit(sig, kwargs)`` — why
+    a function of signature ``sig`` cannot be called so (None: it can); ``fits(params)`` — a registered function
+    with these parameters is of this style (styles are tried in registration order); ``calls`` — the call, as
+    messages show it; ``scores_dicts`` — a returned dict's ``score`` is the value (its other numeric keys logged);
     ``splits_tokens`` — a function's ``token_credit`` attribute spreads its value over the response tokens."""
 
     calls = ""
     scores_dicts = False
     splits_tokens = False
+    per_row = True
 
     @abstractmethod
-    def call(self, reward: Reward, prompts: list, texts: list[str], ids: list, samples: list) -> list[tuple]:
-        """Call ``reward.fn`` on the rows: one ``(value or None, extras)`` per row."""
+    def make_calls(self, reward: Reward, prompts: list, texts: list[str], ids: list, samples: list) -> list[Call]:
+        """The calls of ``reward.fn`` that score the rows."""
+
+    def read(self, reward: Reward, call: Call, out) -> list[tuple]:
+        """What ``call`` returned → one ``(value or None, extras)`` per row of the call."""
+        return [check_value(out, reward, call.rows[0])]
 
     def unfit(self, sig: inspect.Signature, kwargs: dict) -> str | None:
         """Why a function of signature ``sig`` cannot be called this way (None: it can)."""
@@ -186,17 +186,24 @@ class TRLStyle(RewardStyle):
     """TRL's ``reward_funcs``: called once per batch, by keyword — prompts, completions (chat completions for chat
     prompts), completion ids and the dataset's other columns plus ``answer`` — returning one value per row."""
 
-    calls = "fn(prompts=, completions=, completion_ids=, **columns)"
+    calls, per_row = "fn(prompts=, completions=, completion_ids=, **columns)", False
 
-    def call(self, reward, prompts, texts, ids, samples):
-        n = len(texts)
+    def make_calls(self, reward, prompts, texts, ids, samples):
         chat = [isinstance(p, list) for p in prompts]
         completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
         keys = sorted({k for s in samples for k in (s.extra or {}) if k not in ("prompt",)})
         columns = {k: [(s.extra or {}).get(k) for s in samples] for k in keys}
         columns["answer"] = [s.answer for s in samples]
-        out = invoke(reward, None, prompts=prompts, completions=completions, completion_ids=[list(i) for i in ids],
-                      **columns, **reward.kwargs)
+        size, out = reward.batch_rows(len(texts)), []
+        for a in range(0, len(texts), size):
+            cut = slice(a, a + size)
+            out.append(Call(tuple(range(a, min(a + size, len(texts)))), (), dict(
+                prompts=prompts[cut], completions=completions[cut], completion_ids=[list(i) for i in ids[cut]],
+                **{k: v[cut] for k, v in columns.items()}, **reward.kwargs)))
+        return out
+
+    def read(self, reward, call, out):
+        n = len(call.rows)
         if isinstance(out, torch.Tensor):
             out = out.tolist() if out.dim() == 1 else out
         if not isinstance(out, list | tuple):
@@ -204,7 +211,7 @@ class TRLStyle(RewardStyle):
                               f"expected a list of {n} numbers (one per completion)")
         if len(out) != n:
             raise RewardError(f"reward {reward.name!r} returned {len(out)} values for {n} completions")
-        return [check_value(v, reward, i) for i, v in enumerate(out)]
+        return [check_value(v, reward, i) for i, v in zip(call.rows, out)]
 
     def unfit(self, sig, kwargs):
         ps = sig.parameters
@@ -238,9 +245,9 @@ class VerlStyle(RewardStyle):
 
     calls, scores_dicts = "fn(data_source=, solution_str=, ground_truth=, extra_info=)", True
 
-    def call(self, reward, prompts, texts, ids, samples):
-        return [check_value(invoke(reward, i, data_source=source_of(s), solution_str=t, ground_truth=s.answer,
-                               extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs), reward, i)
+    def make_calls(self, reward, prompts, texts, ids, samples):
+        return [Call((i,), (), dict(data_source=source_of(s), solution_str=t, ground_truth=s.answer,
+                                    extra_info=(s.extra or {}).get("extra_info"), **reward.kwargs))
                 for i, (t, s) in enumerate(zip(texts, samples))]
 
     def unfit(self, sig, kwargs):
@@ -257,9 +264,8 @@ class HyperRLStyle(RewardStyle):
 
     calls, splits_tokens = "fn(response, sample)", True
 
-    def call(self, reward, prompts, texts, ids, samples):
-        return [check_value(invoke(reward, i, t, s, **reward.kwargs), reward, i) for i, (t, s) in enumerate(zip(texts,
-                                                                                                          samples))]
+    def make_calls(self, reward, prompts, texts, ids, samples):
+        return [Call((i,), (t, s), dict(reward.kwargs)) for i, (t, s) in enumerate(zip(texts, samples))]
 
     def unfit(self, sig, kwargs):
         return _binds(sig, "", None, **kwargs)

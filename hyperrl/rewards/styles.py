@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,13 +40,14 @@ from hyperrl.rewards.calling import (
     Reward,
     RewardError,
     RewardStyle,
-    call_reward,
     check_signature,
+    failure_error,
     register_reward_style,
     reward_style,
     source_of,
     style_of,
 )
+from hyperrl.rewards.runners import RUNNERS, WorkerStartError, submit
 
 __all__ = ["Reward", "RewardSet", "RewardError", "load_function", "build_rewards", "check_rewards", "REWARD_STYLES",
            "RewardStyle", "register_reward_style"]  # the calling conventions are :mod:`hyperrl.rewards.calling`'s
@@ -76,11 +78,37 @@ def load_function(ref: str, where: str) -> Callable:
 
 
 @dataclass(frozen=True)
+class Pending:
+    """Scores under way (:meth:`RewardSet.submit`): per reward, its index, the rows it scores, its calls and their
+    futures."""
+
+    n: int
+    parts: tuple
+
+
+@dataclass(frozen=True)
 class RewardSet:
     """Several rewards scored together: ``score`` → (components ``[B, K]``, applicable ``[B, K]``,
-    metrics). The total reward is ``(components · weights).sum(-1)``."""
+    metrics). The total reward is ``(components · weights).sum(-1)``. Each reward's calls run on its runner
+    (:mod:`hyperrl.rewards.runners`: inline, threads, processes, the event loop — started here, released by
+    :meth:`close`); ``submit`` starts a batch's calls and ``collect`` waits for them, so scoring can overlap other
+    work; the values are those of one call at a time, in row order, whatever the runner."""
 
     rewards: tuple[Reward, ...]
+    runners: tuple = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.runners:
+            runners = []
+            try:
+                for r in self.rewards:
+                    runners.append(RUNNERS.get(r.runner_kind)(r.fn, workers=r.workers, timeout_s=r.timeout_s,
+                                                              recipe=r.recipe, name=r.name))
+            except WorkerStartError as e:
+                for run in runners:
+                    run.close()
+                raise RewardError(str(e)) from None
+            object.__setattr__(self, "runners", tuple(runners))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -90,21 +118,54 @@ class RewardSet:
     def weights(self) -> torch.Tensor:
         return torch.tensor([r.weight for r in self.rewards], dtype=torch.float32)
 
-    def score(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list):
-        B, K = len(texts), len(self.rewards)
-        comps, applicable = torch.zeros(B, K), torch.zeros(B, K, dtype=torch.bool)
-        metrics: dict[str, float] = {}
-        for k, r in enumerate(self.rewards):
+    def close(self) -> None:
+        """Release the rewards' threads and worker processes."""
+        for run in self.runners:
+            run.close()
+
+    def submit(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list) -> Pending:
+        """Start every reward's calls on these rows (an inline reward runs now); :meth:`collect` the result. Each
+        reward gets copies of the prompts and samples: one that mutates its arguments cannot change the dataset."""
+        import copy
+
+        parts = []
+        for k, (r, run) in enumerate(zip(self.rewards, self.runners)):
             rows = [i for i, s in enumerate(samples) if r.data_sources is None or source_of(s) in r.data_sources]
             if not rows:
                 continue
-            try:
-                vals, extras = call_reward(r, [prompts[i] for i in rows], [texts[i] for i in rows],
-                                     [ids[i] for i in rows], [samples[i] for i in rows])
-            except RewardError as e:  # the row within this reward's rows → the batch row
-                if e.row is None:
-                    raise
-                raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
+            ps, ss = copy.deepcopy([prompts[i] for i in rows]), copy.deepcopy([samples[i] for i in rows])
+            calls = reward_style(r.style).make_calls(r, ps, [texts[i] for i in rows], [ids[i] for i in rows], ss)
+            parts.append((k, rows, calls, [submit(run, c, r.retries) for c in calls]))
+        return Pending(len(texts), tuple(parts))
+
+    def collect(self, pending: Pending):
+        """The submitted scores: (components ``[B, K]``, applicable ``[B, K]``, metrics). A failed call raises a
+        :class:`RewardError` naming the reward and the row — or, ``on_error: abstain``, leaves its rows not
+        applicable, counted in ``reward_<name>_failed`` (with ``reward_<name>_retries``: calls made again)."""
+        B, K = pending.n, len(self.rewards)
+        comps, applicable = torch.zeros(B, K), torch.zeros(B, K, dtype=torch.bool)
+        metrics: dict[str, float] = {}
+        for k, rows, calls, futures in pending.parts:
+            r, conv = self.rewards[k], reward_style(self.rewards[k].style)
+            vals, extras, failed, retried = [None] * len(rows), [{}] * len(rows), 0, 0
+            for c, f in zip(calls, futures):
+                o = f.result()
+                retried += o.attempts - 1
+                if o.failure is not None:
+                    if o.kind == "invalid" or r.on_error == "raise":
+                        raise _call_error(r, c, o, rows)
+                    failed += len(c.rows)
+                    if failed == len(c.rows):
+                        warnings.warn(f"reward {r.name!r} {o.failure}; on_error: abstain — its rows are not scored "
+                                      "(counted in reward_" + r.name + "_failed)", RuntimeWarning, stacklevel=2)
+                    continue
+                try:
+                    for j, got in zip(c.rows, conv.read(r, c, o.value)):
+                        vals[j], extras[j] = got
+                except RewardError as e:  # the row within this reward's rows → the batch row
+                    if e.row is None:
+                        raise
+                    raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
             got = [(i, float(v)) for i, v in zip(rows, vals) if v is not None]  # one write per reward, not per row
             if got:
                 idx = torch.tensor([i for i, _ in got])
@@ -113,7 +174,14 @@ class RewardSet:
             for key in sorted({key for e in extras for key in e}):
                 got = [e[key] for e in extras if key in e]
                 metrics[f"reward_{r.name}_{key}_mean"] = sum(got) / len(got)
+            if r.retries or r.on_error == "abstain":
+                metrics[f"reward_{r.name}_failed"] = float(failed)
+                metrics[f"reward_{r.name}_retries"] = float(retried)
         return comps, applicable, metrics
+
+    def score(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list):
+        """:meth:`submit` then :meth:`collect`."""
+        return self.collect(self.submit(prompts, texts, ids, samples))
 
     def token_rewards(self, pieces: list[list], samples: list, comps: torch.Tensor,
                       applicable: torch.Tensor) -> list[list[float]]:
@@ -161,6 +229,7 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
     for i, spec in enumerate(specs):
         key = f"{where}[{i}]"
         ref, style, kwargs = spec.fn, spec.style, dict(spec.kwargs)
+        in_workers = getattr(spec, "pool", "thread") == "process" and getattr(spec, "workers", 0) > 0
         if style is not None and style not in REWARD_STYLES:
             raise RewardError(f"{key}.style: {style!r} is not a registered reward style ({REWARD_STYLES.names()})")
         if ref.endswith(".py") or ".py:" in ref:
@@ -176,7 +245,7 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
             f = REWARDS.factory(ref)
             f.check(kwargs, f"{key}.kwargs")
             f.check_requirements(f"{key}.fn")
-            fn, name = (REWARDS.build(ref, **kwargs)() if build else None), ref
+            fn, name = (REWARDS.build(ref, **kwargs)() if build and not in_workers else None), ref  # built there
             kwargs, style = {}, style or "trl"
         elif ref in REWARDS:
             fn, name = REWARDS.get(ref), ref
@@ -190,9 +259,63 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
         seen.add(name)
         ds = spec.data_source
         sources = None if ds is None else ((ds,) if isinstance(ds, str) else tuple(ds))
+        pool = getattr(spec, "pool", "thread")
+        if pool not in RUNNERS or pool in ("inline", "async"):
+            raise RewardError(f"{key}.pool: {pool!r} is not a pool; use thread (rewards that wait: a sandbox, a "
+                              "server) or process (CPU-bound Python: math-verify)")
+        recipe = _recipe(ref, key, dict(spec.kwargs)) if in_workers else None
         out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs,
-                          abstains=bool(getattr(spec, "abstains", False)), timeout_s=getattr(spec, "timeout_s", None)))
+                          abstains=bool(getattr(spec, "abstains", False)), timeout_s=getattr(spec, "timeout_s", None),
+                          workers=getattr(spec, "workers", 0), pool=pool, retries=getattr(spec, "retries", 0),
+                          on_error=getattr(spec, "on_error", "raise"), batch=getattr(spec, "batch", None),
+                          recipe=recipe))
     return out
+
+
+def _call_with(factory, kwargs):
+    return factory(**kwargs)
+
+
+def _same(fn):
+    return fn
+
+
+def _recipe(ref: str, key: str, kwargs: dict) -> bytes:
+    """How a worker process rebuilds the reward (``pool: process``), pickled: a file's function loaded by its
+    path, a registered factory called with its hyperparameters, a registered function by reference — the last two
+    must come from an importable module (one defined in ``__main__`` is named here, at load)."""
+    import pickle
+
+    if ref.endswith(".py") or ".py:" in ref:
+        return pickle.dumps((load_function, (ref, f"{key}.fn")))
+    target = REWARDS.get(ref)
+    mod = getattr(target, "__module__", None)
+    if mod in (None, "__main__") or "<locals>" in getattr(target, "__qualname__", ""):
+        raise RewardError(f"{key}: pool: process rebuilds the reward in a worker process, but {ref!r} is defined in "
+                          f"{mod or 'no module'} ({getattr(target, '__qualname__', target)}), which a worker cannot "
+                          "import; move it to a file (fn: path/to/file.py:name) or an importable module, or use "
+                          "pool: thread")
+    recipe = (_call_with, (target, kwargs)) if is_factory(ref) else (_same, (target,))
+    try:
+        return pickle.dumps(recipe)
+    except Exception as e:  # noqa: BLE001 - the reason names what cannot be sent
+        raise RewardError(f"{key}: pool: process cannot send {ref!r} to a worker process ({type(e).__name__}: "
+                          f"{e}); use pool: thread") from None
+
+
+def _call_error(r: Reward, c, o, rows: list[int]) -> RewardError:
+    """The error of a failed call, its row (of the reward's ``rows``, when one is to blame) named as the batch's."""
+    e = o.error if o.kind == "invalid" else None
+    if e is not None:  # the reward named bad input itself (its row: within the call's rows)
+        row, msg = getattr(e, "row", None), str(e)
+        j = c.rows[row] if row is not None and 0 <= row < len(c.rows) else (
+            c.rows[0] if len(c.rows) == 1 and reward_style(r.style).per_row else None)
+    else:
+        err = failure_error(r, c, o.failure)
+        j, msg = err.row, str(err)
+    if j is None:
+        return RewardError(msg)
+    return RewardError(f"{msg} — batch row {rows[j]}", row=rows[j])
 
 
 # ----------------------------------------------------------------------------- built-in factories

@@ -240,8 +240,8 @@ def test_a_reward_past_its_timeout_is_stopped_and_named(tmp_path):
                  "    while True:\n        pass\n")
     rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:slow", style: trl, timeout_s: 0.5}}]').rewards)
     t0 = time.perf_counter()
-    with pytest.raises(RewardError, match=r"reward 'slow' did not return within rewards\[\].timeout_s=0.5 s "
-                                          r"\(one call on 3 rows\); it was stopped"):
+    with pytest.raises(RewardError, match=r"reward 'slow' did not return within rewards\[\].timeout_s=0.5 s; it "
+                                          r"was stopped \(one call on 3 rows\)"):
         rs.score([s.prompt for s in SAMPLES], ["3", "x", "8"], [[1]] * 3, SAMPLES)
     assert time.perf_counter() - t0 < 5
     rs = build_rewards(_specs(tmp_path, f'rewards: [{{fn: "{f}:spin", style: verl, timeout_s: 0.3}}]').rewards)
@@ -257,7 +257,7 @@ def test_a_registered_reward_style_calls_its_functions_its_own_way(tmp_path):
     added from a test file is accepted at load, checks a file function's signature and calls it its own way."""
     import inspect
 
-    from hyperrl.rewards.calling import REWARD_STYLES, RewardStyle, check_value, invoke, register_reward_style
+    from hyperrl.rewards.calling import REWARD_STYLES, Call, RewardStyle, register_reward_style
 
     @register_reward_style("by_answer")
     class ByAnswer(RewardStyle):
@@ -265,9 +265,8 @@ def test_a_registered_reward_style_calls_its_functions_its_own_way(tmp_path):
 
         calls = "fn(answer, text)"
 
-        def call(self, reward, prompts, texts, ids, samples):
-            return [check_value(invoke(reward, i, s.answer, t), reward, i) for i, (t, s) in enumerate(zip(texts,
-                                                                                                          samples))]
+        def make_calls(self, reward, prompts, texts, ids, samples):
+            return [Call((i,), (s.answer, t)) for i, (t, s) in enumerate(zip(texts, samples))]
 
         def unfit(self, sig, kwargs):
             return None if list(sig.parameters)[:2] == ["answer", "text"] else "it does not take (answer, text)"

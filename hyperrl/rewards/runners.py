@@ -1,0 +1,453 @@
+"""Where a reward's calls run (``rewards[].workers`` / ``pool``), each call within its deadline, retried, its
+failure an :class:`Outcome` — never an exception on the caller's thread.
+
+A reward style cuts a batch into :class:`Call` s (one per row, or chunks of rows for a batch-style reward); a
+runner turns each call into a future of its :class:`Outcome`, so the caller can submit a step's calls — every
+reward's, every group's — and collect them later (scoring overlapped with generation):
+
+* ``inline`` (``workers: 0``, the default): on the caller's thread, one after another, the deadline a ``SIGALRM``
+  on the main thread — what hyperrl always did;
+* ``thread`` (``workers: N``): N threads — for rewards that wait (a sandbox, a server). A thread cannot be stopped:
+  a call past its deadline is reported and its result dropped, the thread runs on until the function returns;
+* ``process`` (``workers: N, pool: process``): N worker processes (:mod:`hyperrl.rewards.worker`), started once,
+  each building the reward from its recipe — CPU-bound rewards (math-verify) run beside the trainer instead of on
+  its interpreter lock, and a reward process cannot touch the trainer's memory. A call past its deadline kills its
+  worker's process group; a worker that dies is restarted; the call is reported either way;
+* ``async def`` rewards: coroutines on one event loop thread, at most ``workers`` (default 32) in flight, the
+  deadline ``asyncio.wait_for``'s.
+
+:func:`submit` adds the retries (``retries``, with a doubling back-off from 0.1 s, at most 2 s) around any runner.
+Why not ``concurrent.futures.ProcessPoolExecutor`` or pebble: under spawn / forkserver every worker re-imports the
+user's main script (a script without a ``__main__`` guard starts workers recursively), fork is unsafe in a process
+holding torch's threads, and the standard pool cannot stop one call nor survive one worker's death. Here a worker
+is ``python -m hyperrl.rewards.worker`` over a pipe: nothing of the caller is re-imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import queue
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyperrl.errors import HyperRLError
+from hyperrl.registry import Registry
+
+__all__ = ["Call", "Outcome", "RUNNERS", "Runner", "submit", "WorkerStartError", "send_message", "read_message"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a reward function: the ``rows`` (indices into the rows the reward scores) it returns values
+    for, and its arguments."""
+
+    rows: tuple[int, ...]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call came to: its ``value``, or — ``failure`` set — why it has none (``kind``: ``raised`` |
+    ``timeout`` | ``died`` | ``invalid``; ``error``: the user's exception, when it ran in this process);
+    ``attempts``: calls made (1 + retries used)."""
+
+    value: Any = None
+    failure: str | None = None
+    kind: str | None = None
+    attempts: int = 1
+    error: BaseException | None = None
+
+
+class WorkerStartError(HyperRLError, RuntimeError):
+    """A reward's worker process could not start or rebuild the reward (the message carries its error)."""
+
+
+class Runner:
+    """Runs one reward's calls: ``start(call) -> Future[Outcome]`` (one attempt, within ``timeout_s``), and
+    ``close()``."""
+
+    synchronous = False  # start() runs the call before returning (its retries too, on the caller's thread)
+
+    def __init__(self, fn, *, workers: int, timeout_s: float | None, recipe=None, name: str = "reward"):
+        self.fn, self.workers, self.timeout_s, self.name = fn, workers, timeout_s, name
+
+    def start(self, call: Call) -> Future:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release threads and processes (idempotent)."""
+
+
+RUNNERS: Registry = Registry("reward runner")
+
+
+class _Threads:
+    """``n`` daemon threads running submitted functions (``concurrent.futures``' threads are joined at exit: one
+    stuck in a reward that never returns would keep the finished trainer from exiting)."""
+
+    def __init__(self, n: int, name: str):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for k in range(n):
+            threading.Thread(target=self._serve, name=f"{name}-{k}", daemon=True).start()
+        self.n = n
+
+    def _serve(self):
+        while (job := self.jobs.get()) is not None:
+            fn, args, out = job
+            try:
+                out.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting side
+                out.set_exception(e)
+
+    def submit(self, fn, *args) -> Future:
+        out: Future = Future()
+        self.jobs.put((fn, args, out))
+        return out
+
+    def shutdown(self) -> None:
+        for _ in range(self.n):
+            self.jobs.put(None)
+
+
+def _raised(e: BaseException) -> Outcome:
+    """A call that raised; a hyperrl error (a reward naming bad input: a row without tests) is ``invalid`` — never
+    retried, never abstained on."""
+    kind = "invalid" if isinstance(e, HyperRLError) else "raised"
+    return Outcome(failure=f"raised {type(e).__name__}: {e}", kind=kind, error=e)
+
+
+def _done(o: Outcome) -> Future:
+    f: Future = Future()
+    f.set_result(o)
+    return f
+
+
+class _Deadline(BaseException):  # not an Exception: the user's `except Exception` cannot swallow it
+    pass
+
+
+class _alarm:
+    """Stop what runs inside after ``seconds`` (``SIGALRM`` through a real-time interval timer, on the main thread,
+    where Python delivers signals; elsewhere no limit can be enforced in-process and none is set). Python code and
+    sleeps are interrupted; a C extension that never returns to the interpreter is not — use ``pool: process``."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds if seconds and threading.current_thread() is threading.main_thread() else None
+
+    def __enter__(self):
+        if self.seconds:
+            def fire(signum, frame):
+                raise _Deadline()
+
+            self._old = signal.signal(signal.SIGALRM, fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.seconds:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._old)
+        return False
+
+
+@RUNNERS.register("inline")
+class InlineRunner(Runner):
+    """On the caller's thread, now (``start`` returns a finished future)."""
+
+    synchronous = True
+
+    def start(self, call):
+        try:
+            with _alarm(self.timeout_s):
+                return _done(Outcome(self.fn(*call.args, **call.kwargs)))
+        except _Deadline:
+            return _done(Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s; it was "
+                                 "stopped", kind="timeout"))
+        except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
+            return _done(_raised(e))
+
+
+def _first(f: Future, o: Outcome) -> None:
+    try:
+        f.set_result(o)
+    except Exception:  # noqa: BLE001, S110 - the deadline or the result came first
+        pass
+
+
+@RUNNERS.register("thread")
+class ThreadRunner(Runner):
+    """``workers`` threads; a call's deadline starts when a thread takes it."""
+
+    def __init__(self, fn, *, workers, timeout_s, recipe=None, name="reward"):
+        super().__init__(fn, workers=workers, timeout_s=timeout_s, name=name)
+        self.pool = _Threads(workers, "hyperrl-reward")
+
+    def start(self, call):
+        out: Future = Future()
+
+        def run():
+            timer = None
+            if self.timeout_s:
+                timer = threading.Timer(self.timeout_s, _first, (out, Outcome(
+                    failure=f"did not return within rewards[].timeout_s={self.timeout_s} s (a thread cannot be "
+                    "stopped: its result is dropped; use pool: process for a reward that can hang)", kind="timeout")))
+                timer.daemon = True
+                timer.start()
+            try:
+                _first(out, Outcome(self.fn(*call.args, **call.kwargs)))
+            except Exception as e:  # noqa: BLE001
+                _first(out, _raised(e))
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        self.pool.submit(run)
+        return out
+
+    def close(self):
+        self.pool.shutdown()
+
+
+class _Loop:
+    """The one event loop thread every ``async def`` reward of the process shares."""
+
+    _lock, _loop = threading.Lock(), None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="hyperrl-reward-loop", daemon=True).start()
+                cls._loop = loop
+            return cls._loop
+
+
+@RUNNERS.register("async")
+class AsyncRunner(Runner):
+    """An ``async def`` reward: coroutines on the shared loop, at most ``workers`` in flight."""
+
+    def __init__(self, fn, *, workers, timeout_s, recipe=None, name="reward"):
+        super().__init__(fn, workers=workers, timeout_s=timeout_s, name=name)
+        self.loop = _Loop.get()
+        self.sem = asyncio.run_coroutine_threadsafe(self._sem(max(workers, 1)), self.loop).result()
+
+    @staticmethod
+    async def _sem(n):
+        return asyncio.Semaphore(n)
+
+    async def _one(self, call):
+        async with self.sem:
+            try:
+                return Outcome(await asyncio.wait_for(self.fn(*call.args, **call.kwargs), self.timeout_s))
+            except asyncio.TimeoutError:
+                return Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s; it was "
+                               "cancelled", kind="timeout")
+            except Exception as e:  # noqa: BLE001
+                return _raised(e)
+
+    def start(self, call):
+        return asyncio.run_coroutine_threadsafe(self._one(call), self.loop)
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+def send_message(fd: int, obj) -> None:
+    """Write one length-prefixed pickle to ``fd``."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    view = memoryview(struct.pack("<Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """``n`` bytes from ``fd`` (None: end of file); ``TimeoutError`` past ``deadline`` (``time.monotonic``)."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_message(fd: int, deadline: float | None = None):
+    """One length-prefixed pickle from ``fd``; ``EOFError`` when it is closed, ``TimeoutError`` past ``deadline``."""
+    head = _read_exact(fd, 8, deadline)
+    if head is None:
+        raise EOFError
+    body = _read_exact(fd, struct.unpack("<Q", head)[0], deadline)
+    if body is None:
+        raise EOFError
+    return pickle.loads(body)
+
+
+class _Worker:
+    """One worker process (``python -m hyperrl.rewards.worker``), its own session (a deadline kills its whole
+    process group), holding the reward its recipe builds."""
+
+    START_S = 300.0  # importing and building a reward (a model) may take a while
+
+    def __init__(self, recipe: bytes, name: str):
+        r_in, w_in = os.pipe()  # parent → worker
+        r_out, w_out = os.pipe()  # worker → parent
+        self.proc = subprocess.Popen([sys.executable, "-m", "hyperrl.rewards.worker", str(r_in), str(w_out),
+                                      str(os.getpid())],
+                                     pass_fds=(r_in, w_out), stdin=subprocess.DEVNULL, start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        os.close(r_in)
+        os.close(w_out)
+        self.to, self.frm, self.name, self.started = w_in, r_out, name, False
+        send_message(self.to, recipe)
+
+    def ready(self) -> _Worker:
+        """Wait for the worker to have built the reward (a :class:`WorkerStartError` naming what went wrong)."""
+        try:
+            status, detail = read_message(self.frm, time.monotonic() + self.START_S)
+        except (EOFError, TimeoutError, OSError) as e:
+            self.kill()
+            raise WorkerStartError(f"reward {self.name!r}: its worker process did not start ({type(e).__name__}; "
+                                   f"exit code {self.proc.returncode}) — see its stderr above") from None
+        if status != "ready":
+            self.kill()
+            raise WorkerStartError(f"reward {self.name!r}: its worker process could not rebuild it: {detail} — a "
+                                   "reward for pool: process must be importable there (a file's function: fn: "
+                                   "path/to/file.py:name; a registered one: registered by an importable module)")
+        self.started = True
+        return self
+
+    def call(self, call: Call, timeout_s: float | None) -> Outcome:
+        deadline = None if not timeout_s else time.monotonic() + timeout_s
+        try:
+            send_message(self.to, (call.args, call.kwargs))
+            status, detail = read_message(self.frm, deadline)
+        except TimeoutError:
+            self.kill()
+            return Outcome(failure=f"did not return within rewards[].timeout_s={timeout_s} s; its worker process "
+                           "was killed (and restarted)", kind="timeout")
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self.kill()
+            return Outcome(failure=f"failed: its worker process died (exit code {self.proc.returncode}; restarted) "
+                           "— see its stderr above", kind="died")
+        if status == "ok":
+            return Outcome(detail)
+        if status == "invalid":  # the reward named bad input (and maybe its row): raised as the reward's own error
+            err = HyperRLError(detail[0].partition(": ")[2])
+            err.row = detail[1]
+            return Outcome(failure=f"raised {detail[0]}", kind="invalid", error=err)
+        return Outcome(failure=f"raised {detail}", kind="raised")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for fd in (self.to, self.frm):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.to = self.frm = -1
+
+
+@RUNNERS.register("process")
+class ProcessRunner(Runner):
+    """``workers`` worker processes, started here (each must rebuild the reward from ``recipe`` — its failure a
+    :class:`WorkerStartError` now, at load); a killed or dead worker is replaced before its next call."""
+
+    def __init__(self, fn, *, workers, timeout_s, recipe=None, name="reward"):
+        super().__init__(fn, workers=workers, timeout_s=timeout_s, name=name)
+        if recipe is None:
+            raise WorkerStartError(f"reward {name!r}: pool: process needs the reward's recipe")
+        self.recipe, self.name, self.idle = recipe, name, queue.Queue()
+        started, errors = [_Worker(recipe, name) for _ in range(workers)], []  # side by side: each imports torch
+        self.every = list(started)  # every worker process ever started (close ends those still alive)
+        for w in started:
+            try:
+                self.idle.put(w.ready())
+            except WorkerStartError as e:
+                errors.append(e)
+        if errors:
+            self.close()
+            raise errors[0]
+        self.pool = _Threads(workers, "hyperrl-reward-proc")
+        self.restarts = 0
+
+    def _run(self, call) -> Outcome:
+        w = self.idle.get()
+        try:
+            if not w.started:
+                w.ready()
+            return w.call(call, self.timeout_s)
+        except WorkerStartError as e:
+            return Outcome(failure=f"failed: its worker process could not be restarted: {e}", kind="died")
+        finally:
+            if not w.alive:  # killed past its deadline, or died: its replacement starts now, in the background
+                self.restarts += 1
+                w = _Worker(self.recipe, self.name)
+                self.every.append(w)
+            self.idle.put(w)
+
+    def start(self, call):
+        return self.pool.submit(self._run, call)
+
+    def close(self):
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.shutdown()
+        for w in getattr(self, "every", ()):
+            if w.alive:
+                w.kill()
+            else:
+                w.close_pipes()
+
+
+def submit(runner: Runner, call: Call, retries: int = 0) -> Future:
+    """A future of ``call``'s :class:`Outcome` on ``runner``, a failed call retried up to ``retries`` times (back-off
+    0.1 s, doubling, at most 2 s); the outcome counts its attempts."""
+    if runner.synchronous:
+        for k in range(retries + 1):
+            o = runner.start(call).result()
+            if o.failure is None or k == retries or o.kind == "invalid":
+                return _done(Outcome(o.value, o.failure, o.kind, k + 1, o.error))
+            time.sleep(min(0.1 * 2 ** k, 2.0))
+    out: Future = Future()
+
+    def attempt(k: int) -> None:
+        def done(f: Future) -> None:
+            o = f.result()
+            if o.failure is None or k >= retries or o.kind == "invalid":
+                out.set_result(Outcome(o.value, o.failure, o.kind, k + 1, o.error))
+                return
+            t = threading.Timer(min(0.1 * 2 ** k, 2.0), attempt, (k + 1,))
+            t.daemon = True
+            t.start()
+
+        runner.start(call).add_done_callback(done)
+
+    attempt(0)
+    return out
