@@ -398,11 +398,18 @@ class RunConfig(_Frozen):
 class RewardSpec(_Frozen):
     """One reward (see :mod:`hyperrl.rewards.styles`)."""
 
-    fn: str = Field(description="'path/to/file.py:function' or a registered reward (hyperrl.rewards.REWARDS: a "
-                    "function or a factory)")
+    fn: str | None = Field(None, description="'path/to/file.py:function' or a registered reward (hyperrl.rewards."
+                           "REWARDS: a function or a factory); or set url")
+    url: str | None = Field(None, description="a remote reward server (http://host:port/path) scoring batch rows per "
+                            "request (hyperrl.rewards.remote: the JSON contract; style: hyperrl | openrlhf)")
+    judge: dict[str, Any] | None = Field(None, description="a judge model as the reward (hyperrl.rewards.judge): "
+                                         "{model: hf_dir | url: http://…/v1, template: file.jinja | text, parse: "
+                                         "regex | json, pattern, key, scale, max_new_tokens, …}; an answer without "
+                                         "a verdict abstains (counted)")
     weight: float = Field(1.0, description="its weight in the total reward Σ w·r (and GDPO's component weight)")
     style: str | None = Field(None, description="calling convention: trl | verl | hyperrl, or a registered "
-                              "REWARD_STYLES name (required for a file's function)")
+                              "REWARD_STYLES name (required for a file's function); for a url: the server's "
+                              "contract, hyperrl (default) | openrlhf (OpenRLHF's remote reward model)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments (a factory's "
                                    "hyperparameters for registered factories)")
     name: str | None = Field(None, description="metric name (default: the function's)")
@@ -437,6 +444,14 @@ class RewardSpec(_Frozen):
     @classmethod
     def _from_name(cls, v):
         return {"fn": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _fn_url_or_judge(self):
+        given = [k for k in ("fn", "url", "judge") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("a reward needs one of fn (a file's function or a registered reward), url (a reward "
+                             "server) and judge (a judge model)" + (f"; it has {' and '.join(given)}" if given else ""))
+        return self
 
 
 class AsyncConfig(_Frozen):

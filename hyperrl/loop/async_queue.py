@@ -51,6 +51,7 @@ class AsyncQueue:
         self.version = engine.policy_version  # the learner's version (set by each collect / pause)
         self.pending: list[Request] = []  # requests for the workers (resumed ones first)
         self.units: dict[int, A.Unit] = {}
+        self.on_ready = None  # called (under the lock) with a unit's uid, key and validated rows as it is ready
         self.rows: dict[int, list[TensorDict]] = {}  # unit uid → its finished rows
         self.by: dict[int, set[str]] = {}  # unit uid → the workers that delivered its rows
         self.limits: dict[int, int] = {}  # a request's uid → its max_new_tokens (a resumed row lacks it)
@@ -150,6 +151,8 @@ class AsyncQueue:
                 raise TrajectoryError(f"sample_uid: {sorted(got)}, expected {want}")
             self.rows[uid] = [rows]
             self.buffer = A.complete(self.buffer, uid)
+            if self.on_ready is not None:  # e.g. its scoring starts now, while the rest is generated
+                self.on_ready(uid, self.units[uid].key, rows)
         except TrajectoryError as e:
             self.buffer = A.evict(self.buffer, uid, f"{', '.join(sorted(self.by[uid]))}: {e}")
             self.requeue.append(self.units.pop(uid).key)

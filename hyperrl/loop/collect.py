@@ -58,11 +58,11 @@ def sample_uid(step: int, attempt: int, prompt: int, sample: int, *, prompts_per
     return ((step * max_generation_batches + attempt) * prompts_per_step + prompt) * n + sample
 
 
-def score_and_shape(batch: TensorDict, samples, scorer, pipeline) -> TensorDict:
-    """Rewards (:class:`~hyperrl.loop.scoring.Scorer`), then the pipeline's reward shaping; what
-    shaping changed in ``reward`` lands on the last action token of ``token_rewards`` (when the run
-    has them), so the per-token credit still sums to the shaped reward."""
-    batch = pipeline.shape(scorer.score(batch, samples))
+def score_and_shape(batch: TensorDict, samples, scorer, pipeline, ready=None) -> TensorDict:
+    """Rewards (:class:`~hyperrl.loop.scoring.Scorer`; ``ready``: the rows' scorings already started), then the
+    pipeline's reward shaping; what shaping changed in ``reward`` lands on the last action token of
+    ``token_rewards`` (when the run has them), so the per-token credit still sums to the shaped reward."""
+    batch = pipeline.shape(scorer.score(batch, samples, ready))
     if "token_rewards" in batch.keys():
         tr = batch["token_rewards"]
         batch = batch.copy().set("token_rewards", tr + T.scores_to_token_rewards(

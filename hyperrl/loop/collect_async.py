@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -91,7 +92,15 @@ class AsyncCollector:
         # η = 0 or gated: multi-turn episodes' turns in lockstep — the synchronous round's batch exactly,
         # whatever order the environment steps finished in (free at η > 0 overlaps them instead)
         self.driver.attach(generator, self.queue, lockstep=eta == 0 or self.schedule.whole_steps)
+        self.scoring: dict = {}  # unit uid → its scoring, started as it was ready (rewards off this thread)
+        if scorer.overlaps:
+            self.queue.on_ready = self._start_scoring
         self.start_workers()
+
+    def _start_scoring(self, uid: int, key: int, rows) -> None:
+        """(a worker's thread, under the lock) A unit is ready: its rewards start now, hidden behind the rest of
+        the generation — every reward runs off this thread (``Scorer.overlaps``), so nothing here waits."""
+        self.scoring[uid] = self.scorer.submit(rows, {key: self.queue.sample(key)})
 
     def start_workers(self) -> None:
         """Start (or, after :meth:`stop_workers`, restart) one driver thread per rollout worker."""
@@ -167,12 +176,24 @@ class AsyncCollector:
         batch = cat_batches(rows, self.engine.pad_id)
         validate(batch, learner_version=version, max_staleness=self.eta)  # every token within η
         samples = {u.key: q.sample(u.key) for u in taken}
+        with q.cond:
+            ready = [self.scoring.pop(u.uid) for u in taken if u.uid in self.scoring] if q.on_ready else None
+        overlap = self._overlap(ready, time.perf_counter()) if ready else {}
         with timer("reward"):
-            batch = score_and_shape(batch, samples, self.scorer, self.pipeline)
+            batch = score_and_shape(batch, samples, self.scorer, self.pipeline, ready)
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], version, self.eta)
         with q.cond:
             agents = self.driver.pop_stats()  # the agent rounds finished since the last step
-        return Collected(batch, {**counters, **agents, **{k: float(v) for k, v in st.items()}}, samples)
+        return Collected(batch, {**counters, **agents, **overlap, **{k: float(v) for k, v in st.items()}}, samples)
+
+    @staticmethod
+    def _overlap(ready: list, now: float) -> dict[str, float]:
+        """How much of the step's scoring hid behind generation: ``reward_hidden_frac`` — the groups whose scores
+        were all in when the learner took them; ``reward_latency_s`` — the mean time from a group's last row to
+        its last score (still running: until now)."""
+        ends = [h.pending.finished_at() if h.pending is not None else h.t0 for h in ready]
+        return {"reward_hidden_frac": sum(e is not None for e in ends) / len(ends),
+                "reward_latency_s": sum((e if e is not None else now) - h.t0 for e, h in zip(ends, ready)) / len(ends)}
 
     def _pause(self, what: str, *, drain: bool = True) -> None:
         """Stop the workers taking requests and wait (deadline) until none is generating. Free: the

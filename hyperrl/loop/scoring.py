@@ -9,13 +9,27 @@ are kept as metrics until :meth:`Scorer.pop_extra`.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
 from tensordict import TensorDict
 
 from hyperrl.rewards import Reward, RewardError, RewardSet
+from hyperrl.rewards.styles import Pending
 from hyperrl.tokenizer import decode_response
 
-__all__ = ["Scorer"]
+__all__ = ["Scorer", "Scoring"]
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """Rows whose scoring :meth:`Scorer.submit` started: the rewards' pending calls (None: no configured
+    rewards) and the rows' ``sample_uid`` (checked against the batch they are collected into); ``t0``: when."""
+
+    pending: Pending | None
+    uids: torch.Tensor | None
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class Scorer:
@@ -56,28 +70,57 @@ class Scorer:
         out, self._extra = self._extra, {}
         return out
 
-    def score(self, batch: TensorDict, samples) -> TensorDict:
-        """A new batch with ``reward_components``, ``reward_applicable``, ``reward`` (and
-        ``token_rewards``); ``samples[g]`` is group g's sample. The rewards read every action token
-        of a row — or, when the batch has ``final_turn`` (an agent's rows, a ``tool_chat`` episode),
-        the final response's."""
+    @property
+    def overlaps(self) -> bool:
+        """Every configured reward runs off the caller's thread (pooled or async): scoring can start as rows finish,
+        from any thread, without blocking it."""
+        rs = self.reward_set
+        return rs is not None and rs.overlaps
+
+    def _inputs(self, batch: TensorDict, samples) -> tuple[list, list, list[str]]:
+        """Each row's response ids (every action token — or, with ``final_turn``, the final response's), its
+        sample, and its decoded text (each distinct response decoded once: a group often repeats one; none
+        without configured rewards)."""
         starts = batch["final_turn"].tolist() if "final_turn" in batch.keys() else [0] * batch.batch_size[0]
         ids = [[t for t, a in zip(toks[s:], act[s:]) if a] for toks, act, s in zip(batch["tokens"].tolist(),
                                                                                 batch["action_mask"].tolist(), starts)]
         rows = [samples[g] for g in batch["group_id"].tolist()]
+        seen: dict[tuple, str] = {}
+        for i in ids if self.reward_set is not None else ():
+            if tuple(i) not in seen:
+                seen[tuple(i)] = decode_response(self.tok, i, self.stop_ids)
+        return ids, rows, [seen[tuple(i)] for i in ids] if seen or not ids else []
+
+    def submit(self, batch: TensorDict, samples) -> Scoring:
+        """Start scoring ``batch``'s rows now (:meth:`score` with ``ready=`` collects them): a group scored as
+        soon as it finished, its calls running while the rest is generated."""
+        rs = self.reward_set
+        ids, rows, texts = self._inputs(batch, samples)
+        pending = rs.submit([s.prompt for s in rows], texts, ids, rows) if rs is not None else None
+        return Scoring(pending, batch["sample_uid"].clone() if "sample_uid" in batch.keys() else None)
+
+    def score(self, batch: TensorDict, samples, ready: list[Scoring] | None = None) -> TensorDict:
+        """A new batch with ``reward_components``, ``reward_applicable``, ``reward`` (and
+        ``token_rewards``); ``samples[g]`` is group g's sample. The rewards read every action token
+        of a row — or, when the batch has ``final_turn`` (an agent's rows, a ``tool_chat`` episode),
+        the final response's. ``ready``: the rows' scoring already :meth:`submit` ted, part by part in
+        row order (the same values as scoring them now)."""
+        ids, rows, texts = self._inputs(batch, samples)
         comps, app = [], []
         if self.multi_turn:
             comps.append(batch["reward"].float()[:, None])
             app.append(torch.ones(len(ids), 1, dtype=torch.bool))
         rs = self.reward_set
         if rs is not None:
-            seen: dict[tuple, str] = {}  # a group's samples often repeat a response: decode each once
-            for i in ids:
-                if tuple(i) not in seen:
-                    seen[tuple(i)] = decode_response(self.tok, i, self.stop_ids)
-            texts = [seen[tuple(i)] for i in ids]
+            if ready is None:
+                pendings = [rs.submit([s.prompt for s in rows], texts, ids, rows)]
+            else:
+                if "sample_uid" in batch.keys() and not torch.equal(
+                        torch.cat([h.uids for h in ready]), batch["sample_uid"]):
+                    raise RuntimeError("Scorer.score: the submitted scorings are not the batch's rows in order")
+                pendings = [h.pending for h in ready]
             try:
-                c, a, extra = rs.score([s.prompt for s in rows], texts, ids, rows)
+                c, a, extra = rs.collect(*pendings)
             except RewardError as e:  # name the row as the run knows it: its sample_uid and prompt
                 if e.row is None:
                     raise

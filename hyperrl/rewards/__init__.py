@@ -4,7 +4,11 @@ functions from a file or the registry, weighted, routed by ``data_source``, batc
 style calls its functions: :mod:`.calling`).
 """
 
-from hyperrl.rewards import code  # noqa: E402,F401 — registers the `code` reward (the sandbox's unit tests)
+from hyperrl.rewards import (
+    code,  # noqa: E402,F401 — registers the `code` reward (the sandbox's unit tests)
+    judge,  # noqa: E402,F401 — registers the `judge` reward (a judge model)
+    remote,  # noqa: E402,F401 — registers the `remote` reward (a reward server)
+)
 from hyperrl.rewards.builtin import (
     REWARDS,
     RewardName,

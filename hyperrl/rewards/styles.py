@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from hyperrl.rewards.calling import (
     source_of,
     style_of,
 )
+from hyperrl.rewards.remote import CONTRACTS
 from hyperrl.rewards.runners import RUNNERS, WorkerStartError, submit
 
 __all__ = ["Reward", "RewardSet", "RewardError", "load_function", "build_rewards", "check_rewards", "REWARD_STYLES",
@@ -84,6 +86,12 @@ class Pending:
 
     n: int
     parts: tuple
+    stamps: list = field(default_factory=list)  # when each call finished (time.perf_counter)
+
+    def finished_at(self) -> float | None:
+        """When its last call finished (None: some still running)."""
+        calls = sum(len(fs) for _, _, _, fs in self.parts)
+        return max(self.stamps, default=None) if len(self.stamps) >= calls and calls else None
 
 
 @dataclass(frozen=True)
@@ -136,48 +144,66 @@ class RewardSet:
             ps, ss = copy.deepcopy([prompts[i] for i in rows]), copy.deepcopy([samples[i] for i in rows])
             calls = reward_style(r.style).make_calls(r, ps, [texts[i] for i in rows], [ids[i] for i in rows], ss)
             parts.append((k, rows, calls, [submit(run, c, r.retries) for c in calls]))
-        return Pending(len(texts), tuple(parts))
+        out = Pending(len(texts), tuple(parts))
+        for _, _, _, fs in parts:
+            for f in fs:
+                f.add_done_callback(lambda _f, st=out.stamps: st.append(time.perf_counter()))
+        return out
 
-    def collect(self, pending: Pending):
-        """The submitted scores: (components ``[B, K]``, applicable ``[B, K]``, metrics). A failed call raises a
-        :class:`RewardError` naming the reward and the row — or, ``on_error: abstain``, leaves its rows not
-        applicable, counted in ``reward_<name>_failed`` (with ``reward_<name>_retries``: calls made again)."""
-        B, K = pending.n, len(self.rewards)
+    def collect(self, *pendings: Pending):
+        """The submitted scores — of several submissions, their rows one after another (a step's groups scored as
+        each finished): (components ``[B, K]``, applicable ``[B, K]``, metrics), as one :meth:`score` of all the
+        rows gives. A failed call raises a :class:`RewardError` naming the reward and the row — or, ``on_error:
+        abstain``, leaves its rows not applicable, counted in ``reward_<name>_failed`` (with
+        ``reward_<name>_retries``: calls made again)."""
+        B, K = sum(p.n for p in pendings), len(self.rewards)
         comps, applicable = torch.zeros(B, K), torch.zeros(B, K, dtype=torch.bool)
         metrics: dict[str, float] = {}
-        for k, rows, calls, futures in pending.parts:
-            r, conv = self.rewards[k], reward_style(self.rewards[k].style)
-            vals, extras, failed, retried = [None] * len(rows), [{}] * len(rows), 0, 0
-            for c, f in zip(calls, futures):
-                o = f.result()
-                retried += o.attempts - 1
-                if o.failure is not None:
-                    if o.kind == "invalid" or r.on_error == "raise":
-                        raise _call_error(r, c, o, rows)
-                    failed += len(c.rows)
-                    if failed == len(c.rows):
-                        warnings.warn(f"reward {r.name!r} {o.failure}; on_error: abstain — its rows are not scored "
-                                      "(counted in reward_" + r.name + "_failed)", RuntimeWarning, stacklevel=2)
-                    continue
-                try:
-                    for j, got in zip(c.rows, conv.read(r, c, o.value)):
-                        vals[j], extras[j] = got
-                except RewardError as e:  # the row within this reward's rows → the batch row
-                    if e.row is None:
-                        raise
-                    raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
-            got = [(i, float(v)) for i, v in zip(rows, vals) if v is not None]  # one write per reward, not per row
+        offsets = [sum(p.n for p in pendings[:i]) for i in range(len(pendings))]
+        for k, r in enumerate(self.rewards):
+            parts = [([off + i for i in rows], calls, futures) for p, off in zip(pendings, offsets)
+                     for kk, rows, calls, futures in p.parts if kk == k]
+            if not parts:
+                continue
+            conv, everyone = reward_style(r.style), [i for rows, _, _ in parts for i in rows]
+            value, extra, failed, retried = {}, {}, 0, 0
+            for rows, calls, futures in parts:
+                for c, f in zip(calls, futures):
+                    o = f.result()
+                    retried += o.attempts - 1
+                    if o.failure is not None:
+                        if o.kind == "invalid" or r.on_error == "raise":
+                            raise _call_error(r, c, o, rows)
+                        failed += len(c.rows)
+                        if failed == len(c.rows):
+                            warnings.warn(f"reward {r.name!r} {o.failure}; on_error: abstain — its rows are not "
+                                          f"scored (counted in reward_{r.name}_failed)", RuntimeWarning, stacklevel=2)
+                        continue
+                    try:
+                        for j, (v, e) in zip(c.rows, conv.read(r, c, o.value)):
+                            value[rows[j]], extra[rows[j]] = v, e
+                    except RewardError as e:  # the row within this reward's rows → the batch row
+                        if e.row is None:
+                            raise
+                        raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
+            got = [(i, float(value[i])) for i in everyone if value.get(i) is not None]  # one write per reward
             if got:
                 idx = torch.tensor([i for i, _ in got])
                 comps[idx, k] = torch.tensor([v for _, v in got])
                 applicable[idx, k] = True
+            extras = [extra[i] for i in everyone if i in extra]
             for key in sorted({key for e in extras for key in e}):
-                got = [e[key] for e in extras if key in e]
-                metrics[f"reward_{r.name}_{key}_mean"] = sum(got) / len(got)
+                vals = [e[key] for e in extras if key in e]
+                metrics[f"reward_{r.name}_{key}_mean"] = sum(vals) / len(vals)
             if r.retries or r.on_error == "abstain":
                 metrics[f"reward_{r.name}_failed"] = float(failed)
                 metrics[f"reward_{r.name}_retries"] = float(retried)
         return comps, applicable, metrics
+
+    @property
+    def overlaps(self) -> bool:
+        """Do all its calls run off the caller's thread (pooled or async): does :meth:`submit` return at once?"""
+        return bool(self.runners) and not any(run.synchronous for run in self.runners)
 
     def score(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list):
         """:meth:`submit` then :meth:`collect`."""
@@ -229,6 +255,18 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
     for i, spec in enumerate(specs):
         key = f"{where}[{i}]"
         ref, style, kwargs = spec.fn, spec.style, dict(spec.kwargs)
+        if getattr(spec, "url", None):  # a reward server: the `remote` factory, its contract named by `style`
+            if style is not None and style not in CONTRACTS:
+                raise RewardError(f"{key}.style: a url reward's style is its server's contract, one of "
+                                  f"{CONTRACTS.names()} (got {style!r})")
+            ref, kwargs = "remote", {"url": spec.url, "contract": style or "hyperrl", "timeout_s": spec.timeout_s,
+                                     **kwargs}
+            spec, style = spec.model_copy(update={"kwargs": kwargs}), None
+        if getattr(spec, "judge", None) is not None:  # a judge model: the `judge` factory, abstaining when unsure
+            if style is not None:
+                raise RewardError(f"{key}.style: a judge reward has no style (its server or model is in judge:)")
+            ref, kwargs = "judge", {"timeout_s": spec.timeout_s, **spec.judge}
+            spec = spec.model_copy(update={"kwargs": kwargs})
         in_workers = getattr(spec, "pool", "thread") == "process" and getattr(spec, "workers", 0) > 0
         if style is not None and style not in REWARD_STYLES:
             raise RewardError(f"{key}.style: {style!r} is not a registered reward style ({REWARD_STYLES.names()})")
@@ -264,8 +302,10 @@ def _resolve(specs, where: str, *, build: bool) -> list[Reward]:
             raise RewardError(f"{key}.pool: {pool!r} is not a pool; use thread (rewards that wait: a sandbox, a "
                               "server) or process (CPU-bound Python: math-verify)")
         recipe = _recipe(ref, key, dict(spec.kwargs)) if in_workers else None
+        declared = ref in REWARDS and getattr(REWARDS.get(ref), "abstains", False)  # a factory that may abstain
         out.append(Reward(name, fn, style, float(spec.weight), sources, kwargs,
-                          abstains=bool(getattr(spec, "abstains", False)), timeout_s=getattr(spec, "timeout_s", None),
+                          abstains=bool(getattr(spec, "abstains", False) or declared),
+                          timeout_s=getattr(spec, "timeout_s", None),
                           workers=getattr(spec, "workers", 0), pool=pool, retries=getattr(spec, "retries", 0),
                           on_error=getattr(spec, "on_error", "raise"), batch=getattr(spec, "batch", None),
                           recipe=recipe))

@@ -16,6 +16,7 @@ from hyperrl.config.recipes import RECIPES, recipe_config
 from hyperrl.config.resolve import registries
 from hyperrl.envs import TOOLS, Tool
 from hyperrl.rewards import is_factory
+from tests.hf_fixtures import qwen3_checkpoint
 
 _TINY = ["--task=modsum", "--run.threads=1", "--rollout.prompts_per_step=4", "--rollout.n=2",
          "--rollout.max_new_tokens=2",
@@ -54,6 +55,9 @@ _RUNTIME_INPUTS = {  # what a name needs that the default config cannot know: gi
     ("task", "preference"): ["--task.train_files=[tests/data/pairs_tiny.parquet]", "--algo.recipe=dpo"],
     ("algo.objective", "dro"): ["--algo.objective={{name: dro, beta: 0.1}}"],  # verl requires dro_beta too
     ("rewards[].fn", "reward_model"): ["--rewards=[{{fn: reward_model, kwargs: {{path: {rm}}}}}]"],
+    ("rewards[].fn", "remote"): ["--rewards=[{{fn: remote, kwargs: {{url: '{server}/score'}}}}]"],  # a real server
+    ("rewards[].fn", "judge"): ["--rewards=[{{fn: judge, kwargs: {{model: {judge}, template: "
+                                "'Rate {{{{ completion }}}}', max_new_tokens: 2}}}}]"],
 }
 _ROWS = {  # a name that needs rows the default task does not carry: its first step names what is missing, and it
     # runs one step on rows that carry it (verl's code rows: the unit tests as the ground truth)
@@ -80,6 +84,23 @@ def _reward_model_dir(path):
     Qwen3ForSequenceClassification(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def _reward_server(tmp_path) -> str:
+    """tests/rewards/reward_server.py started for this test (ended at exit: it dies with the test's process)."""
+    import atexit
+    import subprocess
+    import sys
+    import time
+
+    port = tmp_path / "port"
+    p = subprocess.Popen([sys.executable, "tests/rewards/reward_server.py", str(port)])
+    atexit.register(p.kill)
+    deadline = time.time() + 20
+    while not port.exists():
+        assert time.time() < deadline and p.poll() is None, "the reward server did not start"
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port.read_text()}"
 
 
 def _cases():
@@ -126,7 +147,9 @@ def test_every_registered_name_runs_one_step_or_names_what_is_missing(tmp_path, 
                          "    r = client.chat.completions.create(model='hyperrl-policy', "
                          "messages=[{'role': 'user', 'content': str(sample.prompt)}])\n"
                          "    return float((r.choices[0].message.content or ' ')[:1] == str(sample.answer)[:1])\n")
-        extra = extra + [x.format(corpus=corpus, rm=rm, agent=agent) for x in need]
+        server = _reward_server(tmp_path) if (kind, name) == ("rewards[].fn", "remote") else None
+        judge = qwen3_checkpoint(tmp_path / "judge") if (kind, name) == ("rewards[].fn", "judge") else None
+        extra = extra + [x.format(corpus=corpus, rm=rm, agent=agent, server=server, judge=judge) for x in need]
         if kind == "rewards[].fn":
             override = extra.pop()
     if kind == "algo.loss_terms" and name in BUILT_IN:  # listed by the pipeline from its own config keys
