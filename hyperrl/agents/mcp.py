@@ -160,7 +160,7 @@ class Toolbox:
                     self.servers.append(server)
                     found = server.tools
                 else:
-                    tool = TOOLS.build(src["name"])()
+                    tool = TOOLS.build(src["name"], **(src.get("args") or {}))()
                     found = {tool.name: tool}
                 for name, tool in found.items():
                     if name in self.tools:

@@ -487,13 +487,18 @@ class ToolSource(_Frozen):
 
     mcp: list[str] | None = Field(None, description="an MCP server's command (argv list, no shell), e.g. "
                                   "[python, -m, my_server]: its tools, over stdio")
-    name: str | None = Field(None, description="a registered tool (hyperrl.envs.TOOLS), e.g. calculator")
+    name: str | None = Field(None, description="a registered tool (hyperrl.envs.TOOLS), e.g. calculator, python (the "
+                             "sandboxed interpreter)")
+    args: dict[str, Any] = Field(default_factory=dict, description="a registered tool's hyperparameters, e.g. python: "
+                                 "{wall_s: 5, memory_mb: 256}")
     timeout_s: float = Field(30.0, gt=0, description="seconds per call (a call past it is a tool error)")
 
     @model_validator(mode="after")
     def _one(self):
         if (self.mcp is None) == (self.name is None):
             raise ValueError("a tools entry is {mcp: [command, args…]} or {name: registered_tool}")
+        if self.args and self.mcp is not None:
+            raise ValueError("tools[].args: hyperparameters of a registered tool (name:), not of an MCP server")
         if self.mcp is not None and not self.mcp:
             raise ValueError("tools[].mcp: the server's command (a non-empty argv list)")
         return self

@@ -34,7 +34,7 @@ from pydantic import AfterValidator
 
 from hyperrl.registry import Registry
 
-__all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate",
+__all__ = ["Tool", "TOOLS", "register_tool", "ToolResult", "ToolRunner", "parse_tool_calls", "calculate", "python_tool",
            "BM25Index", "make_search_tool", "calculator_tool", "ToolFormat", "TOOL_FORMATS", "ToolFormatName",
            "resolve_call", "check_tool_format"]
 
@@ -327,6 +327,51 @@ calculator_tool = register_tool(Tool(
                                                      "description": "numbers with + - * / // % ** and parentheses"}},
      "required": ["expression"], "additionalProperties": False},
     timeout=2.0, description="Evaluate an arithmetic expression."))
+
+
+# ----------------------------------------------------------------------------- python, sandboxed
+
+
+@TOOLS.register("python")
+def python_tool(*, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, processes: int = 32,
+                output_chars: int = 4000, slots: int = 4) -> Tool:
+    """A ``python`` tool: the model's code run by the system Python in the sandbox (:mod:`hyperrl.sandbox`: no
+    network, no file of the run's, its own uid and limits); the answer is its stdout, then its stderr, cut to
+    ``output_chars`` (the cut said), and — unless it exited 0 — the verdict (``[error]``, ``[timeout]``,
+    ``[memory]``, ``[output_limit]``, ``[killed]``). ``slots`` calls run at once, each slot a sandbox of its own uid
+    (65502 and below: apart from the code reward's). A machine without the sandbox fails here, at build."""
+    import queue
+
+    from hyperrl.sandbox import Limits, Sandbox
+
+    limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes)
+    free: queue.Queue = queue.Queue()
+    for k in range(slots):
+        free.put(Sandbox(limits, uid=65502 - k))
+
+    def python(code: str) -> str:
+        """Run Python code in a sandbox and return what it prints.
+
+        Args:
+            code: a Python program; print what you want to see
+        """
+        box = free.get()
+        try:
+            r = box.run_python(code)
+        finally:
+            free.put(box)
+        text = (r.stdout + (("\n" if r.stdout and not r.stdout.endswith("\n") else "") + r.stderr if r.stderr
+                            else "")).rstrip("\n")
+        if len(text) > output_chars:
+            text = text[:output_chars] + f"\n[… {len(text) - output_chars} more characters cut]"
+        if not r.ok:
+            text += ("\n" if text else "") + f"[{r.verdict}]"
+        return text or "(no output)"
+
+    return Tool("python", python, {"type": "object", "properties": {"code": {
+        "type": "string", "minLength": 1, "description": "a Python program; print what you want to see"}},
+        "required": ["code"], "additionalProperties": False}, timeout=wall_s + 5.0,
+        description="Run Python code in a sandbox (no network, no files kept) and return what it prints.")
 
 
 # ----------------------------------------------------------------------------- BM25 search
