@@ -190,6 +190,53 @@ class RepeatTask(InCodeTask):
         return [self._sample(p) for p in self._eval[:k]]
 
 
+@dataclass
+class PostfixTask(InCodeTask):
+    """A code task that only running the answer can judge, generated in code: the prompt is a function of ``x`` in
+    postfix notation — ``"x3*1+="`` (``3·x + 1``) or ``"x3+2*="`` (``(x + 3)·2``), digits ``1..max_digit`` — and
+    the answer a Python expression of ``x`` computing it: ``"3*x+1"``, ``"x*3+1"``, ``"1+3*x"``, ``"(x+3)*2"``,
+    ``"2*x+6"`` are all right. Each sample carries its ``tests`` — for a few values of ``x``: the result is an int,
+    within 20, within 5, exact (so nearer programs pass more) — and ``prefix`` ``"f = lambda x: "`` (the program the
+    code reward runs is the prefix and the answer). The reference answer (``answer``: ``"3*x+1"``, ``"2*(x+3)"``)
+    is one correct program among many; a fixed ``held_out_frac`` of the functions is held out."""
+
+    tokenizer: object
+    max_digit: int = 9
+    held_out_frac: float = 0.15
+    split_seed: int = 0
+    seed: int = 0
+    rewards: tuple = field(default_factory=lambda: _reward_fns(("program_passes",), "task.rewards"))
+    xs: tuple[int, ...] = (0, 1, 2, 5, 9)
+    prefix = "f = lambda x: "
+
+    def __post_init__(self):
+        problems = [(form, a, b) for form in ("*+", "+*") for a in range(1, self.max_digit + 1)
+                    for b in range(1, self.max_digit + 1)]
+        self._train, self._eval = held_out_split(problems, self.held_out_frac, self.split_seed, 13)
+
+    @property
+    def response_tokens(self) -> int:
+        return len("(x+9)*9") + 1
+
+    def _sample(self, p: tuple[str, int, int]) -> Sample:
+        form, a, b = p
+        f = (lambda x: a * x + b) if form == "*+" else (lambda x: (x + a) * b)
+        reference = f"{a}*x+{b}" if form == "*+" else f"{b}*(x+{a})"
+        tests = [t for x in self.xs for t in (f"assert isinstance(f({x}), int)", f"assert abs(f({x}) - {f(x)}) <= 20",
+                                              f"assert abs(f({x}) - {f(x)}) <= 5", f"assert f({x}) == {f(x)}")]
+        rpn = f"x{a}{form[0]}{b}{form[1]}"
+        return Sample(f"{rpn}=", reference, f"postfix:{rpn}", {"tests": tests, "prefix": self.prefix})
+
+    def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
+        """``k`` training functions for ``step``, uniformly with replacement (a pure function of seed, step,
+        attempt)."""
+        idx = self._rng(step, attempt).integers(0, len(self._train), size=k)
+        return [self._sample(self._train[i]) for i in idx.tolist()]
+
+    def held_out(self, k: int) -> list[Sample]:
+        return [self._sample(p) for p in self._eval[:k]]
+
+
 class FileTask:
     """Prompts from data files (parquet / JSONL / JSON) or Python records / an HF ``datasets.Dataset``
     (resumable shuffled cursor), validation prompts from their own files, rewards from ``REWARDS``.
@@ -459,6 +506,18 @@ def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail
         raise ValueError(f"task.tail_frac={tail_frac}: must be in [0, 1]")
     return RepeatTask(tokenizer, short_max, tail_min, tail_max, tail_frac, held_out_frac, split_seed, seed,
                       _reward_fns(rewards, "task.rewards"))
+
+
+@register_task("postfix", produces=("reward",))
+def postfix(tokenizer, seed: int, *, max_digit: int = 9, held_out_frac: float = 0.15, split_seed: int = 0,
+            rewards: tuple[RewardName, ...] = ("program_passes",)) -> PostfixTask:
+    """A function of ``x`` in postfix notation (``"x3*1+="``) → a Python expression computing it, judged by running
+    it against the sample's tests in the sandbox (many programs are right: ``3*x+1``, ``x*3+1``, ``1+3*x``); 2 ×
+    ``max_digit``² functions, a fixed ``held_out_frac`` held out. ``configs/code.yaml`` trains it with the ``code``
+    reward (pass fraction, and all-pass as the held-out pass rate)."""
+    if not 1 <= max_digit <= 9:
+        raise ValueError(f"task.max_digit={max_digit}: single digits, 1..9")
+    return PostfixTask(tokenizer, max_digit, held_out_frac, split_seed, seed, _reward_fns(rewards, "task.rewards"))
 
 
 # What a task over the user's own data sets when the config leaves these keys unset (the schema's

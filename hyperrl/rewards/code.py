@@ -18,11 +18,11 @@ from __future__ import annotations
 import json
 import re
 
-from hyperrl.rewards.builtin import register_reward_factory
+from hyperrl.rewards.builtin import register_reward, register_reward_factory
 from hyperrl.rewards.calling import RewardError
 from hyperrl.sandbox import Limits, Sandbox
 
-__all__ = ["code_reward", "extract_program", "parse_tests"]
+__all__ = ["code_reward", "extract_program", "parse_tests", "compiles"]
 
 _FENCE = re.compile(r"```(?:python|py|Python)?[^\n]*\n(.*?)```", re.DOTALL)
 _MARK = "HYPERRL_TEST_RESULTS "
@@ -77,6 +77,46 @@ def parse_tests(tests, row: int | None = None) -> tuple[str, list]:
                       row=row)
 
 
+def compiles(program: str) -> bool:
+    """Does ``program`` compile as Python? (``compile`` parses, never runs: safe on untrusted text.) A program that
+    does not is failed without a sandbox run."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # "invalid decimal literal" and kin: the program's, not the trainer's
+            warnings.simplefilter("ignore")
+            compile(program, "solution.py", "exec")
+        return True
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return False
+
+
+class _Cache:
+    """Verdicts of (program, tests, limits) → which tests passed, shared by every code reward of the process (the
+    same program against the same tests under the same limits is run once: a group repeats its answers, and a
+    pass-fraction and an all-pass reward read the same runs). Bounded: the oldest entries go first. Programs are
+    assumed deterministic — one that draws random numbers is scored by its first run."""
+
+    def __init__(self, size: int = 200_000):
+        import collections
+        import threading
+
+        self.size, self.lock, self.data = size, threading.Lock(), collections.OrderedDict()
+
+    def get(self, key):
+        with self.lock:
+            return self.data.get(key)
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.data[key] = value
+            while len(self.data) > self.size:
+                self.data.popitem(last=False)
+
+
+_CACHE = _Cache()
+
+
 def _same_output(got: str, want: str) -> bool:
     norm = [line.rstrip() for line in got.strip().splitlines()]
     return norm == [line.rstrip() for line in want.strip().splitlines()]
@@ -96,14 +136,17 @@ def _score(box: Sandbox, program: str, kind: str, tests: list) -> list[bool]:
 
 @register_reward_factory("code")
 def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512,
-                processes: int = 64, workers: int = 4):
+                processes: int = 64, workers: int = 4, prefix: str = "", cache: bool = True):
     """A TRL-style reward ``(prompts, completions, tests, **kw) → [float]``: each completion's program (see
     :func:`extract_program`) run against its row's ``tests`` — or, verl's code rows, its ground truth ``answer`` —
     (:func:`parse_tests`) in the sandbox under the given
     limits; the fraction of tests passed, or — ``all_pass`` — 1.0 only when every test passes. ``workers`` rows run
     at once (threads waiting on sandboxed processes), each slot a sandbox of its own uid — one program's fork bomb
     cannot starve another's process limit; the values are in row order, the same as one at a time. The sandboxes
-    are made once, here: a machine without their mechanism fails at load, naming what to install."""
+    are made once, here: a machine without their mechanism fails at load, naming what to install. ``prefix`` goes
+    before the completion's code (``"f = lambda x: "``: the completion is the expression); a program that does not
+    compile passes nothing without being run; ``cache``: a program already run against the same tests under the
+    same limits is not run again (:class:`_Cache`)."""
     import queue
     from concurrent.futures import ThreadPoolExecutor
 
@@ -117,11 +160,19 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
     def one(row: int, completion, t) -> float:
         kind, cases = parse_tests(t, row)
         text = completion[-1]["content"] if isinstance(completion, list) else completion
-        box = slots.get()
-        try:
-            passed = _score(box, extract_program(text), kind, cases)
-        finally:
-            slots.put(box)
+        program = prefix + extract_program(text)
+        key = (program, kind, repr(cases), limits)
+        passed = _CACHE.get(key) if cache else None
+        if passed is None and not compiles(program):
+            passed = [False] * len(cases)
+        if passed is None:
+            box = slots.get()
+            try:
+                passed = _score(box, program, kind, cases)
+            finally:
+                slots.put(box)
+            if cache:
+                _CACHE.put(key, passed)
         return float(all(passed)) if all_pass else sum(passed) / len(passed)
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyperrl-code-reward")
@@ -136,3 +187,21 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
         return list(pool.map(one, range(len(completions)), completions, tests))
 
     return code
+
+
+_DEFAULT: list = []  # the code reward program_passes runs with (built at its first call)
+
+
+@register_reward("program_passes")
+def program_passes(response: str, sample) -> float:
+    """hyperrl style: the fraction of the sample's ``extra["tests"]`` that the response's program passes — the
+    program is ``extra.get("prefix", "")`` + its code — run in the sandbox with the ``code`` reward's defaults
+    (one row at a time: configure ``rewards: [{fn: code, kwargs: {workers: …}}]`` to run rows at once)."""
+    extra = getattr(sample, "extra", None) or {}
+    if "tests" not in extra:
+        raise RewardError("program_passes: the sample has no extra['tests'] (a list of asserts or stdin/stdout "
+                          "pairs)")
+    if not _DEFAULT:
+        _DEFAULT.append(code_reward(workers=1))
+    fn = _DEFAULT[0]
+    return fn([sample.prompt], [extra.get("prefix", "") + response], tests=[extra["tests"]])[0]

@@ -65,11 +65,14 @@ _ROWS = {  # a name that needs rows the default task does not carry: its first s
                                                                    "--task.path=tests/data/code_tiny.parquet",
                                                                    "--rewards=[{fn: code, kwargs: {cpu_s: 1, "
                                                                    "wall_s: 3, workers: 2}}]"]),
+    ("rewards[].fn", "program_passes"): (r"program_passes: the sample has no extra\['tests'\]",
+                                         ["--task={name: postfix, rewards: [program_passes]}",
+                                          "--rollout.max_new_tokens=8"]),
 }
 
 # valid, but beyond the tiny config's budget
 _NEEDS = {("task", "arith"): ["--rollout.max_new_tokens=3"], ("task", "repeat"): ["--rollout.max_new_tokens=21"],
-          ("task", "products"): ["--rollout.max_new_tokens=6"],
+          ("task", "products"): ["--rollout.max_new_tokens=6"], ("task", "postfix"): ["--rollout.max_new_tokens=8"],
           ("task", "shapes"): ["--model.vision={}", "--rollout.max_new_tokens=2"]}  # a visual task: a VLM
 
 

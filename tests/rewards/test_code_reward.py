@@ -71,3 +71,25 @@ def test_rows_run_concurrently_give_the_values_of_one_at_a_time(tmp_path):
     pooled = _score(_rewards(tmp_path, "{cpu_s: 1, wall_s: 4, workers: 4}"), programs, [ASSERTS] * len(programs))
     # a fork bomb in one slot does not starve the others (each slot its own uid): 3x+1 still passes beside it
     assert serial == pooled == [1.0, 0.0, 0.0, 0.0, pytest.approx(2 / 3)] * 2
+
+
+def test_the_postfix_task_is_judged_by_running_its_answers_many_programs_right():
+    """configs/code.yaml's task: every correct program passes all of a sample's tests, whatever its form; nearer
+    programs pass more (the graded tests); a program that does not compile is failed without a run."""
+    from hyperrl.data.tasks import TASKS
+    from hyperrl.rewards.code import code_reward, compiles
+    from hyperrl.tokenizer import char_tokenizer
+
+    task = TASKS.build("postfix")(char_tokenizer(), 0)
+    s = task._sample(("*+", 3, 1))  # 3·x + 1
+    assert s.prompt == "x3*1+=" and s.answer == "3*x+1"
+    fn = code_reward(prefix="f = lambda x: ", workers=2, cpu_s=1, wall_s=3)
+    right = ["3*x+1", "x*3+1", "1+3*x", "x+x+x+1", "(x*3)+1", "int(3*x+1)"]
+    wrong = ["3*x", "x+1", "7", "3*x+", "y"]
+    got = fn([s.prompt] * 11, right + wrong, tests=[s.extra["tests"]] * 11)
+    assert got[:6] == [1.0] * 6 and all(g < 1.0 for g in got[6:])
+    assert got[6] > got[9] == 0.0  # "3*x" is nearer than a program that does not compile
+    assert not compiles("f = lambda x: 3*x+") and compiles("f = lambda x: y")
+    t = task._sample(("+*", 3, 2))  # (x + 3)·2
+    assert t.prompt == "x3+2*=" and fn([t.prompt] * 3, ["(x+3)*2", "2*x+6", "x*2+3"],
+                                       tests=[t.extra["tests"]] * 3)[:2] == [1.0, 1.0]
