@@ -36,7 +36,25 @@ from pathlib import Path
 
 from hyperrl.errors import HyperRLError
 
-__all__ = ["Limits", "SandboxResult", "Sandbox", "SandboxUnavailable", "VERDICTS"]
+__all__ = ["Limits", "SandboxResult", "Sandbox", "SandboxUnavailable", "VERDICTS", "allocate_uids"]
+
+_UID_LOCK = threading.Lock()
+_UID_NEXT: list[int] = []
+
+
+def allocate_uids(n: int) -> list[int]:
+    """``n`` unprivileged uids for sandboxes, this process's own: descending from ``HYPERRL_SANDBOX_UID_BASE``
+    (default 65533, just below ``nobody`` — a bare ``Sandbox()``'s; a reward's worker process is given a block of its
+    own), never handed out twice —
+    the process limit counts a uid's processes, so sandboxes running at once must not share one."""
+    with _UID_LOCK:
+        if not _UID_NEXT:
+            _UID_NEXT.append(int(os.environ.get("HYPERRL_SANDBOX_UID_BASE", "65533")))
+        top = _UID_NEXT[0]
+        if top - n < 1000:
+            raise SandboxUnavailable(f"no sandbox uids left ({n} asked below {top}; uids under 1000 are system ones)")
+        _UID_NEXT[0] = top - n
+    return list(range(top, top - n, -1))
 
 VERDICTS = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 

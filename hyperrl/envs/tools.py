@@ -339,15 +339,15 @@ def python_tool(*, wall_s: float = 10.0, cpu_s: int = 5, memory_mb: int = 512, p
     network, no file of the run's, its own uid and limits); the answer is its stdout, then its stderr, cut to
     ``output_chars`` (the cut said), and — unless it exited 0 — the verdict (``[error]``, ``[timeout]``,
     ``[memory]``, ``[output_limit]``, ``[killed]``). ``slots`` calls run at once, each slot a sandbox of its own uid
-    (65502 and below: apart from the code reward's). A machine without the sandbox fails here, at build."""
+    (:func:`hyperrl.sandbox.allocate_uids`). A machine without the sandbox fails here, at build."""
     import queue
 
-    from hyperrl.sandbox import Limits, Sandbox
+    from hyperrl.sandbox import Limits, Sandbox, allocate_uids
 
     limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes)
     free: queue.Queue = queue.Queue()
-    for k in range(slots):
-        free.put(Sandbox(limits, uid=65502 - k))
+    for uid in allocate_uids(slots):
+        free.put(Sandbox(limits, uid=uid))
 
     def python(code: str) -> str:
         """Run Python code in a sandbox and return what it prints.

@@ -100,7 +100,10 @@ class AsyncCollector:
     def _start_scoring(self, uid: int, key: int, rows) -> None:
         """(a worker's thread, under the lock) A unit is ready: its rewards start now, hidden behind the rest of
         the generation — every reward runs off this thread (``Scorer.overlaps``), so nothing here waits."""
-        self.scoring[uid] = self.scorer.submit(rows, {key: self.queue.sample(key)})
+        try:
+            self.scoring[uid] = self.scorer.submit(rows, {key: self.queue.sample(key)})
+        except Exception as e:  # noqa: BLE001 - the rewards' failure, raised when the learner takes the unit
+            self.scoring[uid] = e
 
     def start_workers(self) -> None:
         """Start (or, after :meth:`stop_workers`, restart) one driver thread per rollout worker."""
@@ -178,6 +181,9 @@ class AsyncCollector:
         samples = {u.key: q.sample(u.key) for u in taken}
         with q.cond:
             ready = [self.scoring.pop(u.uid) for u in taken if u.uid in self.scoring] if q.on_ready else None
+        for h in ready or ():
+            if isinstance(h, Exception):  # starting its scoring failed (named there): this step's error
+                raise h
         overlap = self._overlap(ready, time.perf_counter()) if ready else {}
         with timer("reward"):
             batch = score_and_shape(batch, samples, self.scorer, self.pipeline, ready)

@@ -20,7 +20,7 @@ import re
 
 from hyperrl.rewards.builtin import register_reward, register_reward_factory
 from hyperrl.rewards.calling import RewardError
-from hyperrl.sandbox import Limits, Sandbox
+from hyperrl.sandbox import Limits, Sandbox, allocate_uids
 
 __all__ = ["code_reward", "extract_program", "parse_tests", "compiles"]
 
@@ -79,16 +79,37 @@ def parse_tests(tests, row: int | None = None) -> tuple[str, list]:
 
 def compiles(program: str) -> bool:
     """Does ``program`` compile as Python? (``compile`` parses, never runs: safe on untrusted text.) A program that
-    does not is failed without a sandbox run."""
+    does not is failed without a sandbox run — when the sandbox's Python is this one's version (its grammar);
+    otherwise every program is run (True)."""
     import warnings
 
+    if not _same_python():
+        return True
     try:
         with warnings.catch_warnings():  # "invalid decimal literal" and kin: the program's, not the trainer's
             warnings.simplefilter("ignore")
-            compile(program, "solution.py", "exec")
+            compile(program, "solution.py", "exec", dont_inherit=True)  # not this module's __future__ flags
         return True
     except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
         return False
+
+
+_PYTHON: list[bool] = []
+
+
+def _same_python(python: str = "/usr/bin/python3") -> bool:
+    """Is the sandbox's Python (``python``) of this interpreter's major.minor version? (Asked once.)"""
+    if not _PYTHON:
+        import subprocess
+        import sys
+
+        try:
+            out = subprocess.run([python, "-I", "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                                 text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        _PYTHON.append(out == str(tuple(sys.version_info[:2])))
+    return _PYTHON[0]
 
 
 class _Cache:
@@ -122,16 +143,22 @@ def _same_output(got: str, want: str) -> bool:
     return norm == [line.rstrip() for line in want.strip().splitlines()]
 
 
-def _score(box: Sandbox, program: str, kind: str, tests: list) -> list[bool]:
-    """Which tests the program passes."""
+_SETTLED = ("ok", "error", "memory", "output_limit")  # the program's own doing; a timeout or a kill may be the load
+
+
+def _score(box: Sandbox, program: str, kind: str, tests: list) -> tuple[list[bool], bool]:
+    """Which tests the program passes, and whether that is the program's own doing (every run's verdict in
+    ``_SETTLED``: worth caching) rather than a deadline or a kill a busier moment might not repeat."""
     if kind == "asserts":
         r = box.run_python(_HARNESS, files={"solution.py": program, "tests.json": json.dumps(tests)})
         line = next((ln for ln in reversed(r.stdout.splitlines()) if ln.startswith(_MARK)), None)
         if line is None:  # killed, timed out, out of memory before reporting: nothing passed
-            return [False] * len(tests)
+            return [False] * len(tests), r.verdict in _SETTLED
         got = json.loads(line[len(_MARK):])
-        return [bool(x) for x in got][:len(tests)] + [False] * max(0, len(tests) - len(got))
-    return [(r := box.run_python(program, stdin=i)).ok and _same_output(r.stdout, o) for i, o in tests]
+        return [bool(x) for x in got][:len(tests)] + [False] * max(0, len(tests) - len(got)), r.verdict in _SETTLED
+    runs = [box.run_python(program, stdin=i) for i, _ in tests]
+    return [r.ok and _same_output(r.stdout, o) for r, (_, o) in zip(runs, tests)], all(r.verdict in _SETTLED
+                                                                                       for r in runs)
 
 
 @register_reward_factory("code")
@@ -154,8 +181,8 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
         raise RewardError(f"code reward: workers={workers}; must be ≥ 1")
     limits = Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, processes=processes)
     slots: queue.Queue = queue.Queue()
-    for k in range(workers):
-        slots.put(Sandbox(limits, uid=65534 - k))  # nobody, then the uids below it: no user owns them
+    for uid in allocate_uids(workers):  # uids of its own: one slot's fork bomb cannot starve another's limit
+        slots.put(Sandbox(limits, uid=uid))
 
     def one(row: int, completion, t) -> float:
         kind, cases = parse_tests(t, row)
@@ -168,10 +195,10 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
         if passed is None:
             box = slots.get()
             try:
-                passed = _score(box, program, kind, cases)
+                passed, settled = _score(box, program, kind, cases)
             finally:
                 slots.put(box)
-            if cache:
+            if cache and settled:  # a timeout or a kill is not cached: the next run may finish
                 _CACHE.put(key, passed)
         return float(all(passed)) if all_pass else sum(passed) / len(passed)
 
@@ -189,7 +216,7 @@ def code_reward(*, all_pass: bool = False, wall_s: float = 10.0, cpu_s: int = 5,
     return code
 
 
-_DEFAULT: list = []  # the code reward program_passes runs with (built at its first call)
+_DEFAULT: dict = {}  # the code rewards program_passes runs with, by prefix (each built at its first call)
 
 
 @register_reward("program_passes")
@@ -201,7 +228,7 @@ def program_passes(response: str, sample) -> float:
     if "tests" not in extra:
         raise RewardError("program_passes: the sample has no extra['tests'] (a list of asserts or stdin/stdout "
                           "pairs)")
-    if not _DEFAULT:
-        _DEFAULT.append(code_reward(workers=1))
-    fn = _DEFAULT[0]
-    return fn([sample.prompt], [extra.get("prefix", "") + response], tests=[extra["tests"]])[0]
+    prefix = extra.get("prefix", "")
+    if prefix not in _DEFAULT:
+        _DEFAULT[prefix] = code_reward(workers=1, prefix=prefix)
+    return _DEFAULT[prefix]([sample.prompt], [response], tests=[extra["tests"]])[0]

@@ -33,28 +33,32 @@ from hyperrl.rewards.remote import RemoteRewardError
 
 __all__ = ["judge_reward", "parse_verdict", "render_judge_prompt"]
 
-_JSON = re.compile(r"\{.*?\}", re.DOTALL)
-
-
 def parse_verdict(text: str, parse: str, pattern: str, key: str) -> float | None:
     """The verdict in a judge's answer: ``regex`` — ``pattern``'s first group (or whole match) as a number;
-    ``json`` — ``key`` of the first JSON object that has it. None when it is not there (an abstention)."""
+    ``json`` — ``key`` of the first JSON object (nested ones too) that has it. None when it is not there or is
+    not a finite number (an abstention)."""
+    import math
+
+    v = None
     if parse == "regex":
         m = re.search(pattern, text)
         if m is None:
             return None
         try:
-            return float(m.group(1) if m.groups() else m.group(0))
+            v = float(m.group(1) if m.groups() else m.group(0))
         except (TypeError, ValueError):
             return None
-    for blob in _JSON.findall(text):
-        try:
-            v = json.loads(blob).get(key)
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(v, int | float | bool):
-            return float(v)
-    return None
+    else:
+        decoder, at = json.JSONDecoder(), text.find("{")
+        while at >= 0 and v is None:
+            try:
+                obj, _ = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                obj = None
+            got = obj.get(key) if isinstance(obj, dict) else None
+            v = float(got) if isinstance(got, int | float | bool) else None
+            at = text.find("{", at + 1)
+    return v if v is not None and math.isfinite(v) else None
 
 
 def _template(template: str):
@@ -128,8 +132,8 @@ def _local(model: str, device: str, batch_size: int, max_new_tokens: int, temper
     return answer
 
 
-def _remote(url: str, model_name: str, max_new_tokens: int, temperature: float, timeout_s: float):
-    """Answers of an OpenAI-compatible judge endpoint, one request per prompt."""
+def _remote(url: str, model_name: str, max_new_tokens: int, temperature: float, timeout_s: float, concurrency: int):
+    """Answers of an OpenAI-compatible judge endpoint, one request per prompt, ``concurrency`` at once."""
     if not url.startswith(("http://", "https://")):
         raise RewardError(f"judge.url: {url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000/v1)")
     endpoint = url.rstrip("/") + "/chat/completions"
@@ -152,17 +156,26 @@ def _remote(url: str, model_name: str, max_new_tokens: int, temperature: float, 
             raise RemoteRewardError(f"{endpoint} answered {str(got)[:160]}; expected an OpenAI chat "
                                     "completion") from None
 
-    return lambda prompts: [one(q) for q in prompts]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def answer(prompts: list[str]) -> list[str]:
+        if len(prompts) <= 1 or concurrency <= 1:
+            return [one(q) for q in prompts]
+        with ThreadPoolExecutor(min(concurrency, len(prompts))) as ex:
+            return list(ex.map(one, prompts))
+
+    return answer
 
 
 @register_reward_factory("judge")
 def judge_reward(*, template: str, model: str = "", url: str = "", model_name: str = "judge", parse: str = "regex",
                  pattern: str = r"([-+]?\d+(?:\.\d+)?)", key: str = "score", scale: float = 1.0,
                  max_new_tokens: int = 64, temperature: float = 0.0, batch_size: int = 8, device: str = "cpu",
-                 timeout_s: float = 120.0) -> Callable:
+                 timeout_s: float = 120.0, concurrency: int = 8) -> Callable:
     """A TRL-style reward asking a judge about each row (module doc): ``model`` (a local directory) or ``url`` (an
-    OpenAI-compatible base URL); ``template`` (a Jinja file or text); ``parse`` ``regex`` | ``json``; the value
-    is the verdict / ``scale``, None (an abstention) when the answer has none."""
+    OpenAI-compatible base URL; ``concurrency`` requests of a call at once); ``template`` (a Jinja file or text);
+    ``parse`` ``regex`` | ``json``; the value is the verdict / ``scale``, None (an abstention) when the answer has
+    none."""
     if bool(model) == bool(url):
         raise RewardError("judge: give one of model (a local model directory) and url (an OpenAI-compatible "
                           "endpoint, http://host:port/v1)")
@@ -177,7 +190,7 @@ def judge_reward(*, template: str, model: str = "", url: str = "", model_name: s
         raise RewardError("judge.scale: 0; the verdict is divided by it")
     tmpl = _template(template)
     answer = (_local(model, device, batch_size, max_new_tokens, temperature) if model else
-              _remote(url, model_name, max_new_tokens, temperature, timeout_s))
+              _remote(url, model_name, max_new_tokens, temperature, timeout_s, concurrency))
 
     def judge(prompts, completions, completion_ids=None, **columns):
         rows = [{k: v[i] for k, v in columns.items()} for i in range(len(completions))]

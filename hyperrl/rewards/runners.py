@@ -98,9 +98,9 @@ class _Threads:
 
     def __init__(self, n: int, name: str):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.n, self.name, self.lock, self.surplus = n, name, threading.Lock(), 0
         for k in range(n):
             threading.Thread(target=self._serve, name=f"{name}-{k}", daemon=True).start()
-        self.n = n
 
     def _serve(self):
         while (job := self.jobs.get()) is not None:
@@ -109,6 +109,17 @@ class _Threads:
                 out.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting side
                 out.set_exception(e)
+            with self.lock:  # a thread that came back after a replacement was started for it retires
+                if self.surplus > 0:
+                    self.surplus -= 1
+                    return
+
+    def replace_one(self) -> None:
+        """A thread is stuck in a call past its deadline: start another, so the pool keeps ``n`` serving (the
+        stuck one retires when it returns)."""
+        with self.lock:
+            self.surplus += 1
+        threading.Thread(target=self._serve, name=f"{self.name}-spare", daemon=True).start()
 
     def submit(self, fn, *args) -> Future:
         out: Future = Future()
@@ -178,11 +189,13 @@ class InlineRunner(Runner):
             return _done(_raised(e))
 
 
-def _first(f: Future, o: Outcome) -> None:
+def _first(f: Future, o: Outcome) -> bool:
+    """Set ``f`` to ``o`` unless it is set already (the deadline or the result came first); True when it was."""
     try:
         f.set_result(o)
-    except Exception:  # noqa: BLE001, S110 - the deadline or the result came first
-        pass
+        return True
+    except Exception:  # noqa: BLE001 - InvalidStateError: the other came first
+        return False
 
 
 @RUNNERS.register("thread")
@@ -196,17 +209,21 @@ class ThreadRunner(Runner):
     def start(self, call):
         out: Future = Future()
 
+        def late():
+            if _first(out, Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s (a thread "
+                                   "cannot be stopped: its result is dropped; use pool: process for a reward that can "
+                                   "hang)", kind="timeout")):
+                self.pool.replace_one()
+
         def run():
             timer = None
             if self.timeout_s:
-                timer = threading.Timer(self.timeout_s, _first, (out, Outcome(
-                    failure=f"did not return within rewards[].timeout_s={self.timeout_s} s (a thread cannot be "
-                    "stopped: its result is dropped; use pool: process for a reward that can hang)", kind="timeout")))
+                timer = threading.Timer(self.timeout_s, late)
                 timer.daemon = True
                 timer.start()
             try:
                 _first(out, Outcome(self.fn(*call.args, **call.kwargs)))
-            except Exception as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: the call's failure
                 _first(out, _raised(e))
             finally:
                 if timer is not None:
@@ -254,7 +271,9 @@ class AsyncRunner(Runner):
             except asyncio.TimeoutError:
                 return Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s; it was "
                                "cancelled", kind="timeout")
-            except Exception as e:  # noqa: BLE001
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: never the shared loop's end
                 return _raised(e)
 
     def start(self, call):
@@ -265,7 +284,11 @@ class AsyncRunner(Runner):
 
 def send_message(fd: int, obj) -> None:
     """Write one length-prefixed pickle to ``fd``."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    send_bytes(fd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def send_bytes(fd: int, data: bytes) -> None:
+    """Write ``data`` length-prefixed to ``fd``."""
     view = memoryview(struct.pack("<Q", len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
@@ -288,13 +311,18 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
 
 def read_message(fd: int, deadline: float | None = None):
     """One length-prefixed pickle from ``fd``; ``EOFError`` when it is closed, ``TimeoutError`` past ``deadline``."""
+    return pickle.loads(read_bytes(fd, deadline))
+
+
+def read_bytes(fd: int, deadline: float | None = None) -> bytes:
+    """One length-prefixed message's bytes from ``fd`` (``EOFError``, ``TimeoutError`` as :func:`read_message`)."""
     head = _read_exact(fd, 8, deadline)
     if head is None:
         raise EOFError
     body = _read_exact(fd, struct.unpack("<Q", head)[0], deadline)
     if body is None:
         raise EOFError
-    return pickle.loads(body)
+    return body
 
 
 class _Worker:
@@ -303,16 +331,17 @@ class _Worker:
 
     START_S = 300.0  # importing and building a reward (a model) may take a while
 
-    def __init__(self, recipe: bytes, name: str):
+    def __init__(self, recipe: bytes, name: str, env: dict | None = None):
         r_in, w_in = os.pipe()  # parent → worker
         r_out, w_out = os.pipe()  # worker → parent
         self.proc = subprocess.Popen([sys.executable, "-m", "hyperrl.rewards.worker", str(r_in), str(w_out),
                                       str(os.getpid())],
                                      pass_fds=(r_in, w_out), stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+                                     env={**os.environ, **(env or {}),
+                                          "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
         os.close(r_in)
         os.close(w_out)
-        self.to, self.frm, self.name, self.started = w_in, r_out, name, False
+        self.to, self.frm, self.name, self.started, self.env = w_in, r_out, name, False, env
         send_message(self.to, recipe)
 
     def ready(self) -> _Worker:
@@ -334,16 +363,26 @@ class _Worker:
     def call(self, call: Call, timeout_s: float | None) -> Outcome:
         deadline = None if not timeout_s else time.monotonic() + timeout_s
         try:
-            send_message(self.to, (call.args, call.kwargs))
-            status, detail = read_message(self.frm, deadline)
+            data = pickle.dumps((call.args, call.kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001 - nothing was sent: the worker is as it was
+            return Outcome(failure=f"raised {type(e).__name__} while its arguments were sent to a worker process: "
+                           f"{e}", kind="raised", error=e)
+        try:
+            send_bytes(self.to, data)
+            raw = read_bytes(self.frm, deadline)
         except TimeoutError:
             self.kill()
             return Outcome(failure=f"did not return within rewards[].timeout_s={timeout_s} s; its worker process "
                            "was killed (and restarted)", kind="timeout")
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except (EOFError, OSError):
             self.kill()
             return Outcome(failure=f"failed: its worker process died (exit code {self.proc.returncode}; restarted) "
                            "— see its stderr above", kind="died")
+        try:
+            status, detail = pickle.loads(raw)
+        except Exception as e:  # noqa: BLE001 - e.g. a value of a class the trainer cannot import
+            return Outcome(failure=f"raised {type(e).__name__} while its result was read back from its worker "
+                           f"process: {e} (return plain numbers, lists and dicts)", kind="raised", error=e)
         if status == "ok":
             return Outcome(detail)
         if status == "invalid":  # the reward named bad input (and maybe its row): raised as the reward's own error
@@ -374,6 +413,15 @@ class _Worker:
         self.to = self.frm = -1
 
 
+def _uid_envs(workers: int) -> list[dict]:
+    """Each worker process's own block of 64 sandbox uids (:func:`hyperrl.sandbox.allocate_uids` of this process):
+    a code reward in a worker runs sandboxes whose process limit no other process shares."""
+    from hyperrl.sandbox import allocate_uids
+
+    block = allocate_uids(64 * workers)
+    return [{"HYPERRL_SANDBOX_UID_BASE": str(block[64 * k])} for k in range(workers)]
+
+
 @RUNNERS.register("process")
 class ProcessRunner(Runner):
     """``workers`` worker processes, started here (each must rebuild the reward from ``recipe`` — its failure a
@@ -383,8 +431,9 @@ class ProcessRunner(Runner):
         super().__init__(fn, workers=workers, timeout_s=timeout_s, name=name)
         if recipe is None:
             raise WorkerStartError(f"reward {name!r}: pool: process needs the reward's recipe")
-        self.recipe, self.name, self.idle = recipe, name, queue.Queue()
-        started, errors = [_Worker(recipe, name) for _ in range(workers)], []  # side by side: each imports torch
+        self.recipe, self.name, self.idle, self.closed = recipe, name, queue.Queue(), False
+        # side by side (each imports torch), each with its own block of sandbox uids
+        started, errors = [_Worker(recipe, name, env) for env in _uid_envs(workers)], []
         self.every = list(started)  # every worker process ever started (close ends those still alive)
         for w in started:
             try:
@@ -398,6 +447,8 @@ class ProcessRunner(Runner):
         self.restarts = 0
 
     def _run(self, call) -> Outcome:
+        if self.closed:
+            return Outcome(failure="failed: the reward's worker processes were closed", kind="died")
         w = self.idle.get()
         try:
             if not w.started:
@@ -405,17 +456,26 @@ class ProcessRunner(Runner):
             return w.call(call, self.timeout_s)
         except WorkerStartError as e:
             return Outcome(failure=f"failed: its worker process could not be restarted: {e}", kind="died")
+        except Exception as e:  # noqa: BLE001 - whatever happens here is this call's outcome, never a lost slot
+            return _raised(e)
         finally:
-            if not w.alive:  # killed past its deadline, or died: its replacement starts now, in the background
-                self.restarts += 1
-                w = _Worker(self.recipe, self.name)
-                self.every.append(w)
+            if self.closed:
+                w.kill()
+            elif not w.alive:  # killed past its deadline, or died: its replacement starts now, in the background
+                try:
+                    fresh = _Worker(self.recipe, self.name, w.env)
+                    self.every.append(fresh)
+                    self.restarts += 1
+                    w = fresh
+                except Exception:  # noqa: BLE001, S110 - the next call tries again (and reports it)
+                    pass
             self.idle.put(w)
 
     def start(self, call):
         return self.pool.submit(self._run, call)
 
     def close(self):
+        self.closed = True
         pool = getattr(self, "pool", None)
         if pool is not None:
             pool.shutdown()
@@ -439,7 +499,10 @@ def submit(runner: Runner, call: Call, retries: int = 0) -> Future:
 
     def attempt(k: int) -> None:
         def done(f: Future) -> None:
-            o = f.result()
+            try:
+                o = f.result()
+            except BaseException as e:  # noqa: BLE001 - a runner's own failure: still this call's outcome
+                o = _raised(e)
             if o.failure is None or k >= retries or o.kind == "invalid":
                 out.set_result(Outcome(o.value, o.failure, o.kind, k + 1, o.error))
                 return

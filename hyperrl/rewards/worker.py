@@ -36,7 +36,7 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str]) -> int:
     """Serve one reward: ``argv`` = [prog, read fd, write fd, parent pid]; 0 when its input closes."""
     from hyperrl.errors import HyperRLError
-    from hyperrl.rewards.runners import read_message, send_message
+    from hyperrl.rewards.runners import read_bytes, read_message, send_message
 
     r, w, parent = int(argv[1]), int(argv[2]), int(argv[3])
     _die_with_parent(parent)
@@ -51,9 +51,14 @@ def main(argv: list[str]) -> int:
     send_message(w, ("ready", None))
     while True:
         try:
-            args, kwargs = read_message(r)
+            raw = read_bytes(r)
         except EOFError:
             return 0
+        try:
+            args, kwargs = pickle.loads(raw)
+        except Exception as e:  # noqa: BLE001 - e.g. a sample of a class only the trainer's __main__ has
+            send_message(w, ("raised", f"{type(e).__name__} while its arguments were read in the worker process: {e}"))
+            continue
         try:
             value = fn(*args, **kwargs)
             if inspect.iscoroutine(value):  # an async def reward in a worker process: run to completion here

@@ -93,3 +93,16 @@ def test_the_postfix_task_is_judged_by_running_its_answers_many_programs_right()
     t = task._sample(("+*", 3, 2))  # (x + 3)·2
     assert t.prompt == "x3+2*=" and fn([t.prompt] * 3, ["(x+3)*2", "2*x+6", "x*2+3"],
                                        tests=[t.extra["tests"]] * 3)[:2] == [1.0, 1.0]
+
+
+def test_a_verdict_the_machine_may_have_caused_is_not_cached():
+    """A run that hit its deadline is scored 0 but not remembered (a quieter moment may finish it); a settled one
+    (ok, error) is."""
+    from hyperrl.rewards.code import _CACHE, code_reward
+
+    fn = code_reward(wall_s=1, cpu_s=1, workers=1)
+    before = len(_CACHE.data)
+    assert fn(["p"], ["while True:\n    pass"], tests=[["assert True"]]) == [0.0]
+    assert len(_CACHE.data) == before
+    assert fn(["p"], ["x = 1"], tests=[["assert x == 1"]]) == [1.0]
+    assert len(_CACHE.data) == before + 1

@@ -126,6 +126,9 @@ def test_a_scripted_judge_endpoint_parses_json_verdicts_and_abstains_on_hedges(t
 @pytest.mark.parametrize("text, parse, want", [
     ("Score: 7/10", "regex", 7.0), ("score -2.5 then 3", "regex", -2.5), ("none", "regex", None),
     ('x {"score": 0.5} {"score": 1}', "json", 0.5), ('{"other": 1} {"score": true}', "json", 1.0),
-    ("{not json}", "json", None), ('{"score": "high"}', "json", None)])
+    ("{not json}", "json", None), ('{"score": "high"}', "json", None),
+    ('{"verdict": {"why": "a } in text", "score": 0.25}}', "json", 0.25),  # a nested object that has it
+    ('{"why": "a } here", "score": 0.75}', "json", 0.75), ('{"score": NaN}', "json", None),
+    ("score inf", "regex", None)])
 def test_verdicts_parse_or_abstain(text, parse, want):
     assert parse_verdict(text, parse, r"([-+]?\d+(?:\.\d+)?)", "score") == want

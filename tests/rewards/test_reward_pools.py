@@ -58,6 +58,9 @@ def named(data_source, solution_str, ground_truth, extra_info=None):
         raise RewardError("this row has no tests", row=0)  # row 0 of its call: the call's one row
     return 1.0
 
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    raise SystemExit(3)
+
 async def slow_async(data_source, solution_str, ground_truth, extra_info=None):
     await asyncio.sleep(10.0 if solution_str == "hang" else 0.3)
     return float(solution_str == ground_truth)
@@ -318,3 +321,27 @@ def test_an_async_run_scores_each_group_as_it_finishes_with_the_same_metrics(fns
         assert b.pop("reward_latency_s") >= 0.0
         keep = [k for k in a if not k.startswith("time_") and not k.endswith("_per_s")]
         assert {k: a[k] for k in keep} == {k: b[k] for k in keep}
+
+
+def test_stuck_threads_are_replaced_and_odd_failures_are_outcomes_not_hangs(fns):
+    """A thread stuck past its deadline gets a replacement (the calls queued behind it still run); a reward that
+    calls sys.exit, and arguments a worker process cannot be sent, fail their call — never a hung step."""
+    rs = _set(fns, dict(fn="faulty", style="verl", workers=1, timeout_s=0.5, on_error="abstain"))
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="did not return within"):
+        comps, app, m = rs.score(["p"] * 3, ["hang", "hang", "3"], [[1]] * 3, [_SAMPLE[0]] * 3)
+    assert app[:, 0].tolist() == [False, False, True] and comps[2, 0] == 1.0 and time.perf_counter() - t0 < 5
+    rs.close()
+    rs = _set(fns, dict(fn="exits", style="verl", workers=2))
+    with pytest.raises(RewardError, match=r"reward 'exits' raised SystemExit: 3 — batch row 0"):
+        rs.score(["p"], ["x"], [[1]], _SAMPLE[:1])
+    rs.close()
+    rs = _set(fns, dict(fn="verl_score", style="verl", workers=1, pool="process"))
+    try:
+        odd = Sample("p", "3", "a", {"extra_info": lambda: 0})  # a lambda cannot be pickled
+        with pytest.raises(RewardError, match=r"raised AttributeError while its arguments were sent to a worker "
+                                              r"process"):
+            rs.score(["p"], ["3"], [[1]], [odd])
+        assert rs.score(["p"], ["3"], [[1]], _SAMPLE[:1])[0][0, 0] == 1.0  # the worker serves on
+    finally:
+        rs.close()
