@@ -1,5 +1,8 @@
-"""The sandbox (hyperrl/sandbox.py: bubblewrap + prlimit + setpriv) against the escapes a model's program might try,
-each contained and reported — real processes, real namespaces (bubblewrap is installed by .ci/run)."""
+"""The sandbox (hyperrl/sandbox/: bubblewrap + prlimit + setpriv) against the escapes a model's program might try,
+each contained and reported — real processes, real namespaces (bubblewrap is installed by .ci/run). Every escape runs
+twice: in a fresh sandbox, and through the sandboxed fork server (hyperrl/sandbox/server.py), whose programs share a
+sandbox one after another — plus what only a server could be attacked with (its protocol, what one program leaves
+for the next, the server itself)."""
 
 import os
 import socket
@@ -10,6 +13,7 @@ import time
 import pytest
 
 from hyperrl.sandbox import Limits, Sandbox, SandboxUnavailable
+from hyperrl.sandbox.server import SandboxServer
 
 # one xdist worker: the process limit counts every process of the sandbox's user, so a fork bomb beside another
 # test's run would starve it (concurrent sandboxes take distinct uids: Sandbox(uid=...))
@@ -18,9 +22,22 @@ pytestmark = pytest.mark.xdist_group("sandbox")
 LIMITS = Limits(wall_s=6, cpu_s=2, memory_mb=256, processes=32, file_mb=1, open_files=32, output_bytes=64 << 10)
 
 
-@pytest.fixture(scope="module")
-def box():
-    return Sandbox(LIMITS)
+@pytest.fixture(scope="module", params=["fresh", "server"])
+def box(request):
+    if request.param == "fresh":
+        yield Sandbox(LIMITS)
+        return
+    server = SandboxServer(LIMITS)
+    assert server.run_python("pass").ok  # started: its own processes are counted before each test
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def server():
+    s = SandboxServer(LIMITS, uid=65520)
+    yield s
+    s.close()
 
 
 def _nobody_processes() -> int:
@@ -174,3 +191,42 @@ def test_a_missing_mechanism_is_named_never_run_unsandboxed():
         Limits(cpu_s=0)
     with pytest.raises(ValueError, match=r"file '../x' must be a relative path inside the sandbox"):
         Sandbox(LIMITS).run(["/usr/bin/true"], files={"../x": "y"})
+
+
+def test_one_program_leaves_nothing_for_the_next_in_a_server(server):
+    """Files, /tmp, processes: cleared between programs; the protocol and the server are out of a program's reach."""
+    first = server.run_python("""
+import os, subprocess, sys
+open('/tmp/mark', 'w').write('1'); open('mine.txt', 'w').write('2')
+subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)
+print('left', os.getpid())
+""")
+    assert first.ok and "left" in first.stdout
+    r = server.run_python("""
+import os
+print(sorted(os.listdir('/tmp')), sorted(os.listdir('.')))
+procs = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (os.getpid(), 1, os.getppid())]
+print('others', procs)
+for what in ('fd', 'mem', 'environ'):
+    where = f'/proc/{os.getppid()}/{what}'
+    try:
+        os.listdir(where) if what == 'fd' else open(where, 'rb').read(1)
+        print('OPENED', what)
+    except OSError as e:
+        print('blocked', what, e.errno)
+import ctypes
+print('ptrace', ctypes.CDLL(None, use_errno=True).ptrace(16, os.getppid(), 0, 0), ctypes.get_errno())  # ATTACH
+""")
+    assert r.ok, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "[] ['main.py']" and lines[1] == "others []", r.stdout
+    assert "OPENED" not in r.stdout and r.stdout.count("blocked") == 3, r.stdout
+    assert lines[-1] == "ptrace -1 1"  # EPERM: the server is not dumpable
+
+
+def test_a_program_that_kills_its_server_is_killed_and_the_next_runs(server):
+    starts = server.run_python("pass") and server.starts
+    r = server.run_python("import os, signal; os.kill(os.getppid(), signal.SIGKILL)")
+    assert r.verdict == "killed"
+    again = server.run_python("print('fresh')")
+    assert again.ok and again.stdout == "fresh\n" and server.starts == starts + 1
