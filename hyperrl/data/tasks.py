@@ -195,9 +195,10 @@ class PostfixTask(InCodeTask):
     """A code task that only running the answer can judge, generated in code: the prompt is a function of ``x`` in
     postfix notation — ``"x3*1+="`` (``3·x + 1``) or ``"x3+2*="`` (``(x + 3)·2``), digits ``1..max_digit`` — and
     the answer a Python expression of ``x`` computing it: ``"3*x+1"``, ``"x*3+1"``, ``"1+3*x"``, ``"(x+3)*2"``,
-    ``"2*x+6"`` are all right. Each sample carries its ``tests`` — for a few values of ``x`` (up to 30, where no constant is near): the result is an
-    int, within 20, within 5, exact (so nearer programs pass more) — and ``prefix`` ``"f = lambda x: "`` (the program the
-    code reward runs is the prefix and the answer). The reference answer (``answer``: ``"3*x+1"``, ``"2*(x+3)"``)
+    ``"2*x+6"`` are all right. Each sample carries its ``tests`` — for a few values of ``x`` (up to 30, where no
+    constant is near): the result is an int, within 20, within 5, exact (so nearer programs pass more) — and
+    ``prefix`` ``"f = lambda x: "`` (the program the code reward runs is the prefix and the answer). The reference
+    answer (``answer``: ``"3*x+1"``, ``"2*(x+3)"``)
     is one correct program among many; a fixed ``held_out_frac`` of the functions is held out."""
 
     tokenizer: object
