@@ -54,49 +54,46 @@ def _fns() -> Path:
 
 
 def part_latency(n: int) -> tuple[list, list[float]]:
-    from hyperrl.config.schema import RewardSpec
     from hyperrl.data import Sample
-    from hyperrl.rewards import build_rewards
 
     f = _fns()
     samples = [Sample(f"q{i}", str(i % 7), f"s{i}", {"extra_info": i}) for i in range(n)]
     texts = [str(i % 5) for i in range(n)]
-    rows, got = [], {}
-    for name, spec in [("serial (workers: 0)", {}), ("16 threads (workers: 16)", {"workers": 16})]:
-        rs = build_rewards([RewardSpec(fn=f"{f}:slow", style="verl", **spec)])
-        t0 = time.perf_counter()
-        got[name] = rs.score([s.prompt for s in samples], texts, [[1]] * n, samples)[0]
-        rows.append([name, n, time.perf_counter() - t0])
-        rs.close()
-    a, b = got.values()
-    assert bool((a == b).all()), "pooled scoring must equal serial scoring"
-    ratio = rows[0][2] / rows[1][2]
-    for r in rows:
-        r.append(rows[0][2] / r[2])
-    return rows, [ratio]
+    return _side_by_side([("serial (workers: 0)", dict(fn=f"{f}:slow", style="verl")),
+                          ("16 threads (workers: 16)", dict(fn=f"{f}:slow", style="verl", workers=16))], texts, samples)
 
 
 def part_cpu(n: int) -> tuple[list, list[float]]:
-    from hyperrl.config.schema import RewardSpec
     from hyperrl.data import Sample
-    from hyperrl.rewards import build_rewards
 
     rng = random.Random(0)
     golds = [rng.randint(1, 10_000) for _ in range(n)]
     texts = [f"Natalia sold {g // 2} clips in April and half as many in May, so altogether "
              f"$\\frac{{{2 * g}}}{{2}}$ = \\boxed{{{g if rng.random() < 0.7 else g + 1}}}." for g in golds]
     samples = [Sample(f"q{i}", str(g), f"s{i}", {}) for i, g in enumerate(golds)]
-    rows, got = [], {}
-    for name, spec in [("inline (workers: 0)", {}), ("2 processes (workers: 2, pool: process)",
-                                                      {"workers": 2, "pool": "process"})]:
-        rs = build_rewards([RewardSpec(fn="math_verify", **spec)])
-        rs.score([s.prompt for s in samples[:8]], texts[:8], [[1]] * 8, samples[:8])  # warm: imports, parsers
+    return _side_by_side([("inline (workers: 0)", dict(fn="math_verify")),
+                          ("2 processes (workers: 2, pool: process)", dict(fn="math_verify", workers=2,
+                                                                          pool="process"))],
+                         texts, samples, warm=8)  # warm: imports, parsers
+
+
+def _side_by_side(variants: list[tuple[str, dict]], texts: list[str], samples: list, warm: int = 0
+                  ) -> tuple[list, list[float]]:
+    """Score the same rows with each ``(name, RewardSpec fields)``: rows of (name, samples, s, speed-up over the
+    first), and the second's speed-up; the values must be equal."""
+    from hyperrl.config.schema import RewardSpec
+    from hyperrl.rewards import build_rewards
+
+    n, rows, got = len(texts), [], []
+    for name, spec in variants:
+        rs = build_rewards([RewardSpec(**spec)])
+        if warm:
+            rs.score([s.prompt for s in samples[:warm]], texts[:warm], [[1]] * warm, samples[:warm])
         t0 = time.perf_counter()
-        got[name] = rs.score([s.prompt for s in samples], texts, [[1]] * n, samples)[0]
+        got.append(rs.score([s.prompt for s in samples], texts, [[1]] * n, samples)[0])
         rows.append([name, n, time.perf_counter() - t0])
         rs.close()
-    a, b = got.values()
-    assert bool((a == b).all()), "pooled scoring must equal serial scoring"
+    assert all(bool((g == got[0]).all()) for g in got), "pooled scoring must equal serial scoring"
     for r in rows:
         r.append(rows[0][2] / r[2])
     return rows, [rows[0][2] / rows[1][2]]

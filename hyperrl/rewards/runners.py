@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +74,7 @@ class WorkerStartError(HyperRLError, RuntimeError):
     """A reward's worker process could not start or rebuild the reward (the message carries its error)."""
 
 
-class Runner:
+class Runner(ABC):
     """Runs one reward's calls: ``start(call) -> Future[Outcome]`` (one attempt, within ``timeout_s``), and
     ``close()``."""
 
@@ -82,10 +83,11 @@ class Runner:
     def __init__(self, fn, *, workers: int, timeout_s: float | None, recipe=None, name: str = "reward"):
         self.fn, self.workers, self.timeout_s, self.name = fn, workers, timeout_s, name
 
+    @abstractmethod
     def start(self, call: Call) -> Future:
-        raise NotImplementedError
+        """One attempt of ``call``: a future of its :class:`Outcome` (never an exception)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a runner with nothing to release (inline, async) keeps this
         """Release threads and processes (idempotent)."""
 
 
