@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from hyperrl.rewards import processes  # noqa: F401 - registers the `process` runner
 from hyperrl.rewards.builtin import REWARDS, is_factory, register_reward_factory
 from hyperrl.rewards.calling import (
     REWARD_STYLES,

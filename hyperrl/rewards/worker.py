@@ -36,7 +36,7 @@ def _die_with_parent(parent: int) -> None:
 def main(argv: list[str]) -> int:
     """Serve one reward: ``argv`` = [prog, read fd, write fd, parent pid]; 0 when its input closes."""
     from hyperrl.errors import HyperRLError
-    from hyperrl.rewards.runners import read_bytes, read_message, send_message
+    from hyperrl.rewards.processes import read_bytes, read_message, send_message
 
     r, w, parent = int(argv[1]), int(argv[2]), int(argv[3])
     _die_with_parent(parent)
