@@ -1,10 +1,17 @@
-"""An OpenAI-compatible gateway in front of any hyperrl engine, recording every call's exact tokens.
+"""An OpenAI- and Anthropic-compatible gateway in front of any hyperrl engine, recording every call's exact tokens.
 
-An agent that owns its loop reaches the policy over HTTP, as it would reach OpenAI: each episode
-gets its own base URL ``http://127.0.0.1:PORT/episodes/<id>/v1`` and key (``Authorization: Bearer
-…``). Served: ``POST /v1/chat/completions`` (``messages``, ``tools`` / ``tool_choice``, ``n``,
-``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``logprobs``),
-``POST /v1/completions`` (a text prompt, or token ids: token-in) and ``GET /v1/models``. Messages
+An agent that owns its loop reaches the policy over HTTP, as it would reach OpenAI or Anthropic: each
+episode gets its own base URL ``http://127.0.0.1:PORT/episodes/<id>/v1`` and key (``Authorization:
+Bearer …`` or ``x-api-key: …``). Served: ``POST /v1/chat/completions`` (``messages``, ``tools`` /
+``tool_choice``, ``n``, ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``,
+``logprobs``, ``stream`` with ``stream_options.include_usage``), ``POST /v1/completions`` (a text prompt,
+or token ids: token-in), ``GET /v1/models``, OpenAI's Responses API ``POST /v1/responses``
+(:mod:`hyperrl.agents.responses_api`) and Anthropic's Messages API ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (:mod:`hyperrl.agents.messages_api`; the Anthropic client's base URL is the
+episode's without ``/v1``), each streamed or not. Every protocol becomes the same chat turn — the same
+row rule, the same recording; a stream is written from the finished turn (what is sampled never depends
+on it), and a client that leaves a stream early leaves the call recorded whole, marked ``abandoned``
+(counted: ``agent_abandoned_streams``). Messages
 are rendered by the model's chat template (with the tools' JSON schemas); the model's calls in its
 native format (``tool_format``: a :data:`hyperrl.envs.TOOL_FORMATS` name) come back as OpenAI
 ``tool_calls``; a malformed call comes back as the model's text (an observation the agent sees,
@@ -16,7 +23,7 @@ the rule is there).
 top-p sample every call — the log-probs must be of the distribution the trainer recomputes — and a
 request asking for others is served at the run's values (counted as ``overridden``); ``max_tokens``
 is honoured up to ``rollout.max_new_tokens``. ``training=False`` (serving, evaluation) honours them.
-``top_logprobs`` and streaming are refused with a 400 (not served here).
+``top_logprobs`` is refused with a 400 (not served here).
 
 Calls are batched: a dispatcher thread takes the pending calls when every open episode has one
 pending, or ``batch_wait_s`` after the last arrived, and runs them as one engine call per set of
@@ -50,6 +57,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hyperrl.agents import messages_api, responses_api
 from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
 from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
 from hyperrl.errors import HyperRLError
@@ -87,6 +95,9 @@ class GatewayEpisode:
     malformed_tool_calls: int = 0
     overridden: int = 0
     errors: list[str] = field(default_factory=list)
+    abandoned_streams: int = 0  # streamed answers the client left before their end (the call is recorded whole)
+    stored: dict = field(default_factory=dict)  # Responses API: response id → its history (previous_response_id)
+    last_logged: int | None = None  # the record entry of the call answered last (a stream marks it if abandoned)
     finished: bool = False
     submit: Callable | None = None  # the asynchronous trainer's queue (None: the gateway calls the engine)
 
@@ -100,6 +111,52 @@ class _Job:
     call: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _SSE:
+    """A streamed answer: its events (``named``: each written with its ``event:`` line, as the Responses and
+    Messages APIs do; ``done``: ended by ``data: [DONE]``, as chat completions are) and the record entry it
+    answers (marked ``abandoned`` when the client leaves before the end)."""
+
+    events: list[dict]
+    named: bool = False
+    done: bool = False
+    episode: GatewayEpisode | None = None
+    log_index: int | None = None
+
+
+def chat_chunks(out: dict, include_usage: bool) -> list[dict]:
+    """A chat completion as the ``chat.completion.chunk`` objects of its stream: per choice the role, the
+    content in pieces (one piece with its log-probs when they were asked for), each tool call's id and name then
+    its arguments, and the finish reason; with ``include_usage`` a last chunk with no choices and the usage."""
+    head = {"id": out["id"], "object": "chat.completion.chunk", "created": out["created"], "model": out["model"]}
+    extra = {"usage": None} if include_usage else {}
+    chunks = []
+
+    def emit(j: int, delta: dict, finish=None, logprobs=None) -> None:
+        chunks.append({**head, "choices": [{"index": j, "delta": delta, "finish_reason": finish,
+                                            "logprobs": logprobs}], **extra})
+
+    for c in out["choices"]:
+        j, msg = c["index"], c["message"]
+        emit(j, {"role": "assistant", "content": ""})
+        text = msg.get("content") or ""
+        if c.get("logprobs") is not None:
+            emit(j, {"content": text}, logprobs=c["logprobs"])
+        else:
+            for k in range(0, len(text), 32):
+                emit(j, {"content": text[k:k + 32]})
+        for k, call in enumerate(msg.get("tool_calls") or []):
+            emit(j, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                     "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            args = call["function"]["arguments"]
+            for a in range(0, len(args), 32):
+                emit(j, {"tool_calls": [{"index": k, "function": {"arguments": args[a:a + 32]}}]})
+        emit(j, {}, finish=c["finish_reason"])
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": out["usage"]})
+    return chunks
 
 
 def _bad(param: str, message: str) -> GatewayError:
@@ -163,20 +220,20 @@ def _cut(out: dict, n: int) -> dict:
     return {**out, "ids": out["ids"][:n], "logprobs": out["logprobs"][:n], "versions": out["versions"][:n]}
 
 
-def _cut_at_stop(tok, ids: list[int], stops: list[str], sp: SamplingParams) -> tuple[list[int], str, bool]:
+def _cut_at_stop(tok, ids: list[int], stops: list[str], sp: SamplingParams) -> tuple[list[int], str, str | None]:
     """The sampled ids up to the first token whose text completes a stop string, the text before it,
-    and whether a stop string was met (vLLM's semantics: the ids keep the stop, the text does not)."""
+    and the stop string met (None: none; vLLM's semantics: the ids keep the stop, the text does not)."""
     text = decode_response(tok, ids, sp.stops)
     if not stops:
-        return ids, text, False
+        return ids, text, None
     hits = [(text.find(s), s) for s in stops if s in text]
     if not hits:
-        return ids, text, False
+        return ids, text, None
     at, s = min(hits)
     for k in range(1, len(ids) + 1):  # the shortest prefix whose text holds the stop
         if len(decode_response(tok, ids[:k], sp.stops)) >= at + len(s):
-            return ids[:k], text[:at], True
-    return ids, text[:at], True
+            return ids[:k], text[:at], s
+    return ids, text[:at], s
 
 
 class Gateway:
@@ -276,6 +333,9 @@ class Gateway:
         app.router.add_get("/episodes/{eid}/v1/models", self._wrap(self._models))
         app.router.add_post("/episodes/{eid}/v1/chat/completions", self._wrap(self._chat))
         app.router.add_post("/episodes/{eid}/v1/completions", self._wrap(self._completions))
+        app.router.add_post("/episodes/{eid}/v1/responses", self._wrap(self._responses))
+        app.router.add_post("/episodes/{eid}/v1/messages", self._wrap(self._messages, anthropic=True))
+        app.router.add_post("/episodes/{eid}/v1/messages/count_tokens", self._wrap(self._count_tokens, anthropic=True))
 
         async def start():
             self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
@@ -294,8 +354,19 @@ class Gateway:
         self._loop.run_forever()
         self._loop.close()
 
-    def _wrap(self, handler):
+    def _wrap(self, handler, *, anthropic: bool = False):
+        """An aiohttp handler: the episode and its key checked, the JSON body read, the answer written — JSON,
+        or a server-sent event stream — and errors in the protocol's own body (OpenAI's, or Anthropic's with
+        ``anthropic``)."""
         from aiohttp import web
+
+        def error(e: GatewayError):
+            if anthropic:
+                kind = {401: "authentication_error", 404: "not_found_error", 500: "api_error",
+                        503: "overloaded_error"}.get(e.status, "invalid_request_error")
+                return web.json_response({"type": "error", "error": {"type": kind, "message": e.message}},
+                                         status=e.status)
+            return web.json_response(e.body(), status=e.status)
 
         async def run(request):
             try:
@@ -303,17 +374,44 @@ class Gateway:
                 body = await request.json() if request.method == "POST" else {}
                 if request.method == "POST" and not isinstance(body, dict):
                     raise _bad("body", "must be a JSON object")
-                return web.json_response(await handler(ep, body))
+                out = await handler(ep, body)
+                if isinstance(out, _SSE):
+                    out.episode, out.log_index = ep, ep.last_logged
+                    return await self._stream(request, out)
+                return web.json_response(out)
             except GatewayError as e:
-                return web.json_response(e.body(), status=e.status)
+                return error(e)
             except json.JSONDecodeError as e:
-                return web.json_response(_bad("body", f"not JSON ({e.msg})").body(), status=400)
+                return error(_bad("body", f"not JSON ({e.msg})"))
             except Exception as e:  # noqa: BLE001 - the agent gets a 500 naming it; the episode records it
                 if "ep" in locals():
                     ep.errors.append(f"{type(e).__name__}: {e}")
-                return web.json_response(GatewayError(500, f"{type(e).__name__}: {e}", type="server_error").body(),
-                                         status=500)
+                return error(GatewayError(500, f"{type(e).__name__}: {e}", type="server_error"))
         return run
+
+    async def _stream(self, request, out: _SSE):
+        """Write ``out``'s events as server-sent events; a client that leaves before the end marks the call's
+        record entry ``abandoned`` (counted) — its row is kept whole: it was sampled before the first byte."""
+        from aiohttp import web
+
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        try:
+            await resp.prepare(request)
+            for ev in out.events:
+                line = (f"event: {ev['type']}\n" if out.named else "") + f"data: {json.dumps(ev)}\n\n"
+                await resp.write(line.encode())
+            if out.done:
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError) as e:  # aiohttp's ClientConnectionResetError is a ConnectionError
+            if out.episode is not None:
+                out.episode.abandoned_streams += 1
+                if out.log_index is not None:
+                    out.episode.record.log[out.log_index]["abandoned"] = True
+            if not isinstance(e, ConnectionError) and "closing" not in str(e):
+                raise
+        return resp
 
     def _episode(self, request) -> GatewayEpisode:
         eid = request.match_info["eid"]
@@ -323,8 +421,10 @@ class Gateway:
             raise GatewayError(404, f"episode {eid!r} is unknown or finished; each episode has its own base URL",
                                code="episode_not_found")
         auth = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(auth.encode(), f"Bearer {ep.api_key}".encode()):
-            raise GatewayError(401, "invalid API key for this episode (use the key given with its base URL)",
+        key = auth.removeprefix("Bearer ") if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(key.encode(), ep.api_key.encode()):
+            raise GatewayError(401, "invalid API key for this episode (use the key given with its base URL, as "
+                                    "'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                code="invalid_api_key", type="authentication_error")
         return ep
 
@@ -338,13 +438,11 @@ class Gateway:
             raise GatewayError(404, f"model {model!r} is not served here; this gateway serves {self.model_name!r}",
                                param="model", code="model_not_found")
 
-    def _sampling(self, ep: GatewayEpisode, body: dict, prompt_len: int) -> SamplingParams:
-        if body.get("stream"):
-            raise _bad("stream", "streaming is not served by this gateway; set stream=false")
-        if _int(body, "top_logprobs", 0, 20):
-            raise _bad("top_logprobs", "not served (the engine returns the sampled tokens' log-probs only); omit it")
-        want = _int(body, "max_completion_tokens", 1) or _int(body, "max_tokens", 1)
-        temperature, top_p = _float(body, "temperature", 0.0, 2.0), _float(body, "top_p", 0.0, 1.0)
+    def _sampling(self, ep: GatewayEpisode, prompt_len: int, want: int | None, temperature: float | None,
+                  top_p: float | None) -> SamplingParams:
+        """A call's sampling parameters: the round's, ``want`` new tokens at most (within the context and the
+        episode's budget); a request's temperature and top-p are honoured only outside training (counted as
+        ``overridden`` when a training call asks for others)."""
         room = min(self.max_model_len, self.max_episode_tokens) - prompt_len
         if room < 1:
             which = "the context" if self.max_model_len <= self.max_episode_tokens else "the episode's token budget"
@@ -359,41 +457,78 @@ class Gateway:
             ep.overridden += 1
         return dataclasses.replace(sp, max_new_tokens=new, temperature=t, top_p=p)
 
-    async def _chat(self, ep: GatewayEpisode, body: dict) -> dict:
-        self._check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages", "must be a non-empty list of messages")
-        tools, names = _tools(body)
-        choice = _tool_choice(body, names)
-        n, stops = _int(body, "n", 1, 16) or 1, _stops(body)
+    @staticmethod
+    def _openai_sampling(body: dict, budget_key: str = "max_tokens") -> dict:
+        """The sampling fields of an OpenAI request (``top_logprobs`` refused: not served)."""
+        if _int(body, "top_logprobs", 0, 20):
+            raise _bad("top_logprobs", "not served (the engine returns the sampled tokens' log-probs only); omit it")
+        want = _int(body, "max_completion_tokens", 1) or _int(body, budget_key, 1)
+        return {"want": want, "temperature": _float(body, "temperature", 0.0, 2.0),
+                "top_p": _float(body, "top_p", 0.0, 1.0)}
+
+    async def _turn(self, ep: GatewayEpisode, sampling: dict, messages: list, tools: list | None, choice: str,
+                    n: int, stops: list[str]) -> tuple[Prompt, list[dict]]:
+        """A chat turn, whatever the protocol: the prompt (extending a chain when the messages do) and ``n``
+        sampled choices, each with ``content`` (the text without the tool calls), ``calls`` (``(name,
+        arguments)``, parsed from the model's native format), ``reply`` (the normalised assistant message the
+        chain remembers) and ``stop`` (the stop string met, or None)."""
+        names = [t["function"]["name"] for t in tools or []]
         try:
             prompt = ep.record.chat_prompt(messages, tools)
         except ValueError as e:  # a malformed message, or one the template cannot render
             raise _bad("messages", str(e).removeprefix("messages: ")) from None
         except Exception as e:  # noqa: BLE001 - a template error (jinja) is the request's fault
             raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
-        recorded = await self._sample(ep, body, prompt, n, stops)
-        choices = []
-        for j, o in enumerate(recorded):
-            ids, text = o["ids"], o["text"]
-            calls = self._calls(ep, text, names) if self.format is not None and names and choice != "none" else None
-            reply = {"role": "assistant", "content": self.format.strip(text) if calls else text}
+        recorded = await self._sample(ep, sampling, prompt, n, stops)
+        for o in recorded:
+            calls = self._calls(ep, o["text"], names) if self.format is not None and names and choice != "none" \
+                else None
+            o["content"], o["calls"] = (self.format.strip(o["text"]) if calls else o["text"]), calls or []
+            reply = {"role": "assistant", "content": o["content"]}
             if calls:
                 reply["tool_calls"] = [{"type": "function", "function": {"name": nm, "arguments": args}}
                                        for nm, args in calls]
             o["reply"] = normalize_message(reply)
-            msg = {"role": "assistant", "content": reply["content"] or None, "refusal": None}
-            if calls:
+        return prompt, recorded
+
+    async def _chat(self, ep: GatewayEpisode, body: dict):
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "must be a non-empty list of messages")
+        stream, include_usage = self._stream_options(body)
+        tools, names = _tools(body)
+        choice = _tool_choice(body, names)
+        n, stops = _int(body, "n", 1, 16) or 1, _stops(body)
+        prompt, recorded = await self._turn(ep, self._openai_sampling(body), messages, tools, choice, n, stops)
+        choices = []
+        for j, o in enumerate(recorded):
+            msg = {"role": "assistant", "content": o["content"] or None, "refusal": None}
+            if o["calls"]:
                 msg["tool_calls"] = [{"id": f"call_{ep.id[:8]}_{ep.calls}_{j}_{k}", "type": "function",
                                       "function": {"name": nm, "arguments": json.dumps(args)}}
-                                     for k, (nm, args) in enumerate(calls)]
-            choices.append({"index": j, "message": msg, "finish_reason": "tool_calls" if calls else o["finish_reason"],
-                            "logprobs": self._logprobs(ids, o["logprobs"]) if body.get("logprobs") else None})
-        return self._end_call(ep, prompt, recorded, "chat", choices)
+                                     for k, (nm, args) in enumerate(o["calls"])]
+            choices.append({"index": j, "message": msg, "finish_reason": "tool_calls" if o["calls"] else
+                            o["finish_reason"], "logprobs": self._logprobs(o["ids"], o["logprobs"])
+                            if body.get("logprobs") else None})
+        out = self._end_call(ep, prompt, recorded, "chat", choices)
+        return _SSE(chat_chunks(out, include_usage), done=True) if stream else out
+
+    @staticmethod
+    def _stream_options(body: dict) -> tuple[bool, bool]:
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise _bad("stream", "must be a boolean")
+        opts = body.get("stream_options")
+        if opts is not None and (not stream or not isinstance(opts, dict)):
+            raise _bad("stream_options", "only with stream=true, an object ({'include_usage': bool})")
+        return stream, bool((opts or {}).get("include_usage"))
 
     async def _completions(self, ep: GatewayEpisode, body: dict) -> dict:
         self._check_model(body)
+        if body.get("stream"):
+            raise _bad("stream", "streaming is served for chat completions, responses and messages, not for "
+                                 "completions; set stream=false")
         raw = body.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
             raw = raw[0]  # a one-prompt batch
@@ -408,7 +543,7 @@ class Gateway:
             prompt = ep.record.completion_prompt(raw)
         except TokenizerError as e:
             raise _bad("prompt", str(e)) from None
-        recorded = await self._sample(ep, body, prompt, n, stops)
+        recorded = await self._sample(ep, self._openai_sampling(body), prompt, n, stops)
         choices = []
         for j, o in enumerate(recorded):
             lp = self._logprobs(o["ids"], o["logprobs"]) if body.get("logprobs") else None
@@ -418,28 +553,106 @@ class Gateway:
             choices.append({"index": j, "text": o["text"], "finish_reason": o["finish_reason"], "logprobs": lp})
         return self._end_call(ep, prompt, recorded, "completion", choices)
 
-    async def _sample(self, ep: GatewayEpisode, body: dict, prompt: Prompt, n: int, stops: list[str]) -> list[dict]:
+    async def _responses(self, ep: GatewayEpisode, body: dict):
+        """``POST /v1/responses`` (:mod:`hyperrl.agents.responses_api`)."""
+        self._check_model(body)
+        try:
+            history = None
+            prev = body.get("previous_response_id")
+            if prev is not None:
+                history = ep.stored.get(prev)
+                if history is None:
+                    raise GatewayError(404, f"previous_response_id {prev!r}: no response of this episode stored "
+                                            "under it (one sent with store=false is not kept)",
+                                       param="previous_response_id", code="previous_response_not_found")
+            messages, turn = responses_api.request_messages(body, history)
+            tools = responses_api.request_tools(body)
+            choice = responses_api.request_tool_choice(body, [t["function"]["name"] for t in tools or []])
+        except responses_api.RequestError as e:
+            raise _bad(e.param, str(e).split(": ", 1)[1]) from None
+        stream, _ = self._stream_options({k: v for k, v in body.items() if k != "stream_options"})
+        sampling = {"want": _int(body, "max_output_tokens", 1), "temperature": _float(body, "temperature", 0.0, 2.0),
+                    "top_p": _float(body, "top_p", 0.0, 1.0)}
+        prompt, recorded = await self._turn(ep, sampling, messages, tools, choice, 1, [])
+        o = recorded[0]
+        rid = f"{ep.id[:12]}{ep.calls}"
+        items = responses_api.output_items(rid, o["content"], o["calls"])
+        usage = self._record(ep, prompt, recorded, "chat")
+        resp = responses_api.response_object(rid, self.model_name, int(time.time()), body, items,
+                                             incomplete=o["finish_reason"] == "length" and not o["calls"], **usage)
+        if body.get("store", True) is not False:
+            ep.stored[resp["id"]] = responses_api.history_of(turn, items, history)
+        return _SSE(responses_api.stream_events(resp), named=True) if stream else resp
+
+    async def _messages(self, ep: GatewayEpisode, body: dict):
+        """``POST /v1/messages`` (:mod:`hyperrl.agents.messages_api`)."""
+        self._check_model(body)
+        try:
+            messages = messages_api.request_messages(body)
+            tools = messages_api.request_tools(body)
+            choice = messages_api.request_tool_choice(body, [t["function"]["name"] for t in tools or []])
+        except messages_api.RequestError as e:
+            raise _bad(e.param, str(e).split(": ", 1)[1]) from None
+        stops = body.get("stop_sequences") or []
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise _bad("stop_sequences", "must be a list of non-empty strings")
+        stream, _ = self._stream_options(body)
+        sampling = {"want": body["max_tokens"], "temperature": _float(body, "temperature", 0.0, 1.0),
+                    "top_p": _float(body, "top_p", 0.0, 1.0)}
+        _int(body, "top_k", 0)
+        prompt, recorded = await self._turn(ep, sampling, messages, tools, choice, 1, stops)
+        o = recorded[0]
+        mid = f"{ep.id[:12]}{ep.calls}"
+        blocks = messages_api.content_blocks(mid, o["content"], o["calls"])
+        usage = self._record(ep, prompt, recorded, "chat")
+        msg = messages_api.message_object(mid, self.model_name, blocks,
+                                          messages_api.stop_reason(bool(o["calls"]), o["finish_reason"], o["stop"]),
+                                          o["stop"] if not o["calls"] else None, **usage)
+        return _SSE(messages_api.stream_events(msg), named=True) if stream else msg
+
+    async def _count_tokens(self, ep: GatewayEpisode, body: dict) -> dict:
+        """``POST /v1/messages/count_tokens``: the prompt's tokens as the chat template renders it."""
+        self._check_model(body)
+        try:
+            messages = messages_api.request_messages({**body, "max_tokens": 1})
+            tools = messages_api.request_tools(body)
+        except messages_api.RequestError as e:
+            raise _bad(e.param, str(e).split(": ", 1)[1]) from None
+        try:
+            ids = self._render([normalize_message(m) for m in messages], tools)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+            raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
+        return {"input_tokens": len(ids)}
+
+    async def _sample(self, ep: GatewayEpisode, sampling: dict, prompt: Prompt, n: int, stops: list[str]) -> list[dict]:
         """``n`` choices for ``prompt`` at the call's sampling parameters, each cut at the first stop
-        string: its ``ids``, ``logprobs``, ``versions``, ``text`` and ``finish_reason``."""
-        sp = self._sampling(ep, body, len(prompt.ids))
+        string: its ``ids``, ``logprobs``, ``versions``, ``text``, ``finish_reason`` and ``stop`` (met)."""
+        sp = self._sampling(ep, len(prompt.ids), **sampling)
         out = []
         for o in await self._generate(ep, prompt, sp, n):
             ids, text, hit = _cut_at_stop(self.tok, o["ids"], stops, sp)
-            out.append({**_cut(o, len(ids)), "text": text, "finish_reason": "stop" if hit else o["finish_reason"]})
+            out.append({**_cut(o, len(ids)), "text": text, "stop": hit,
+                        "finish_reason": "stop" if hit is not None else o["finish_reason"]})
         return out
 
-    def _end_call(self, ep: GatewayEpisode, prompt: Prompt, recorded: list[dict], kind: str, choices: list) -> dict:
-        """Record the call (unless its episode was closed meanwhile — a timed-out agent's call adds nothing)
-        and answer it."""
+    def _record(self, ep: GatewayEpisode, prompt: Prompt, recorded: list[dict], kind: str) -> dict:
+        """Record the call (unless its episode was closed meanwhile — a timed-out agent's call adds nothing);
+        its token counts."""
+        ep.last_logged = None
         if not ep.finished:
             ep.record.record(prompt, recorded, kind=kind)
+            ep.last_logged = len(ep.record.log) - 1
         ep.calls += 1
-        prompt_tokens, completion_tokens = len(prompt.ids), sum(len(r["ids"]) for r in recorded)
+        return {"input_tokens": len(prompt.ids), "output_tokens": sum(len(r["ids"]) for r in recorded)}
+
+    def _end_call(self, ep: GatewayEpisode, prompt: Prompt, recorded: list[dict], kind: str, choices: list) -> dict:
+        """Record the call and answer it in OpenAI's chat / completions shape."""
+        usage = self._record(ep, prompt, recorded, kind)
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{ep.id[:12]}-{ep.calls}",
                 "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"],
+                          "total_tokens": usage["input_tokens"] + usage["output_tokens"]}}
 
     def _calls(self, ep: GatewayEpisode, text: str, names: list[str]) -> list[tuple[str, object]] | None:
         """The model's tool calls in its format; a malformed one returns the whole text as content

@@ -283,6 +283,7 @@ class AgentEnvironment:
                  "agent_malformed_tool_calls": float(sum(e.malformed_tool_calls for e in episodes)),
                  "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
                  "agent_server_errors": float(sum(len(e.errors) for e in episodes)),
+                 "agent_abandoned_streams": float(sum(e.abandoned_streams for e in episodes)),
                  "agent_rows": float(len(rows))}
         if errors and not getattr(self, "_closing", False):
             print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",

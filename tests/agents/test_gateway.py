@@ -168,7 +168,7 @@ def test_bad_requests_get_openai_errors_never_a_crash():
         assert post({"model": "gpt-4o", "messages": msgs}).json()["error"]["code"] == "model_not_found"
         for body, param in [({"messages": []}, "messages"), ({"messages": msgs, "n": 0}, "n"),
                             ({"messages": msgs, "temperature": "hot"}, "temperature"),
-                            ({"messages": msgs, "stream": True}, "stream"),
+                            ({"messages": msgs, "stream": "yes"}, "stream"),
                             ({"messages": msgs, "top_logprobs": 3}, "top_logprobs"),
                             ({"messages": msgs, "tools": [{"type": "function"}]}, "tools[0]"),
                             ({"messages": msgs, "tool_choice": "sometimes"}, "tool_choice"),
