@@ -26,8 +26,8 @@ import json
 
 from hyperrl.errors import HyperRLError
 
-__all__ = ["IGNORED_FIELDS", "SERVED_FIELDS", "RequestError", "request_messages", "request_tools", "request_tool_choice",
-           "output_items", "response_object", "stream_events", "history_of"]
+__all__ = ["IGNORED_FIELDS", "SERVED_FIELDS", "RequestError", "request_messages", "request_tools",
+           "request_tool_choice", "output_items", "response_object", "stream_events", "history_of"]
 
 SERVED_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
                            "temperature", "top_p", "stream", "store", "previous_response_id"})

@@ -5,7 +5,8 @@ A model calls a tool in its family's format (:data:`TOOL_FORMATS`): ``hermes`` �
 messages through the model's chat template (which lists the tools from their JSON schemas, built
 from typed Python functions by ``transformers.utils.get_json_schema``: :meth:`Tool.from_function`);
 ``hyperrl`` — the compact ``<tool>{...}</tool>`` tags for the tiny default, results appended as
-``<result>…</result>`` text. Every failure —
+``<result>…</result>`` text; ``qwen3_coder``, ``glm45``, ``deepseek_v31``, ``kimi_k2`` — 2026's open models'
+formats (:mod:`hyperrl.envs.call_formats`). Each format renders calls too (``render``). Every failure —
 malformed JSON, unknown tool, schema violation, a raised exception, a timeout, too many calls in a
 turn — becomes a ``ToolResult`` with ``ok=False`` whose text the model sees as an observation
 (plus an optional invalid-action reward); it never crashes the rollout. Calls in one turn run
@@ -108,6 +109,7 @@ class ToolFormat:
     chat: bool
     strip: Callable[[str], str] = str.strip  # the text around the calls (an OpenAI reply's ``content``)
     implicit_tool: bool = False  # a call without a name calls the only tool offered
+    render: Callable[[str, dict], str] | None = None  # (name, arguments) → the call as the model writes it
 
     def observation(self, results: list[ToolResult]) -> str | list[dict]:
         if self.chat:
@@ -118,15 +120,30 @@ class ToolFormat:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 TOOL_FORMATS: Registry = Registry("tool-call format")
-TOOL_FORMATS.add("hyperrl", lambda: ToolFormat("hyperrl", parse_tool_calls, chat=False,
-                                                strip=lambda t: _CALL.sub("", t).strip()))
-TOOL_FORMATS.add("hermes", lambda: ToolFormat("hermes", _HERMES.findall, chat=True,
-                                               strip=lambda t: _HERMES.sub("", t).strip()))
+TOOL_FORMATS.add("hyperrl", lambda: ToolFormat(
+    "hyperrl", parse_tool_calls, chat=False, strip=lambda t: _CALL.sub("", t).strip(),
+    render=lambda n, a: "<tool>" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "</tool>"))
+TOOL_FORMATS.add("hermes", lambda: ToolFormat(
+    "hermes", _HERMES.findall, chat=True, strip=lambda t: _HERMES.sub("", t).strip(),
+    render=lambda n, a: "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False)
+    + "\n</tool_call>"))
 # the tiny character model's call: a response beginning with "?" calls the only tool offered, without
 # arguments (a task-bound tool, e.g. an agent's calculator over its own question)
 TOOL_FORMATS.add("qmark", lambda: ToolFormat("qmark", lambda t: ["{}"] if t.startswith("?") else [], chat=True,
                                               strip=lambda t: t[1:].strip() if t.startswith("?") else t.strip(),
                                               implicit_tool=True))
+
+
+def _register_2026_formats() -> None:
+    """Qwen3-Coder, GLM-4.5, DeepSeek-V3.1 and Kimi-K2 (:mod:`hyperrl.envs.call_formats`)."""
+    from hyperrl.envs.call_formats import FORMATS
+
+    for name, (parse, pattern, render) in FORMATS.items():
+        TOOL_FORMATS.add(name, lambda name=name, parse=parse, pattern=pattern, render=render: ToolFormat(
+            name, parse, chat=True, strip=lambda t, p=pattern: p.sub("", t).strip(), render=render))
+
+
+_register_2026_formats()
 
 
 def resolve_call(payload: str, fmt: ToolFormat, names: list[str]) -> tuple[str, object] | str:

@@ -252,3 +252,26 @@ def test_a_stream_the_client_leaves_is_recorded_whole_and_marked():
         gw.finish(ep)
     assert ep.abandoned_streams == 1 and ep.record.log[0]["abandoned"]
     assert ep.record.log[0]["choices"][0]["ids"] == CALLED and ep.record.rows()[0].action.count(True) == len(CALLED)
+
+
+def test_a_qwen3_coder_xml_call_comes_back_as_a_tool_call_on_every_protocol():
+    """The model writes Qwen3-Coder's XML call (raw-text values); chat, Responses and Messages clients all get a
+    structured call with typed arguments."""
+    from hyperrl.envs.tools import TOOL_FORMATS
+    from tests.agents.scripted import ScriptedLM, hermes_script
+
+    xml = TOOL_FORMATS.build("qwen3_coder")().render("calculator", {"expression": "7 * 8", "exact": True})
+    with _gateway(ScriptedLM(len(TOK), hermes_script(TOK, xml, CHARS)), tool_format="qwen3_coder",
+                  max_new_tokens=120) as gw:
+        eps = [gw.open(60 + i) for i in range(3)]
+        q = "What is 7 * 8?"
+        chat = _client(eps[0]).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                        tools=TOOLS).choices[0].message.tool_calls[0].function
+        resp = _client(eps[1]).responses.create(model=MODEL, input=q, tools=R_TOOLS).output[0]
+        msg = _anthropic(eps[2]).messages.create(model=MODEL, max_tokens=120, tools=A_TOOLS,
+                                                 messages=[{"role": "user", "content": q}]).content[0]
+        for e in eps:
+            gw.finish(e)
+    want = {"expression": "7 * 8", "exact": True}
+    assert json.loads(chat.arguments) == json.loads(resp.arguments) == msg.input == want
+    assert chat.name == resp.name == msg.name == "calculator"
