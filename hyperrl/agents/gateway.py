@@ -37,8 +37,10 @@ new weights, its tokens stamped with their versions).
 aiohttp serves it (why: one well-kept package that is both the HTTP server and nothing more — no
 ASGI server + framework pair to keep in step — running its own event loop in a background thread of
 the trainer's process, next to the engine it serves; the request bodies are checked here, each
-error naming its field as OpenAI's do). Binds ``127.0.0.1`` by default; every episode's key is
-random (``secrets``), compared in constant time.
+error naming its field as OpenAI's do). Binds ``127.0.0.1`` by default; ``host`` / ``port`` bind elsewhere
+for agents in containers or on other machines (``public_url``: the address they use, e.g. behind a port
+mapping). Every episode's key is random (``secrets``), compared in constant time, never logged nor echoed
+in an error, and dead when its episode ends (its URL answers 404).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import hmac
 import json
 import queue
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -245,12 +248,13 @@ class Gateway:
     def __init__(self, engine, tokenizer, sampling: SamplingParams, *, tool_format: str | None = "hermes",
                  model_name: str = "hyperrl-policy", max_model_len: int = 4096, max_episode_tokens: int | None = None,
                  training: bool = True, host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.002,
-                 max_batch: int = 256):
+                 max_batch: int = 256, public_url: str | None = None):
         self.engine, self.tok, self.sampling = engine, tokenizer, sampling
         self.format = TOOL_FORMATS.build(tool_format)() if tool_format is not None else None
         self.model_name, self.max_model_len, self.training = model_name, max_model_len, training
         self.max_episode_tokens = max_episode_tokens or max_model_len
         self.host, self.batch_wait_s, self.max_batch = host, batch_wait_s, max_batch
+        self.public_url = public_url.rstrip("/") if public_url else None
         self.episodes: dict[str, GatewayEpisode] = {}
         self.engine_calls = self.engine_rows = 0  # batching: rows per engine call = engine_rows / engine_calls
         # a group's n episodes open with the same messages: their prompt is rendered once
@@ -274,7 +278,12 @@ class Gateway:
     # ------------------------------------------------------------------ episodes
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where agents reach the gateway: ``public_url`` when given (a container's or another host's way in),
+        else the bound address (a wildcard bind is named by this machine's host name)."""
+        if self.public_url:
+            return self.public_url
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
 
     def open(self, uid: int, *, sampling: SamplingParams | None = None, submit: Callable | None = None
              ) -> GatewayEpisode:

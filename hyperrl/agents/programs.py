@@ -63,6 +63,22 @@ def _format(name: str | None) -> str | None:
     return None if name in (None, "none") else check_tool_format(name)
 
 
+def _check_listen(listen) -> None:
+    """``env.gateway``: ``{host: str, port: int 0..65535, public_url: http(s)://…}``, each optional."""
+    if listen is None:
+        return
+    if not isinstance(listen, dict) or set(listen) - {"host", "port", "public_url"}:
+        raise ValueError(f"env.gateway={listen!r}: a mapping of host, port and public_url (each optional)")
+    if not isinstance(listen.get("host", ""), str):
+        raise ValueError(f"env.gateway.host={listen['host']!r}: an address to bind, e.g. 0.0.0.0")
+    port = listen.get("port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"env.gateway.port={port!r}: an integer in [0, 65535] (0: a free port)")
+    url = listen.get("public_url")
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+        raise ValueError(f"env.gateway.public_url={url!r}: the URL agents reach the gateway by, http(s)://host:port")
+
+
 def _prompt_text(sample) -> str:
     p = sample.prompt
     if isinstance(p, str):
@@ -78,14 +94,18 @@ class AgentEnvironment:
     ``"file.py:function"`` judge); ``timeout_s`` per episode; ``tool_format`` the model's tool-call
     format (``hermes``, ``hyperrl``, ``qmark`` or ``none``); ``model_name`` what the client asks for;
     ``isolate`` runs a program in agent processes (not the trainer's), ``workers`` of them (each round's
-    episodes split among them: the SDK's per-call CPU on more than one core)."""
+    episodes split among them: the SDK's per-call CPU on more than one core); ``gateway`` where the gateway
+    listens — ``{host, port, public_url}`` (default 127.0.0.1, a free port; ``public_url`` the address agents
+    in containers or on other hosts reach it by)."""
 
 
     def __init__(self, *, program: str | None = None, command: list[str] | None = None, reward: str | None = None,
                  timeout_s: float = 300.0, tool_format: Annotated[str | None, AfterValidator(_format)] = "hermes",
-                 model_name: str = "hyperrl-policy", isolate: bool = True, workers: int = 1):
+                 model_name: str = "hyperrl-policy", isolate: bool = True, workers: int = 1,
+                 gateway: dict | None = None):
         self.check({"program": program, "command": command, "timeout_s": timeout_s, "workers": workers,
-                    "isolate": isolate})
+                    "isolate": isolate, "gateway": gateway})
+        self.listen = dict(gateway or {})
         self.isolate = isolate and program is not None
         # the program by its absolute path: an agent process loads it again from there
         self.program = (str(Path(program.rpartition(":")[0]).resolve()) + ":" + program.rpartition(":")[2]
@@ -125,6 +145,7 @@ class AgentEnvironment:
             load_function(program, "env.program")
         if args.get("reward") is not None:
             load_function(args["reward"], "env.reward")
+        _check_listen(args.get("gateway"))
         if command is not None and args.get("reward") is None and has_rewards is False:
             raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
                              "or configured rewards: over its final response")
@@ -133,7 +154,8 @@ class AgentEnvironment:
     def bind(self, engine, tokenizer, sampling, *, max_model_len: int, max_episode_tokens: int | None,
              max_concurrent: int, has_rewards: bool, toolbox=None, tool_sources: list | None = None
              ) -> AgentEnvironment:
-        """Serve ``engine`` through a gateway (started now, on a free port of 127.0.0.1). ``toolbox``:
+        """Serve ``engine`` through a gateway (started now; on a free port of 127.0.0.1 unless ``env.gateway`` says
+        where). ``toolbox``:
         the run's ``tools:`` for a program taking ``(sample, client, tools)`` (an agent process starts
         its own from ``tool_sources``)."""
         self.toolbox, self.tool_sources = toolbox, list(tool_sources or [])
@@ -143,7 +165,7 @@ class AgentEnvironment:
                              "or configured rewards: over its final response")
         self.tok, self.max_concurrent, self.has_rewards = tokenizer, max_concurrent, has_rewards
         self.gateway = Gateway(engine, tokenizer, sampling, tool_format=self.tool_format, model_name=self.model_name,
-                               max_model_len=max_model_len, max_episode_tokens=max_episode_tokens)
+                               max_model_len=max_model_len, max_episode_tokens=max_episode_tokens, **self.listen)
         if self.isolate:
             self.worker = AgentPool(self.program, processes=self.workers, timeout_s=self.timeout_s,
                                     max_concurrent=max_concurrent, tool_sources=self.tool_sources)

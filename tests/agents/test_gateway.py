@@ -274,3 +274,39 @@ def test_two_calls_extending_one_chain_at_once_do_not_mix():
     one, two = rec.rows()
     assert one.tokens == a.ids + x and sum(one.action) == len(ok) + len(x)
     assert two.tokens == b.ids + x and sum(two.action) == len(x) and not any(two.action[:len(b.ids)])
+
+
+def test_a_gateway_bound_beyond_loopback_for_remote_agents():
+    """``host`` 0.0.0.0 and ``public_url``: episodes hand out the public URL, the gateway answers on this
+    machine's other addresses, the key is still required (and never echoed), and a finished episode's key is
+    dead."""
+    import socket
+
+    from hyperrl.agents.programs import _check_listen
+
+    with _gateway(host="0.0.0.0", public_url="http://agents.example:9000/") as gw:
+        ep = gw.open(70)
+        assert ep.base_url == f"http://agents.example:9000/episodes/{ep.id}/v1"
+        addrs = {socket.gethostbyname(socket.gethostname()), "127.0.0.1"}
+        for addr in addrs:
+            url = f"http://{addr}:{gw.port}/episodes/{ep.id}/v1"
+            ok = OpenAI(base_url=url, api_key=ep.api_key, max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "What is 7 * 8?"}], tools=TOOLS)
+            assert ok.choices[0].finish_reason == "tool_calls"
+            bad = httpx.post(f"{url}/chat/completions", headers={"Authorization": "Bearer guess"},
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, timeout=30)
+            assert bad.status_code == 401 and "guess" not in bad.text and ep.api_key not in bad.text
+        gw.finish(ep)
+        dead = httpx.post(f"http://127.0.0.1:{gw.port}/episodes/{ep.id}/v1/chat/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {ep.api_key}"},
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        assert dead.status_code == 404
+    with _gateway(host="0.0.0.0") as gw:  # no public URL: the machine's host name
+        assert gw.open(71).base_url.startswith(f"http://{socket.gethostname()}:{gw.port}/episodes/")
+    for bad, key in [({"host": 1}, "host"), ({"port": 70000}, "port"), ({"public_url": "agents:9000"}, "public_url"),
+                     ({"hots": "x"}, "gateway")]:
+        try:
+            _check_listen(bad)
+            raise AssertionError(bad)
+        except ValueError as e:
+            assert f"env.gateway.{key}" in str(e) or (key == "gateway" and "env.gateway=" in str(e)), e
