@@ -13,8 +13,10 @@ Written from the finished turn, as the Responses stream is.
 Served: ``model``, ``messages``, ``system`` (a string or text blocks), ``max_tokens`` (required, as Anthropic's),
 ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` (a training run samples at its own values, as for
 every protocol), ``stream``, ``tools`` (custom tools; Anthropic's server tools — web search, bash, text editor…
-— are refused by name), ``tool_choice``, ``thinking`` when disabled. Accepted without effect: ``metadata``,
-``service_tier``, ``cache_control`` on blocks. Anything else is a 400 naming the field.
+— are refused by name), ``tool_choice``, ``thinking`` when disabled or adaptive (a budgeted one is refused),
+``system`` turns among the messages (Claude Code's reminders). Accepted without effect: ``metadata``,
+``service_tier``, ``context_management``, ``output_config`` (effort), ``cache_control`` on blocks. Anything else
+is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["SERVED_FIELDS", "IGNORED_FIELDS", "request_messages", "request_tools
 
 SERVED_FIELDS = frozenset({"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
                            "top_k", "stream", "tools", "tool_choice", "thinking"})
-IGNORED_FIELDS = frozenset({"metadata", "service_tier", "context_management", "container"})
+IGNORED_FIELDS = frozenset({"metadata", "service_tier", "context_management", "container", "output_config"})
 
 
 def _text_blocks(content, where: str) -> str:
@@ -48,9 +50,10 @@ def _check_fields(body: dict) -> None:
         if k not in SERVED_FIELDS and k not in IGNORED_FIELDS:
             raise RequestError(k, "unknown or unsupported parameter for this gateway's Messages API")
     thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise RequestError("thinking", "extended thinking is not served (the policy's reasoning is in its text); "
-                                       "omit it or send {'type': 'disabled'}")
+    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("disabled",
+                                                                                                "adaptive")):
+        raise RequestError("thinking", "extended thinking with a budget is not served (the policy's reasoning is in "
+                                       "its text); omit it or send {'type': 'disabled'} or {'type': 'adaptive'}")
 
 
 def request_messages(body: dict) -> list[dict]:
@@ -67,9 +70,12 @@ def request_messages(body: dict) -> list[dict]:
         out.append({"role": "system", "content": _text_blocks(system, "system")})
     for i, m in enumerate(msgs):
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise RequestError(f"messages[{i}].role", f"{role!r}: 'user' or 'assistant'")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(f"messages[{i}].role", f"{role!r}: 'user', 'assistant' or 'system'")
         content = m.get("content")
+        if role == "system":  # Claude Code sends reminders as system turns among the messages
+            out.append({"role": "system", "content": _text_blocks(content, f"messages[{i}].content")})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise RequestError(f"messages[{i}].content", "must be a string or a list of content blocks")
