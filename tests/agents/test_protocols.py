@@ -275,3 +275,22 @@ def test_a_qwen3_coder_xml_call_comes_back_as_a_tool_call_on_every_protocol():
     want = {"expression": "7 * 8", "exact": True}
     assert json.loads(chat.arguments) == json.loads(resp.arguments) == msg.input == want
     assert chat.name == resp.name == msg.name == "calculator"
+
+
+def test_what_claude_code_sends_is_served():
+    """Claude Code 2.1.328's request shape (seen by hand): cached system blocks, a system turn among the
+    messages, adaptive thinking, output_config, context_management, metadata — served, not refused."""
+    with _gateway() as gw:
+        ep = gw.open(80)
+        body = {"model": MODEL, "max_tokens": 40, "stream": True, "metadata": {"user_id": "u"},
+                "system": [{"type": "text", "text": "You are Claude Code."},
+                           {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "What is 7 * 8?"}]},
+                             {"role": "system", "content": [{"type": "text", "text": "reminder"}]}],
+                "tools": A_TOOLS, "thinking": {"type": "adaptive", "display": "omitted"},
+                "output_config": {"effort": "high"}, "context_management": {"edits": []}}
+        out = httpx.post(f"{ep.base_url}/messages", json=body, headers={"x-api-key": ep.api_key}, timeout=30)
+        gw.finish(ep)
+    assert out.status_code == 200 and "event: message_stop" in out.text
+    prompt = TOK.decode(ep.record.log[0]["prompt_ids"])
+    assert "You are Claude Code.Be brief." in prompt and "<|im_start|>system\nreminder" in prompt
