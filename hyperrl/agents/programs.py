@@ -5,10 +5,12 @@
 ``async def``) client bound to its episode's base URL and key; it returns the episode's reward (a
 number), an :class:`AgentResult`, or None (the configured ``rewards:`` then score the episode's
 responses). ``env: {name: agent, command: ["python", "my_cli_agent.py", "--task", "{prompt}"]}`` —
-any process that reads ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``, started per episode without a
+any process that reads ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (or ``ANTHROPIC_BASE_URL`` /
+``ANTHROPIC_API_KEY``), started per episode without a
 shell (each argument formatted with ``{prompt}``, ``{uid}``, ``{result_file}`` and
 ``{extra[key]}``; ``HYPERRL_RESULT_FILE`` names the same file), killed with its whole process group
-at ``timeout_s``; ``reward: "file.py:fn"`` scores it — ``fn(sample, result: CommandResult)`` sees
+at ``timeout_s``; ``harness: codex`` or ``claude_code`` runs a real coding-agent CLI the same way
+(:mod:`hyperrl.agents.harnesses`); ``reward: "file.py:fn"`` scores it — ``fn(sample, result: CommandResult)`` sees
 its stdout, stderr, exit code and result file — or, without one, the configured ``rewards:`` do.
 
 Episodes run concurrently, at most ``rollout.max_concurrent_episodes`` at once (async programs on
@@ -90,7 +92,8 @@ def _prompt_text(sample) -> str:
 @register_environment("agent", capabilities=EnvCapabilities(owns_loop=True))
 class AgentEnvironment:
     """An agent that owns its loop, behind the gateway (see the module doc). Hyperparameters:
-    ``program`` (``"file.py:function"``) or ``command`` (an argv list); ``reward`` (a command's
+    ``program`` (``"file.py:function"``), ``command`` (an argv list) or ``harness`` (a coding-agent CLI:
+    ``codex`` or ``claude_code``, :mod:`hyperrl.agents.harnesses`); ``reward`` (a command's
     ``"file.py:function"`` judge); ``timeout_s`` per episode; ``tool_format`` the model's tool-call
     format (``hermes``, ``hyperrl``, ``qmark`` or ``none``); ``model_name`` what the client asks for;
     ``isolate`` runs a program in agent processes (not the trainer's), ``workers`` of them (each round's
@@ -99,18 +102,21 @@ class AgentEnvironment:
     in containers or on other hosts reach it by)."""
 
 
-    def __init__(self, *, program: str | None = None, command: list[str] | None = None, reward: str | None = None,
+    def __init__(self, *, program: str | None = None, command: list[str] | None = None, harness: str | None = None,
+                 reward: str | None = None,
                  timeout_s: float = 300.0, tool_format: Annotated[str | None, AfterValidator(_format)] = "hermes",
                  model_name: str = "hyperrl-policy", isolate: bool = True, workers: int = 1,
                  gateway: dict | None = None):
-        self.check({"program": program, "command": command, "timeout_s": timeout_s, "workers": workers,
-                    "isolate": isolate, "gateway": gateway})
+        self.check({"program": program, "command": command, "harness": harness, "timeout_s": timeout_s,
+                    "workers": workers, "isolate": isolate, "gateway": gateway})
         self.listen = dict(gateway or {})
         self.isolate = isolate and program is not None
         # the program by its absolute path: an agent process loads it again from there
         self.program = (str(Path(program.rpartition(":")[0]).resolve()) + ":" + program.rpartition(":")[2]
                         if program is not None else None)
-        self.command = list(command) if command is not None else None
+        # a harness (codex, claude_code) is a CLI agent whose command line the harness writes per episode
+        self.command = list(command) if command is not None else (["{harness}"] if harness is not None else None)
+        self.harness_name, self.harness = harness, None
         self.judge = load_function(reward, "env.reward") if reward is not None else None
         self.timeout_s, self.tool_format, self.model_name = timeout_s, tool_format, model_name
         self.workers = workers
@@ -124,16 +130,22 @@ class AgentEnvironment:
         ``ValueError`` naming the key): exactly one of ``program`` / ``command``, the program
         importable and a function, a command an argv list, a CLI agent judged (``reward`` or
         ``rewards:``, when ``has_rewards`` is known)."""
-        program, command = args.get("program"), args.get("command")
-        if (program is None) == (command is None):
-            raise ValueError("env.program: environment 'agent' needs env.program (\"file.py:function\") or "
-                             "env.command (an argv list) — exactly one")
+        from hyperrl.agents.harnesses import HARNESSES
+
+        program, command, harness = args.get("program"), args.get("command"), args.get("harness")
+        if sum(x is not None for x in (program, command, harness)) != 1:
+            raise ValueError("env.program: environment 'agent' needs env.program (\"file.py:function\"), "
+                             "env.command (an argv list) or env.harness (a CLI agent: "
+                             f"{' | '.join(HARNESSES.names())}) — exactly one")
+        if harness is not None and harness not in HARNESSES.names():
+            raise ValueError(f"env.harness={harness!r}: one of {HARNESSES.names()}")
+        cli = command is not None or harness is not None
         if args.get("timeout_s", 1.0) <= 0:
             raise ValueError(f"env.timeout_s={args['timeout_s']}: must be > 0")
         workers = args.get("workers", 1)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"env.workers={workers!r}: the number of agent processes, an integer ≥ 1")
-        if workers > 1 and (command is not None or args.get("isolate") is False):
+        if workers > 1 and (cli or args.get("isolate") is False):
             raise ValueError(f"env.workers={workers}: agent processes run a program (env.program) with "
                              "env.isolate true; a CLI agent is already a process per episode — leave env.workers 1")
         if command is not None and (not isinstance(command, list) or not command
@@ -146,7 +158,7 @@ class AgentEnvironment:
         if args.get("reward") is not None:
             load_function(args["reward"], "env.reward")
         _check_listen(args.get("gateway"))
-        if command is not None and args.get("reward") is None and has_rewards is False:
+        if cli and args.get("reward") is None and has_rewards is False:
             raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
                              "or configured rewards: over its final response")
 
@@ -164,6 +176,10 @@ class AgentEnvironment:
             raise ValueError("env.command: a CLI agent needs env.reward (\"file.py:function\" judging its result) "
                              "or configured rewards: over its final response")
         self.tok, self.max_concurrent, self.has_rewards = tokenizer, max_concurrent, has_rewards
+        if self.harness_name is not None:
+            from hyperrl.agents.harnesses import HARNESSES
+
+            self.harness = HARNESSES.build(self.harness_name)()  # a CLI that is not installed fails here, named
         self.gateway = Gateway(engine, tokenizer, sampling, tool_format=self.tool_format, model_name=self.model_name,
                                max_model_len=max_model_len, max_episode_tokens=max_episode_tokens, **self.listen)
         if self.isolate:
@@ -241,14 +257,19 @@ class AgentEnvironment:
     def _run_command(self, sample, ep) -> EpisodeOutcome:
         with tempfile.TemporaryDirectory(prefix="hyperrl-agent-") as tmp:
             result_file = str(Path(tmp) / "result")
+            extra: dict[str, str] = {}
             try:
-                argv = [a.format(prompt=_prompt_text(sample), uid=ep.uid, result_file=result_file,
-                                 extra=dict(getattr(sample, "extra", None) or {})) for a in self.command]
+                if self.harness is not None:
+                    argv, extra = self.harness.prepare(ep, Path(tmp), _prompt_text(sample), self.model_name)
+                else:
+                    argv = [a.format(prompt=_prompt_text(sample), uid=ep.uid, result_file=result_file,
+                                     extra=dict(getattr(sample, "extra", None) or {})) for a in self.command]
             except (KeyError, IndexError, ValueError) as e:
                 return EpisodeOutcome(error=f"env.command: cannot format {self.command} ({type(e).__name__}: {e}); "
                                             "placeholders: {prompt}, {uid}, {result_file}, {extra[key]}")
             env = {**os.environ, "OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key,
-                   "HYPERRL_RESULT_FILE": result_file}
+                   "ANTHROPIC_BASE_URL": ep.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": ep.api_key,
+                   "HYPERRL_RESULT_FILE": result_file, **extra}
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         env=env, cwd=tmp, start_new_session=True, text=True)
