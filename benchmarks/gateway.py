@@ -6,7 +6,9 @@ One call at a time (the latency an agent sees), on the tiny model the calculator
 128 × 2 layers, the character tokenizer and its chat template); each call opens an episode and sends
 a one-message chat (the gateway's route, authorise, render, tokenise, sample, record and respond
 path; the openai client is built per episode over one shared connection pool, as the agent runner
-does). Appends the table to RESULTS.md. Target (issue 29): ≤ 5 ms per call.
+does). Every protocol, streamed and not (issue 51): chat completions, the Responses API (``openai`` client) and
+the Messages API (``anthropic`` client). Appends the table to RESULTS.md. Target (issues 29, 51): ≤ 5 ms per
+call.
 
     python benchmarks/gateway.py --calls 300
 """
@@ -25,6 +27,7 @@ from benchmarks._common import append_results, table  # noqa: E402
 
 
 def main():
+    import anthropic
     import httpx
     import openai
     import torch
@@ -64,8 +67,32 @@ def main():
                      headers={"Authorization": f"Bearer {ep.api_key}"}).json()
             gw.finish(ep)
 
+        def episode(i, fn):
+            ep = gw.open(i)
+            fn(ep)
+            gw.finish(ep)
+
+        def oa(ep):
+            return openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, http_client=http)
+
+        def an(ep):
+            return anthropic.Anthropic(base_url=ep.base_url.removesuffix("/v1"), api_key=ep.api_key, max_retries=0,
+                                       http_client=http_an)
+
+        http_an = anthropic.DefaultHttpxClient()
         calls = {"engine directly": lambda i: engine.generate_requests([Request(i, ids)], sp),
-                 "gateway, openai client": via_client, "gateway, bare httpx POST": via_httpx}
+                 "gateway, openai client": via_client, "gateway, bare httpx POST": via_httpx,
+                 "chat, streamed": lambda i: episode(i, lambda ep: list(oa(ep).chat.completions.create(
+                     **body, stream=True))),
+                 "responses": lambda i: episode(i, lambda ep: oa(ep).responses.create(model=body["model"],
+                                                                                     input=messages)),
+                 "responses, streamed": lambda i: episode(i, lambda ep: list(oa(ep).responses.create(
+                     model=body["model"], input=messages, stream=True))),
+                 "messages (anthropic client)": lambda i: episode(i, lambda ep: an(ep).messages.create(
+                     model=body["model"], max_tokens=args.max_new_tokens, messages=messages)),
+                 "messages, streamed": lambda i: episode(i, lambda ep: list(an(ep).messages.create(
+                     model=body["model"], max_tokens=args.max_new_tokens, messages=messages, stream=True)))}
+        per.update({k: [] for k in calls if k not in per})
         for f in calls.values():  # warm up every path
             for i in range(10):
                 f(i)
