@@ -10,6 +10,8 @@ until it first reached ``--target``.
         --extra=--rollout.max_new_tokens=1 --extra=--run.steps=1000
     python benchmarks/seeds.py --metric eval_success_rate --target 0.5 --floor 0.9 --at 100 200 300 400 500 \
         --extra=--config=configs/calculator.yaml     # the tool-use task
+    python benchmarks/seeds.py --seeds 0 1 2 --metric eval_reward_passed_mean --target 0.8 --at 500 1000 1500 2000 \
+        --keep /tmp/code-seeds --extra=--config=configs/code.yaml   # the code task (then benchmarks/code_answers.py)
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def main():
     ap.add_argument("--metric", default="eval_reward_exact_answer_mean", help="the held-out metric to report")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--floor", type=float, default=0.8, help="also count the seeds at or above this at the last step")
+    ap.add_argument("--keep", type=Path, default=None, help="keep each seed's run in KEEP/seedS (e.g. for "
+                    "benchmarks/code_answers.py) instead of a temporary directory")
     ap.add_argument("--extra", action="extend", nargs="*", default=[],
                     help="more overrides (repeatable), e.g. --extra=--algo.recipe=dapo --extra=--run.steps=500")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for s in args.seeds:
-            out = Path(tmp) / f"seed{s}"
+            out = (args.keep or Path(tmp)) / f"seed{s}"
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "hyperrl.cli", "train", f"--run.seed={s}", f"--run.out_dir={out}",
                             *args.extra], check=True, capture_output=True)

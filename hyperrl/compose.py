@@ -181,7 +181,8 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
                           vision=vision)
     scorer = Scorer(tok, task, rewards=rewards, multi_turn=driver.multi_turn,
                     stop_ids=stop_ids, token_rewards="token_rewards" in pipeline.needs)
-    evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts)
+    evaluator = Evaluator(generator, scorer, task, parallel, eval_n=cfg.run.eval_n, eval_prompts=cfg.run.eval_prompts,
+                          greedy=cfg.run.eval_greedy)
     forwards = Forwards(cfg, parallel, next(policy.parameters()).device)
     try:
         teachers = build_teachers(cfg, tok, next(policy.parameters()).device)

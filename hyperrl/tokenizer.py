@@ -121,7 +121,12 @@ def encode_text(tok, text: str, *, special: bool = False) -> list[int]:
     try:
         return list(tok.encode(text, add_special_tokens=special))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for unknown symbols
-        raise TokenizerError(f"text {text[:60]!r} cannot be tokenised: {e}") from None
+        vocab = tok.get_vocab()
+        missing = sorted({c for c in text if c not in vocab}) if all(len(k) == 1 for k in vocab if "<" not in k) \
+            else []
+        hint = f" (characters not in its vocabulary: {''.join(missing)!r}; model.alphabet sets the embedded " \
+               "tokenizer's)" if missing else ""
+        raise TokenizerError(f"text {text[:60]!r} cannot be tokenised: {e}{hint}") from None
 
 
 def encode_prompt(tok, prompt: str | list, *, tools: list | None = None) -> list[int]:

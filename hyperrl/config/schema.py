@@ -140,6 +140,25 @@ class ModelConfig(_Frozen):
     checkpoint: str | None = Field(None, description="a local HF checkpoint directory instead of a random init")
     tokenizer: str | None = Field(None, description="tokenizer directory (AutoTokenizer); default: the checkpoint's "
                                   "own, or the embedded character tokenizer without a checkpoint")
+    alphabet: str | None = Field(None, description="the embedded character tokenizer's characters (random init "
+                                 "only; default: digits, letters and punctuation) — a task's own alphabet: a "
+                                 "random-init model explores among fewer tokens (configs/code.yaml)")
+
+    @field_validator("alphabet")
+    @classmethod
+    def _alphabet(cls, v):
+        if v is not None:
+            repeated = sorted({c for c in v if v.count(c) > 1})
+            if not v or repeated:
+                raise ValueError(f"model.alphabet={v!r}: needs distinct characters (repeated: {repeated})")
+        return v
+
+    @model_validator(mode="after")
+    def _alphabet_without_checkpoint(self):
+        if self.alphabet is not None and (self.checkpoint or self.tokenizer):
+            raise ValueError("model.alphabet is the embedded character tokenizer's, for a random init; with "
+                             "model.checkpoint or model.tokenizer the tokenizer is that directory's — unset one")
+        return self
     chat_template: str | None = Field(None, description="the chat template (Jinja text, or a path to a .jinja file) "
                                       "replacing the tokenizer's own — what rollout, the gateway and export use "
                                       "(verl's model.custom_chat_template, TRL's chat_template_path)")
@@ -368,6 +387,16 @@ class RunConfig(_Frozen):
     eval_prompts: int = Field(256, ge=1, description="held-out prompts per evaluation (files tasks: 64 when unset)")
     eval_n: int = Field(1, ge=1, description="samples per held-out prompt: eval_reward_mean = mean@k, "
                         "eval_pass_at_k = mean over prompts of the best sample's reward")
+    eval_greedy: bool = Field(False, description="held-out answers decoded greedily (the policy's most likely "
+                              "token each step: verl's val_kwargs do_sample false) instead of sampled as in "
+                              "rollout; needs eval_n 1")
+
+    @model_validator(mode="after")
+    def _greedy_once(self):
+        if self.eval_greedy and self.eval_n > 1:
+            raise ValueError(f"run.eval_greedy with run.eval_n={self.eval_n}: greedy answers are all the same; "
+                             "set eval_n 1, or eval_greedy false to sample eval_n")
+        return self
     log_completions: int = Field(0, ge=0, description="write k rows per step (prompt, completion, rewards, "
                                  "advantage) to completions.jsonl (and TensorBoard / W&B)")
     keep_last_k: int = Field(0, ge=0, description="keep only the newest k checkpoints (0 = all; files tasks: 3 "

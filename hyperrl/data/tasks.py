@@ -192,14 +192,15 @@ class RepeatTask(InCodeTask):
 
 @dataclass
 class PostfixTask(InCodeTask):
-    """A code task that only running the answer can judge, generated in code: the prompt is a function of ``x`` in
-    postfix notation — ``"x3*1+="`` (``3·x + 1``) or ``"x3+2*="`` (``(x + 3)·2``), digits ``1..max_digit`` — and
-    the answer a Python expression of ``x`` computing it: ``"3*x+1"``, ``"x*3+1"``, ``"1+3*x"``, ``"(x+3)*2"``,
-    ``"2*x+6"`` are all right. Each sample carries its ``tests`` — for a few values of ``x`` (up to 30, where no
-    constant is near): the result is an int, within 20, within 5, exact (so nearer programs pass more) — and
+    """A code task that only running the answer can judge, generated in code: the prompt is a linear function
+    ``a·x + b`` in postfix notation — ``"x3*1+="`` (``3·x + 1``), ``"x3*1-="`` (``3·x − 1``), ``"x3*="`` (``3·x``);
+    ``a`` in ``1..max_digit``, ``b`` in ``−max_digit..max_digit`` — and the answer a Python expression of ``x``
+    computing it: ``"3*x+1"``, ``"x*3+1"``, ``"1+3*x"``, ``"x+x+x+1"`` are all right. Each sample carries its
+    ``tests`` (:meth:`tests` at ``xs``: increasing, then within 10×, 2×, 10 %, exact at each — the reward climbs
+    from ``x`` to ``x*5`` to ``x*3`` to ``x*3+1``, and a constant passes at most one of the 13) and
     ``prefix`` ``"f = lambda x: "`` (the program the code reward runs is the prefix and the answer). The reference
-    answer (``answer``: ``"3*x+1"``, ``"2*(x+3)"``)
-    is one correct program among many; a fixed ``held_out_frac`` of the functions is held out."""
+    answer (``answer``: ``"3*x+1"``) is one correct program among many; a fixed ``held_out_frac`` of the functions
+    is held out."""
 
     tokenizer: object
     max_digit: int = 9
@@ -207,26 +208,35 @@ class PostfixTask(InCodeTask):
     split_seed: int = 0
     seed: int = 0
     rewards: tuple = field(default_factory=lambda: _reward_fns(("program_passes",), "task.rewards"))
-    xs: tuple[int, ...] = (0, 1, 2, 5, 9, 30)  # 30: no constant is within 20 of every function there
+    xs: tuple[int, ...] = (10, 10_000, 10_000_000)  # far apart: a constant is within 10× of one at most
     prefix = "f = lambda x: "
 
     def __post_init__(self):
-        problems = [(form, a, b) for form in ("*+", "+*") for a in range(1, self.max_digit + 1)
-                    for b in range(1, self.max_digit + 1)]
+        problems = [(a, b) for a in range(1, self.max_digit + 1) for b in range(-self.max_digit, self.max_digit + 1)]
         self._train, self._eval = held_out_split(problems, self.held_out_frac, self.split_seed, 13)
 
     @property
     def response_tokens(self) -> int:
-        return len("(x+9)*9") + 1
+        return len("9*x+9") + 1
 
-    def _sample(self, p: tuple[str, int, int]) -> Sample:
-        form, a, b = p
-        f = (lambda x: a * x + b) if form == "*+" else (lambda x: (x + a) * b)
-        reference = f"{a}*x+{b}" if form == "*+" else f"{b}*(x+{a})"
-        tests = [t for x in self.xs for t in (f"assert isinstance(f({x}), int)", f"assert abs(f({x}) - {f(x)}) <= 20",
-                                              f"assert abs(f({x}) - {f(x)}) <= 5", f"assert f({x}) == {f(x)}")]
-        rpn = f"x{a}{form[0]}{b}{form[1]}"
-        return Sample(f"{rpn}=", reference, f"postfix:{rpn}", {"tests": tests, "prefix": self.prefix})
+    @staticmethod
+    def tests(f, xs) -> list[str]:
+        """The graded asserts for the increasing function ``f`` at ``xs`` (each ``f(x) > 0``): the program
+        increases over ``xs`` (a constant does not), then at each ``x`` within a factor of 10, within a factor of 2,
+        within 10 %, exact — the pass fraction rises as the program nears ``f``."""
+        out = [f"assert {' < '.join(f'f({x})' for x in xs)}"]
+        for x in xs:
+            t = f(x)
+            out += [f"assert {t} / 10 <= f({x}) <= {t} * 10", f"assert {t} / 2 <= f({x}) <= {t} * 2",
+                    f"assert abs(f({x}) - {t}) <= {t} / 10", f"assert f({x}) == {t}"]
+        return out
+
+    def _sample(self, p: tuple[int, int]) -> Sample:
+        a, b = p
+        tests = self.tests(lambda x: a * x + b, self.xs)
+        rpn = f"x{a}*" + (f"{b}+" if b > 0 else f"{-b}-" if b < 0 else "")
+        answer = f"{a}*x" + (f"{b:+d}" if b else "")
+        return Sample(f"{rpn}=", answer, f"postfix:{rpn}", {"tests": tests, "prefix": self.prefix})
 
     def sample(self, k: int, step: int, attempt: int = 0) -> list[Sample]:
         """``k`` training functions for ``step``, uniformly with replacement (a pure function of seed, step,
@@ -512,10 +522,11 @@ def repeat(tokenizer, seed: int, *, short_max: int = 3, tail_min: int = 12, tail
 @register_task("postfix", produces=("reward",))
 def postfix(tokenizer, seed: int, *, max_digit: int = 9, held_out_frac: float = 0.15, split_seed: int = 0,
             rewards: tuple[RewardName, ...] = ("program_passes",)) -> PostfixTask:
-    """A function of ``x`` in postfix notation (``"x3*1+="``) → a Python expression computing it, judged by running
-    it against the sample's tests in the sandbox (many programs are right: ``3*x+1``, ``x*3+1``, ``1+3*x``); 2 ×
-    ``max_digit``² functions, a fixed ``held_out_frac`` held out. ``configs/code.yaml`` trains it with the ``code``
-    reward (pass fraction, and all-pass as the held-out pass rate)."""
+    """A linear function of ``x`` in postfix notation (``"x3*1+="``) → a Python expression computing it, judged by
+    running it against the sample's tests in the sandbox (many programs are right: ``3*x+1``, ``x*3+1``,
+    ``1+3*x``); ``max_digit`` × (2·``max_digit`` + 1) functions (a in 1..max_digit, b in −max_digit..max_digit), a
+    fixed ``held_out_frac`` held out. ``configs/code.yaml`` trains it with the ``code`` reward (pass fraction, and
+    all-pass as the held-out pass rate)."""
     if not 1 <= max_digit <= 9:
         raise ValueError(f"task.max_digit={max_digit}: single digits, 1..9")
     return PostfixTask(tokenizer, max_digit, held_out_frac, split_seed, seed, _reward_fns(rewards, "task.rewards"))

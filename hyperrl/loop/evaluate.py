@@ -3,6 +3,8 @@ environment (multi-turn) and the configured rewards, ``eval_n`` samples per prom
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hyperrl.errors import HyperRLError
@@ -19,15 +21,19 @@ class Evaluator:
     of the best sample's reward: pass@k for 0/1 rewards), ``eval_response_len_mean``,
     ``eval_response_clipped_frac`` (responses that hit the token budget without a stop), each reward's
     mean; multi-turn: the tool-call rate and, when the environment reports it, ``eval_success_rate``.
+    ``greedy``: the answers decoded greedily (top-k 1) rather than sampled as in rollout.
     Data parallel: each rank evaluates its share of the prompts and the sums are all-reduced (exact means)."""
 
-    def __init__(self, generator, scorer, task, parallel, *, eval_n: int, eval_prompts: int):
+    def __init__(self, generator, scorer, task, parallel, *, eval_n: int, eval_prompts: int, greedy: bool = False):
         self.generator, self.scorer, self.task, self.parallel = generator, scorer, task, parallel
-        self.eval_n, self.eval_prompts = eval_n, eval_prompts
+        self.eval_n, self.eval_prompts, self.greedy = eval_n, eval_prompts, greedy
 
     def _sums(self, samples) -> dict[str, float]:
         """This rank's sums over its held-out prompts (rows, rewards, best per prompt, lengths, …)."""
-        batch = self.generator.generate(samples, self.generator.sampling(0, seed_offset=10**6), self.eval_n)
+        sampling = self.generator.sampling(0, seed_offset=10**6)
+        if self.greedy:  # top-k 1: the most likely token (the sampled distribution is the argmax's point mass)
+            sampling = dataclasses.replace(sampling, top_k=1)
+        batch = self.generator.generate(samples, sampling, self.eval_n)
         batch = self.scorer.score(batch, dict(enumerate(samples)))
         self.scorer.pop_extra()
         r, g = batch["reward"], batch["group_id"]

@@ -11,7 +11,7 @@ from hyperrl.models.critic import ValueModel
 from hyperrl.models.lora import AdapterDisabled, apply_lora
 from hyperrl.models.tiny import tiny_qwen2_5_vl, tiny_qwen3, tiny_qwen3_moe
 from hyperrl.multimodal import VISION_SPECIAL_TOKENS, suppress_outputs, vision_spec
-from hyperrl.tokenizer import char_tokenizer, check_vocab, load_tokenizer, read_chat_template
+from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer, check_vocab, load_tokenizer, read_chat_template
 
 __all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer",
            "build_image_processor", "load_image_processor", "is_vision_checkpoint"]
@@ -43,10 +43,11 @@ def _tiny(cfg, tok, seed: int):
 
 def build_tokenizer(cfg):
     """The model's own tokenizer (``model.tokenizer``, else the checkpoint's directory), or the
-    embedded character tokenizer for the random-init default; ``model.chat_template`` replaces its
-    template."""
+    embedded character tokenizer for the random-init default (over ``model.alphabet`` when set);
+    ``model.chat_template`` replaces its template."""
     src = cfg.model.tokenizer or cfg.model.checkpoint
-    tok = load_tokenizer(src) if src else char_tokenizer(specials=VISION_SPECIAL_TOKENS if cfg.model.vision else ())
+    tok = load_tokenizer(src) if src else char_tokenizer(cfg.model.alphabet or DEFAULT_ALPHABET,
+                                                         specials=VISION_SPECIAL_TOKENS if cfg.model.vision else ())
     if cfg.model.chat_template is not None:
         tok.chat_template = read_chat_template(cfg.model.chat_template)
     return tok

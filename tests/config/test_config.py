@@ -108,6 +108,11 @@ def _needs_foo(batch, *, x: int = 1):
                                      r"which this run does not produce"),
     (["--rollout.n=0"], r"rollout.n: 0 is not valid — Input should be greater than or equal to 1"),
     (["--algo.bogus=1"], r"unknown config key 'algo.bogus'; valid keys under algo: \['advantage'"),
+    (["--model.alphabet=x+x"], r"model.alphabet='x\+x': needs distinct characters \(repeated: \['x'\]\)"),
+    (["--model.alphabet=x+", "--model.tokenizer=/tok"], r"model.alphabet is the embedded character tokenizer's, for "
+                                                          r"a random init; with model.checkpoint or model.tokenizer"),
+    (["--run.eval_greedy=true", "--run.eval_n=4"], r"run.eval_greedy with run.eval_n=4: greedy answers are all the "
+                                                    r"same; set eval_n 1"),
 ])
 def test_bad_input_names_the_key_and_the_fix(overrides, message, monkeypatch):
     monkeypatch.setattr(T.ADVANTAGES, "_items", dict(T.ADVANTAGES._items))
