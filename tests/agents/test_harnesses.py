@@ -6,6 +6,9 @@ of a 400-id BPE)."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from hyperrl.agents import AgentEnvironment
@@ -14,7 +17,20 @@ from hyperrl.rollout import SamplingParams, TransformersEngine
 from tests.agents.scripted import ScriptedLM
 from tests.agents.test_gateway import END, TOK
 
+pytestmark = pytest.mark.xdist_group("agent_clis")  # one worker installs them, once
+
 ANSWER = TOK.encode("Done: 56") + [END]
+CLIS = Path(__file__).resolve().parents[2] / "agents-cli"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def clis():
+    """The pinned CLIs (agents-cli/package-lock.json), installed with ``npm ci`` when a fresh clone lacks them —
+    as .ci/run does; npm missing or failing is the test's failure, named."""
+    if not all((CLIS / "node_modules" / ".bin" / c).exists() for c in ("codex", "claude")):
+        r = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=CLIS, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, f"npm ci --prefix agents-cli failed: {r.stderr[-2000:]}"
 JUDGE = '''
 import json
 def judge(sample, result):
