@@ -407,11 +407,10 @@ class Gateway:
                                                        "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
-            for ev in out.events:
-                line = (f"event: {ev['type']}\n" if out.named else "") + f"data: {json.dumps(ev)}\n\n"
-                await resp.write(line.encode())
-            if out.done:
-                await resp.write(b"data: [DONE]\n\n")
+            # the turn is finished: its events go out in one write (a client reads them one by one all the same)
+            text = "".join((f"event: {ev['type']}\n" if out.named else "") + f"data: {json.dumps(ev)}\n\n"
+                           for ev in out.events)
+            await resp.write((text + ("data: [DONE]\n\n" if out.done else "")).encode())
             await resp.write_eof()
         except (ConnectionError, RuntimeError) as e:  # aiohttp's ClientConnectionResetError is a ConnectionError
             if out.episode is not None:
