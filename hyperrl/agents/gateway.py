@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 
 from hyperrl.agents import messages_api, responses_api
 from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
+from hyperrl.agents.streams import SSE, chat_chunks
 from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
 from hyperrl.errors import HyperRLError
 from hyperrl.rollout.requests import Request, call_key
@@ -114,52 +115,6 @@ class _Job:
     call: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-
-
-@dataclass
-class _SSE:
-    """A streamed answer: its events (``named``: each written with its ``event:`` line, as the Responses and
-    Messages APIs do; ``done``: ended by ``data: [DONE]``, as chat completions are) and the record entry it
-    answers (marked ``abandoned`` when the client leaves before the end)."""
-
-    events: list[dict]
-    named: bool = False
-    done: bool = False
-    episode: GatewayEpisode | None = None
-    log_index: int | None = None
-
-
-def chat_chunks(out: dict, include_usage: bool) -> list[dict]:
-    """A chat completion as the ``chat.completion.chunk`` objects of its stream: per choice the role, the
-    content in pieces (one piece with its log-probs when they were asked for), each tool call's id and name then
-    its arguments, and the finish reason; with ``include_usage`` a last chunk with no choices and the usage."""
-    head = {"id": out["id"], "object": "chat.completion.chunk", "created": out["created"], "model": out["model"]}
-    extra = {"usage": None} if include_usage else {}
-    chunks = []
-
-    def emit(j: int, delta: dict, finish=None, logprobs=None) -> None:
-        chunks.append({**head, "choices": [{"index": j, "delta": delta, "finish_reason": finish,
-                                            "logprobs": logprobs}], **extra})
-
-    for c in out["choices"]:
-        j, msg = c["index"], c["message"]
-        emit(j, {"role": "assistant", "content": ""})
-        text = msg.get("content") or ""
-        if c.get("logprobs") is not None:
-            emit(j, {"content": text}, logprobs=c["logprobs"])
-        else:
-            for k in range(0, len(text), 32):
-                emit(j, {"content": text[k:k + 32]})
-        for k, call in enumerate(msg.get("tool_calls") or []):
-            emit(j, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                     "function": {"name": call["function"]["name"], "arguments": ""}}]})
-            args = call["function"]["arguments"]
-            for a in range(0, len(args), 32):
-                emit(j, {"tool_calls": [{"index": k, "function": {"arguments": args[a:a + 32]}}]})
-        emit(j, {}, finish=c["finish_reason"])
-    if include_usage:
-        chunks.append({**head, "choices": [], "usage": out["usage"]})
-    return chunks
 
 
 def _bad(param: str, message: str) -> GatewayError:
@@ -384,7 +339,7 @@ class Gateway:
                 if request.method == "POST" and not isinstance(body, dict):
                     raise _bad("body", "must be a JSON object")
                 out = await handler(ep, body)
-                if isinstance(out, _SSE):
+                if isinstance(out, SSE):
                     out.episode, out.log_index = ep, ep.last_logged
                     return await self._stream(request, out)
                 return web.json_response(out)
@@ -398,7 +353,7 @@ class Gateway:
                 return error(GatewayError(500, f"{type(e).__name__}: {e}", type="server_error"))
         return run
 
-    async def _stream(self, request, out: _SSE):
+    async def _stream(self, request, out: SSE):
         """Write ``out``'s events as server-sent events; a client that leaves before the end marks the call's
         record entry ``abandoned`` (counted) — its row is kept whole: it was sampled before the first byte."""
         from aiohttp import web
@@ -520,7 +475,7 @@ class Gateway:
                             o["finish_reason"], "logprobs": self._logprobs(o["ids"], o["logprobs"])
                             if body.get("logprobs") else None})
         out = self._end_call(ep, prompt, recorded, "chat", choices)
-        return _SSE(chat_chunks(out, include_usage), done=True) if stream else out
+        return SSE(chat_chunks(out, include_usage), done=True) if stream else out
 
     @staticmethod
     def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -590,7 +545,7 @@ class Gateway:
                                              incomplete=o["finish_reason"] == "length" and not o["calls"], **usage)
         if body.get("store", True) is not False:
             ep.stored[resp["id"]] = responses_api.history_of(turn, items, history)
-        return _SSE(responses_api.stream_events(resp), named=True) if stream else resp
+        return SSE(responses_api.stream_events(resp), named=True) if stream else resp
 
     async def _messages(self, ep: GatewayEpisode, body: dict):
         """``POST /v1/messages`` (:mod:`hyperrl.agents.messages_api`)."""
@@ -616,7 +571,7 @@ class Gateway:
         msg = messages_api.message_object(mid, self.model_name, blocks,
                                           messages_api.stop_reason(bool(o["calls"]), o["finish_reason"], o["stop"]),
                                           o["stop"] if not o["calls"] else None, **usage)
-        return _SSE(messages_api.stream_events(msg), named=True) if stream else msg
+        return SSE(messages_api.stream_events(msg), named=True) if stream else msg
 
     async def _count_tokens(self, ep: GatewayEpisode, body: dict) -> dict:
         """``POST /v1/messages/count_tokens``: the prompt's tokens as the chat template renders it."""

@@ -21,7 +21,7 @@ is a 400 naming the field.
 
 from __future__ import annotations
 
-from hyperrl.agents.responses_api import RequestError
+from hyperrl.agents.responses_api import RequestError, check_fields, text_parts
 
 __all__ = ["SERVED_FIELDS", "IGNORED_FIELDS", "request_messages", "request_tools", "request_tool_choice",
            "content_blocks", "message_object", "stream_events", "stop_reason"]
@@ -32,23 +32,11 @@ IGNORED_FIELDS = frozenset({"metadata", "service_tier", "context_management", "c
 
 
 def _text_blocks(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, "must be a string or a list of text blocks")
-    out = []
-    for j, b in enumerate(content):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind != "text" or not isinstance(b.get("text"), str):
-            raise RequestError(f"{where}[{j}].type", f"{kind!r}: only text blocks are served here (a text policy)")
-        out.append(b["text"])
-    return "".join(out)
+    return text_parts(content, where, kinds=("text",))
 
 
 def _check_fields(body: dict) -> None:
-    for k in body:
-        if k not in SERVED_FIELDS and k not in IGNORED_FIELDS:
-            raise RequestError(k, "unknown or unsupported parameter for this gateway's Messages API")
+    check_fields(body, SERVED_FIELDS, IGNORED_FIELDS, "Messages API")
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") not in ("disabled",
                                                                                                 "adaptive")):

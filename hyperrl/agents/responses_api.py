@@ -27,7 +27,8 @@ import json
 from hyperrl.errors import HyperRLError
 
 __all__ = ["IGNORED_FIELDS", "SERVED_FIELDS", "RequestError", "request_messages", "request_tools",
-           "request_tool_choice", "output_items", "response_object", "stream_events", "history_of"]
+           "request_tool_choice", "text_parts", "check_fields", "output_items", "response_object", "stream_events",
+           "history_of"]
 
 SERVED_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens",
                            "temperature", "top_p", "stream", "store", "previous_response_id"})
@@ -47,9 +48,7 @@ class RequestError(HyperRLError, ValueError):
 
 
 def _check_fields(body: dict) -> None:
-    for k in body:
-        if k not in SERVED_FIELDS and k not in IGNORED_FIELDS:
-            raise RequestError(k, "unknown or unsupported parameter for this gateway's Responses API")
+    check_fields(body, SERVED_FIELDS, IGNORED_FIELDS, "Responses API")
     text = body.get("text")
     if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}).get("type")
                              != "text"):
@@ -61,8 +60,9 @@ def _check_fields(body: dict) -> None:
         raise RequestError("background", "background responses are not served; omit it")
 
 
-def _parts_text(content, where: str) -> str:
-    """A message's content: a string or text parts (``input_text`` / ``output_text`` / ``text``)."""
+def text_parts(content, where: str, kinds=("input_text", "output_text", "text")) -> str:
+    """A message's content: a string, or a list of text parts (whose ``type`` is one of ``kinds``) joined; anything
+    else a :class:`RequestError` naming where (``where[j].type``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -70,10 +70,17 @@ def _parts_text(content, where: str) -> str:
     out = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(p.get("text"), str):
+        if kind not in kinds or not isinstance(p.get("text"), str):
             raise RequestError(f"{where}[{j}].type", f"{kind!r}: only text parts are served (a text policy)")
         out.append(p["text"])
     return "".join(out)
+
+
+def check_fields(body: dict, served: frozenset, ignored: frozenset, api: str) -> None:
+    """Every field of ``body`` is ``served`` or ``ignored`` (accepted without effect); else a 400 naming it."""
+    for k in body:
+        if k not in served and k not in ignored:
+            raise RequestError(k, f"unknown or unsupported parameter for this gateway's {api}")
 
 
 def request_messages(body: dict, history: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
@@ -97,7 +104,7 @@ def request_messages(body: dict, history: list[dict] | None = None) -> tuple[lis
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise RequestError(f"input[{i}].role", f"{role!r}: one of user, system, developer, assistant")
-            text = _parts_text(item.get("content"), f"input[{i}].content")
+            text = text_parts(item.get("content"), f"input[{i}].content")
             if role == "assistant" and turn and turn[-1]["role"] == "assistant" and not turn[-1].get("tool_calls"):
                 turn[-1]["content"] += text
             else:
@@ -113,7 +120,7 @@ def request_messages(body: dict, history: list[dict] | None = None) -> tuple[lis
                 turn.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             out = item.get("output")
-            text = out if isinstance(out, str) else _parts_text(out, f"input[{i}].output")
+            text = out if isinstance(out, str) else text_parts(out, f"input[{i}].output")
             turn.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")), "content": text})
         elif kind == "reasoning":
             continue  # passed back by clients that keep reasoning state; a text policy's is in its text
