@@ -99,6 +99,7 @@ class GatewayEpisode:
     malformed_tool_calls: int = 0
     overridden: int = 0
     errors: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # requests answered 4xx (an unsupported field, a bad body, …)
     abandoned_streams: int = 0  # streamed answers the client left before their end (the call is recorded whole)
     stored: dict = field(default_factory=dict)  # Responses API: response id → its history (previous_response_id)
     last_logged: int | None = None  # the record entry of the call answered last (a stream marks it if abandoned)
@@ -344,8 +345,11 @@ class Gateway:
                     return await self._stream(request, out)
                 return web.json_response(out)
             except GatewayError as e:
+                if "ep" in locals() and e.status < 500:  # a known episode's request refused (agent_refused_requests)
+                    ep.refused.append(f"{request.method} {request.path}: {e.status} {e.message}")
                 return error(e)
             except json.JSONDecodeError as e:
+                ep.refused.append(f"{request.method} {request.path}: the body is not JSON ({e.msg})")
                 return error(_bad("body", f"not JSON ({e.msg})"))
             except Exception as e:  # noqa: BLE001 - the agent gets a 500 naming it; the episode records it
                 if "ep" in locals():

@@ -9,7 +9,8 @@ model)`` → ``(argv, env)``.
 * ``codex`` — OpenAI's Codex CLI (``@openai/codex``): ``codex exec`` over the Responses API (server-sent
   events); a ``config.toml`` in the episode's own ``CODEX_HOME`` names the episode's URL as a model provider
   (``wire_api = "responses"``, the key from ``OPENAI_API_KEY``); web search and sub-agents are switched off (the
-  gateway serves function tools only).
+  gateway serves function tools only); the commands the policy runs go through Codex's own sandbox
+  (``--sandbox workspace-write``: bubblewrap, the episode's directory writable, no network).
 * ``claude_code`` — Anthropic's Claude Code (``@anthropic-ai/claude-code``): ``claude -p … --output-format
   json`` over the Messages API, ``ANTHROPIC_BASE_URL`` / ``ANTHROPIC_API_KEY`` the episode's, no other traffic.
 
@@ -63,14 +64,17 @@ def codex() -> Harness:
     exe = find_cli("codex", "@openai/codex")
 
     def prepare(ep, workdir: Path, prompt: str, model: str):
-        home = workdir / ".codex"
+        home, tmp = workdir / ".codex", workdir / "tmp"
         home.mkdir(exist_ok=True)
+        tmp.mkdir(exist_ok=True)
         (home / "config.toml").write_text(
             f'model = "{model}"\nmodel_provider = "hyperrl"\n\n[model_providers.hyperrl]\nname = "hyperrl"\n'
             f'base_url = "{ep.base_url}"\nenv_key = "OPENAI_API_KEY"\nwire_api = "responses"\n')
-        argv = [exe, "exec", "--skip-git-repo-check", "-c", "web_search=disabled", "-c", "features.multi_agent=false",
-                prompt]
-        return argv, {"CODEX_HOME": str(home), "HOME": str(workdir), "OPENAI_API_KEY": ep.api_key}
+        argv = [exe, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", "-c", "web_search=disabled",
+                "-c", "features.multi_agent=false", prompt]
+        # TMPDIR beside CODEX_HOME, not above it: Codex refuses to place its sandbox helper (codex-linux-sandbox,
+        # run inside its bubblewrap) under the temporary directory, and every command it runs then fails
+        return argv, {"CODEX_HOME": str(home), "HOME": str(workdir), "TMPDIR": str(tmp), "OPENAI_API_KEY": ep.api_key}
 
     return Harness("codex", exe, prepare)
 

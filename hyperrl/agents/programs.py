@@ -117,6 +117,7 @@ class AgentEnvironment:
         # a harness (codex, claude_code) is a CLI agent whose command line the harness writes per episode
         self.command = list(command) if command is not None else (["{harness}"] if harness is not None else None)
         self.harness_name, self.harness = harness, None
+        self.first_refusal: str | None = None  # the last round's first refused request (named in errors)
         self.judge = load_function(reward, "env.reward") if reward is not None else None
         self.timeout_s, self.tool_format, self.model_name = timeout_s, tool_format, model_name
         self.workers = workers
@@ -212,8 +213,11 @@ class AgentEnvironment:
         keys = uids if uids is not None else [call_key(sampling.seed or 0, g, k % n) for k, (g, _) in enumerate(jobs)]
         batch, self.stats, self.errors = self._round(jobs, keys, sampling)
         if batch is None:
+            refused = int(self.stats["agent_refused_requests"])
             raise AgentError(f"no agent episode produced a row ({int(self.stats['agent_failed'])} failed, "
-                             f"{int(self.stats['agent_empty'])} never called the model)"
+                             f"{int(self.stats['agent_empty'])} sampled nothing"
+                             + (f"; the gateway refused {refused} requests, the first: {self.first_refusal}"
+                                if refused else ": they never called the model") + ")"
                              + (f"; the first failure: {self.errors[0]}" if self.errors else ""))
         self.stats["agent_engine_calls"] = float(self.gateway.engine_calls - calls0)
         self.stats["agent_engine_rows"] = float(self.gateway.engine_rows - rows0)
@@ -327,6 +331,7 @@ class AgentEnvironment:
                  "agent_sampling_overridden": float(sum(e.overridden for e in episodes)),
                  "agent_server_errors": float(sum(len(e.errors) for e in episodes)),
                  "agent_abandoned_streams": float(sum(e.abandoned_streams for e in episodes)),
+                 "agent_refused_requests": float(sum(len(e.refused) for e in episodes)),
                  "agent_rows": float(len(rows))}
         if errors and not getattr(self, "_closing", False):
             print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",
@@ -335,6 +340,10 @@ class AgentEnvironment:
         if server is not None and not getattr(self, "_closing", False):  # the agent got a 500 (and may have retried)
             print(f"warning: {int(stats['agent_server_errors'])} gateway calls of this round failed on the server; "
                   f"the first: {server}", file=sys.stderr)
+        refused = self.first_refusal = next((e.refused[0] for e in episodes if e.refused), None)
+        if refused is not None and not getattr(self, "_closing", False):  # a 4xx the agent saw (and may retry)
+            print(f"warning: the gateway refused {int(stats['agent_refused_requests'])} requests of this round; "
+                  f"the first: {refused}", file=sys.stderr)
         if not rows:
             return None, stats, errors
         batch = stack_episodes(rows, self.tok.pad_token_id or 0)

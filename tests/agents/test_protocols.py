@@ -233,6 +233,9 @@ def test_bad_requests_on_each_protocol_name_the_field():
         assert post("completions", {"prompt": "x", "stream": True}).json()["error"]["param"] == "stream"
         gw.finish(ep)
         assert not ep.record.log  # nothing refused was sampled
+        # each refusal of the episode's requests counted (agent_refused_requests); the wrong key is not the episode's
+        assert len(ep.refused) == 7 + 4 + 1 + 2 + 1, ep.refused
+        assert ep.refused[0].startswith("POST /episodes/") and "400" in ep.refused[0] and "frobnicate" in ep.refused[0]
 
 
 def test_a_stream_the_client_leaves_is_recorded_whole_and_marked():
