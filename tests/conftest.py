@@ -45,3 +45,51 @@ def resign(checkpoint, *names):
     for n in names:
         rec["sha256"][n] = hashlib.sha256((Path(checkpoint) / n).read_bytes()).hexdigest()
     marker.write_text(json.dumps(rec))
+
+
+# Every process the suite starts — directly, through an agent, a worker or a server — inherits this marker in its
+# environment; at the end of the session (after xdist's workers are gone) any that is still alive outlived the test
+# that started it: the session fails and names them (after a short grace for processes already exiting).
+SESSION_MARK = "HYPERRL_TEST_SESSION"
+os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def _marked_processes(mark: str) -> dict[int, str]:
+    found = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if f"{SESSION_MARK}={mark}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                found[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session if a process it started is still alive (the controller only, not an xdist worker)."""
+    import signal
+    import time
+
+    if hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
+        return
+    mark, left = os.environ[SESSION_MARK], {}
+    for _ in range(20):  # a process already on its way out gets 10 s
+        left = _marked_processes(mark)
+        if not left:
+            return
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    print(f"\n{len(left)} processes started by the tests outlived them (now killed):", *left.values(), sep="\n  ")
+    session.exitstatus = 1

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import subprocess
+import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +45,7 @@ from hyperrl.envs.tools import check_tool_format
 from hyperrl.errors import HyperRLError
 from hyperrl.rewards.styles import load_function
 from hyperrl.rollout.requests import call_key
+from hyperrl.sandbox.tree import run_tree
 from hyperrl.trajectory import stack_episodes
 
 __all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome", "AgentError"]
@@ -55,10 +55,11 @@ __all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome",
 class CommandResult:
     """A CLI agent's end, given to its reward function."""
 
-    stdout: str
+    stdout: str  # the last TAIL_BYTES (1 MiB) of each stream (hyperrl.sandbox.tree)
     stderr: str
     exit_code: int
     result: str | None  # the result file's text (None: the agent wrote none)
+    truncated: bool = False  # stdout or stderr held more than its tail
 
 
 def _format(name: str | None) -> str | None:
@@ -274,24 +275,21 @@ class AgentEnvironment:
             env = {**os.environ, "OPENAI_BASE_URL": ep.base_url, "OPENAI_API_KEY": ep.api_key,
                    "ANTHROPIC_BASE_URL": ep.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": ep.api_key,
                    "HYPERRL_RESULT_FILE": result_file, **extra}
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        env=env, cwd=tmp, start_new_session=True, text=True)
-            except OSError as e:
-                return EpisodeOutcome(error=f"env.command: cannot start {argv[0]!r}: {e}")
-            try:
-                out, err = proc.communicate(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                out, err = proc.communicate()
-                return EpisodeOutcome(error=f"timed out after {self.timeout_s}s; stderr: {_tail(err or '')}")
-            finally:
-                _kill_group(proc)  # what it left running in its group goes with it
+            exe = argv[0]
+            found = (os.access(os.path.join(tmp, exe), os.X_OK) if "/" in exe
+                     else shutil.which(exe, path=env.get("PATH")))
+            if not found:
+                return EpisodeOutcome(error=f"env.command: cannot start {argv[0]!r}: not an executable file "
+                                            "(nor found on PATH)")
+            # its own pid namespace: every process it starts ends with it, the output kept to a bounded tail
+            run = run_tree(argv, env=env, cwd=tmp, timeout_s=self.timeout_s)
+            if run.timed_out:
+                return EpisodeOutcome(error=f"timed out after {self.timeout_s}s; stderr: {_tail(run.stderr)}")
             result = Path(result_file).read_text() if Path(result_file).is_file() else None
-        res = CommandResult(out, err, proc.returncode, result)
+        res = CommandResult(run.stdout, run.stderr, run.exit_code, result, run.truncated)
         if self.judge is None:
-            if proc.returncode != 0:
-                return EpisodeOutcome(error=f"exit code {proc.returncode}; stderr: {_tail(err)}")
+            if run.exit_code != 0:
+                return EpisodeOutcome(error=f"exit code {run.exit_code}; stderr: {_tail(run.stderr)}")
             return EpisodeOutcome()
         try:
             return outcome_of(self.judge(sample, res))
@@ -356,10 +354,4 @@ class AgentEnvironment:
 class AgentError(HyperRLError, RuntimeError):
     """No episode of a round produced anything to train on."""
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 

@@ -81,14 +81,30 @@ import os, subprocess, sys, time
 from openai import OpenAI  # reads OPENAI_BASE_URL and OPENAI_API_KEY
 
 task = sys.argv[sys.argv.index("--task") + 1]
+marker = sys.argv[sys.argv.index("--marker") + 1] if "--marker" in sys.argv else "none"
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)", marker]  # found by its marker in /proc
 if "--hang" in sys.argv:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    open(os.environ["HYPERRL_RESULT_FILE"] + ".pid", "w").write(str(child.pid))
-    open(sys.argv[sys.argv.index("--pidfile") + 1], "w").write(str(child.pid))
+    child = subprocess.Popen(SLEEPER)
     time.sleep(120)
+if "--escape" in sys.argv:  # a daemon in its own session, holding this agent's stdout and stderr
+    subprocess.Popen(SLEEPER, start_new_session=True)
+if "--double-fork" in sys.argv:  # the classic daemon: fork, setsid, fork; the grandchild is nobody's child
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, SLEEPER)
+        os._exit(0)
 client = OpenAI(max_retries=0)
 r = client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": task}])
 print("the model said:", r.choices[0].message.content)
+if "--verbose" in sys.argv:  # 8 MiB to each stream, then the last line the judge needs
+    block = "x" * 1023 + "\\n"
+    for _ in range(8192):
+        sys.stdout.write(block)
+        sys.stderr.write(block)
+    print("the model said:", r.choices[0].message.content)
+if "--then-hang" in sys.argv:
+    time.sleep(120)
 open(os.environ["HYPERRL_RESULT_FILE"], "w").write("done " + task)
 if "--fail" in sys.argv:
     print("something went wrong", file=sys.stderr)
@@ -97,7 +113,8 @@ if "--fail" in sys.argv:
 
 JUDGE = '''
 def judge(sample, result):
-    assert result.exit_code == 0 and result.stdout.startswith("the model said:")
+    assert result.exit_code == 0 and result.stdout.startswith("the model said:"), (result.exit_code,
+                                                                                   result.stderr[-500:])
     return 1.0 if result.result == "done " + sample.prompt else 0.0
 '''
 
@@ -209,23 +226,84 @@ def test_a_cli_agent_that_fails_or_hangs_is_reported_and_its_process_group_kille
             agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
     finally:
         agent.close()
-    pidfile = tmp_path / "child.pid"
-    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--hang", "--pidfile",
-                            str(pidfile)], has_rewards=True, timeout_s=2.0)
+    marker = f"hang-{os.getpid()}-{time.time_ns()}"
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--hang", "--marker", marker],
+                   has_rewards=True, timeout_s=2.0)
     try:
         with pytest.raises(AgentError, match=r"timed out after 2.0s"):
             agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
     finally:
         agent.close()
-    pid = int(pidfile.read_text())
-    for _ in range(50):  # the grandchild went with the group (SIGKILL; reaped by init)
+    assert not processes_with(marker), "the agent's child outlived the timeout"
+
+
+def processes_with(marker: str) -> list[int]:
+    """The pids of live processes (zombies aside) whose command line holds ``marker``."""
+    found = []
+    for d in os.listdir("/proc"):
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the agent's child {pid} outlived the timeout")
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if marker.encode() in cmd and state != "Z":
+            found.append(int(d))
+    return found
+
+
+@pytest.mark.parametrize("escape", ["--escape", "--double-fork"])
+def test_a_cli_agents_escaped_descendants_end_with_its_episode(files, escape):
+    """A CLI agent that leaves a daemon behind in another session (``setsid``; a double fork), holding its stdout
+    and stderr, then exits 0: the episode ends when the agent does — judged, not timed out — and the daemon is
+    gone with it (the agent's pid namespace: hyperrl.sandbox.tree)."""
+    marker = f"escape-{os.getpid()}-{time.time_ns()}"
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", escape, "--marker", marker],
+                   reward=f"{files}/judge.py:judge", timeout_s=60)
+    t = time.monotonic()
+    try:
+        batch = agent.run(SAMPLES[:2], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    assert time.monotonic() - t < 30 and agent.stats["agent_failed"] == 0, agent.errors
+    assert batch["reward"].tolist() == [1.0, 1.0]
+    assert not processes_with(marker), "an escaped daemon outlived its episode"
+
+
+def test_an_escaped_daemon_cannot_hold_a_timed_out_episode(files):
+    """The agent leaves a daemon in its own session and then hangs: at ``timeout_s`` the episode fails, in about
+    that time — the daemon's open pipes do not stall the round — and the daemon is gone."""
+    marker = f"escape-hang-{os.getpid()}-{time.time_ns()}"
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--escape", "--then-hang",
+                            "--marker", marker], has_rewards=True, timeout_s=3.0)
+    t = time.monotonic()
+    try:
+        with pytest.raises(AgentError, match=r"timed out after 3.0s"):
+            agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    assert time.monotonic() - t < 15
+    assert not processes_with(marker)
+
+
+def test_a_verbose_agents_output_is_kept_to_a_bounded_tail(files, tmp_path):
+    """8 MiB on each stream: the judge gets the last MiB of each (its last line intact) and ``truncated``."""
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "judge.py").write_text(f'''
+def judge(sample, result):
+    open({str(seen)!r}, "w").write(f"{{len(result.stdout)}} {{len(result.stderr)}} {{result.truncated}}")
+    return 1.0 if result.stdout.rstrip().splitlines()[-1].startswith("the model said:") else 0.0
+''')
+    agent = _agent(command=[sys.executable, f"{files}/cli.py", "--task", "{prompt}", "--verbose"],
+                   reward=f"{tmp_path}/judge.py:judge", timeout_s=60)
+    try:
+        batch = agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
+    finally:
+        agent.close()
+    out, err, truncated = seen.read_text().split()
+    assert int(out) <= 1 << 20 and int(err) <= 1 << 20 and int(err) > (1 << 20) - 1024 and truncated == "True"
+    assert batch["reward"].tolist() == [1.0]
 
 
 def test_agent_config_errors_at_load(files, tmp_path):
