@@ -11,6 +11,7 @@ Outputs in ``run.out_dir``: ``metrics.jsonl``, ``reward_curve.png``, ``config.js
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -55,8 +56,8 @@ class _Interrupt:
     """SIGTERM / SIGINT: the first asks the loop to finish its step, checkpoint and exit; a second
     exits at once (the default action). Installed in the main thread only, restored on exit."""
 
-    def __init__(self):
-        self.signum, self._old = None, {}
+    def __init__(self, on_signal=None):
+        self.signum, self._old, self.on_signal = None, {}, on_signal
 
     def __enter__(self):
         import signal
@@ -79,6 +80,10 @@ class _Interrupt:
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then a checkpoint and exit "
               "(again to exit at once)", file=sys.stderr, flush=True)
+        if self.on_signal is not None:  # on a thread: the handler may have interrupted a holder of its locks
+            import threading
+
+            threading.Thread(target=self.on_signal, args=(signal.Signals(signum).name,), daemon=True).start()
 
     def __exit__(self, *exc):
         import signal
@@ -207,10 +212,17 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
 def _loop(cfg, trainer, rank, out, jsonl, *, bar, last_eval, t0) -> dict:
     """The steps (evaluations, checkpoints, a signal's stop), the last evaluation and checkpoint, the
     plot and the export."""
+    from hyperrl.agents import AgentCancelled
+
     saved = None
-    with _Interrupt() as stop:
+    # a signal ends an agent round under way at once (one process): the step is dropped and generated on resume
+    with _Interrupt(on_signal=lambda name: trainer.cancel_collect(name)) as stop:
         while trainer.step_idx < cfg.run.steps and not stop.requested(trainer.parallel):
-            trainer.step()
+            try:
+                trainer.step()
+            except AgentCancelled as e:
+                print(f"{e}; step {trainer.step_idx + 1} is generated again on resume", file=sys.stderr)
+                break
             if cfg.run.eval_every and trainer.step_idx % cfg.run.eval_every == 0:
                 last_eval = trainer.evaluate()
             if cfg.run.ckpt_every and trainer.step_idx % cfg.run.ckpt_every == 0:

@@ -75,7 +75,11 @@ def load_tokenizer(path: str | Path):
     if not p.is_dir() or not any((p / f).exists() for f in TOKENIZER_FILES):
         raise TokenizerError(f"{p}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer with "
                              "tokenizer.save_pretrained(dir) or set model.tokenizer to its directory")
-    tok = AutoTokenizer.from_pretrained(str(p))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError) as e:  # a corrupt config.json / tokenizer.json: one line, named
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TokenizerError(f"{p}: the tokenizer cannot be loaded ({type(e).__name__}: {first[:300]})") from None
     if tok.eos_token_id is None:
         raise TokenizerError(f"{p}: the tokenizer has no eos_token; generation could never stop")
     if tok.pad_token_id is None:

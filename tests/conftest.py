@@ -64,10 +64,14 @@ def _marked_processes(mark: str) -> dict[int, str]:
                 if f"{SESSION_MARK}={mark}".encode() not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{d}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if state == "Z":
+                continue
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                found[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+            if int(ppid) == os.getpid() and "multiprocessing.resource_tracker" in cmd:
+                continue  # Python's own helper of this process: it ends when this process does
+            found[int(d)] = cmd
         except (OSError, IndexError):
             continue
     return found

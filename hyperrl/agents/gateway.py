@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 import hmac
 import json
 import queue
@@ -58,10 +57,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hyperrl.agents import messages_api, responses_api
-from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message, render_messages
+from hyperrl.agents.limits import RENDER_CACHE_BYTES, BodyError, RenderCache, body_bound, parse_body, schema_problem
+from hyperrl.agents.record import EpisodeRecord, Prompt, normalize_message
 from hyperrl.agents.streams import SSE, chat_chunks
 from hyperrl.envs.tools import TOOL_FORMATS, resolve_call
 from hyperrl.errors import HyperRLError
@@ -150,6 +151,16 @@ def _stops(body: dict) -> list[str]:
     return v
 
 
+OFF_LOOP_CHARS = 32_768  # a prompt's characters past which it is rendered off the event loop
+
+
+def _size(messages, tools) -> int:
+    """About how many characters ``messages`` and ``tools`` render to (string contents; anything else as printed)."""
+    n = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else len(str(m))
+            for m in messages or [])
+    return n + (len(str(tools)) if tools else 0)
+
+
 def _tools(body: dict) -> tuple[list | None, list[str]]:
     tools = body.get("tools")
     if tools is None:
@@ -161,6 +172,8 @@ def _tools(body: dict) -> tuple[list | None, list[str]]:
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _bad(f"tools[{i}]", "must be {'type': 'function', 'function': {'name': str, 'parameters': {...}}}")
+        if "parameters" in fn and (why := schema_problem(fn["parameters"])):
+            raise _bad(f"tools[{i}].function.parameters", why)
         names.append(fn["name"])
     return (tools or None), names
 
@@ -213,9 +226,13 @@ class Gateway:
         self.public_url = public_url.rstrip("/") if public_url else None
         self.episodes: dict[str, GatewayEpisode] = {}
         self.engine_calls = self.engine_rows = 0  # batching: rows per engine call = engine_rows / engine_calls
-        # a group's n episodes open with the same messages: their prompt is rendered once
-        cached = functools.lru_cache(maxsize=4096)(lambda key: tuple(render_messages(tokenizer, *json.loads(key))))
-        self._render = lambda msgs, tools: cached(json.dumps([msgs, tools]))  # key order kept: templates render it
+        # a group's n episodes open with the same messages: their prompt is rendered once (the cache holds what
+        # was served — a refused prompt is never kept — and at most RENDER_CACHE_BYTES of it)
+        self._renders = RenderCache(RENDER_CACHE_BYTES)
+        self._render = lambda msgs, tools: self._renders.render(tokenizer, msgs, tools)
+        # no request body may be larger than the context can hold (checked before it is parsed or rendered)
+        self.max_body = body_bound(tokenizer, max_model_len)
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="hyperrl-gateway-render")  # renders off the loop
         self._lock = threading.Lock()
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._waiting: set[_Job] = set()  # calls submitted to a queue, not answered yet (failed at close)
@@ -261,6 +278,13 @@ class Gateway:
             self.episodes.pop(episode.id, None)
         return episode
 
+    def finish_all(self) -> None:
+        """Close every open episode (a cancelled round: the agents' next calls get 404)."""
+        with self._lock:
+            open_ = list(self.episodes.values())
+        for ep in open_:
+            self.finish(ep)
+
     def close(self) -> None:
         """Stop serving (idempotent)."""
         if self._closed.is_set():
@@ -282,6 +306,7 @@ class Gateway:
             finally:
                 self._loop.call_soon_threadsafe(self._loop.stop)
         self._server.join(10)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Gateway:
         return self
@@ -294,7 +319,7 @@ class Gateway:
         from aiohttp import web
 
         asyncio.set_event_loop(self._loop)
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=self.max_body)
         app.router.add_get("/episodes/{eid}/v1/models", self._wrap(self._models))
         app.router.add_post("/episodes/{eid}/v1/chat/completions", self._wrap(self._chat))
         app.router.add_post("/episodes/{eid}/v1/completions", self._wrap(self._completions))
@@ -336,21 +361,25 @@ class Gateway:
         async def run(request):
             try:
                 ep = self._episode(request)
-                body = await request.json() if request.method == "POST" else {}
-                if request.method == "POST" and not isinstance(body, dict):
-                    raise _bad("body", "must be a JSON object")
+                try:
+                    body = parse_body(await request.read()) if request.method == "POST" else {}
+                except BodyError as e:
+                    raise _bad("body", str(e)) from None
                 out = await handler(ep, body)
                 if isinstance(out, SSE):
                     out.episode, out.log_index = ep, ep.last_logged
                     return await self._stream(request, out)
                 return web.json_response(out)
+            except web.HTTPRequestEntityTooLarge:
+                e = GatewayError(413, f"body: larger than the {self.max_body} bytes a request can take here (a "
+                                      f"prompt within the context of {self.max_model_len} tokens fits in fewer)",
+                                 param="body", code="request_too_large")
+                ep.refused.append(f"{request.method} {request.path}: 413 {e.message}")
+                return error(e)
             except GatewayError as e:
                 if "ep" in locals() and e.status < 500:  # a known episode's request refused (agent_refused_requests)
                     ep.refused.append(f"{request.method} {request.path}: {e.status} {e.message}")
                 return error(e)
-            except json.JSONDecodeError as e:
-                ep.refused.append(f"{request.method} {request.path}: the body is not JSON ({e.msg})")
-                return error(_bad("body", f"not JSON ({e.msg})"))
             except Exception as e:  # noqa: BLE001 - the agent gets a 500 naming it; the episode records it
                 if "ep" in locals():
                     ep.errors.append(f"{type(e).__name__}: {e}")
@@ -394,6 +423,13 @@ class Gateway:
                                     "'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                code="invalid_api_key", type="authentication_error")
         return ep
+
+    async def _off_loop(self, size: int, fn, *args):
+        """``fn(*args)`` — on the render threads when ``size`` (characters) passes :data:`OFF_LOOP_CHARS`, else here:
+        for a short prompt the thread hop (the loop waiting its turn for the GIL) costs more than the render."""
+        if size < OFF_LOOP_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _models(self, ep: GatewayEpisode, body: dict) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -440,13 +476,15 @@ class Gateway:
         arguments)``, parsed from the model's native format), ``reply`` (the normalised assistant message the
         chain remembers) and ``stop`` (the stop string met, or None)."""
         names = [t["function"]["name"] for t in tools or []]
-        try:
-            prompt = ep.record.chat_prompt(messages, tools)
+        try:  # a long prompt is rendered and tokenised on a thread: it never holds the other episodes' calls
+            prompt = await self._off_loop(_size(messages, tools), ep.record.chat_prompt, messages, tools)
         except ValueError as e:  # a malformed message, or one the template cannot render
             raise _bad("messages", str(e).removeprefix("messages: ")) from None
         except Exception as e:  # noqa: BLE001 - a template error (jinja) is the request's fault
             raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
         recorded = await self._sample(ep, sampling, prompt, n, stops)
+        if prompt.chain is None and prompt.messages is not None:  # served: a group's other episodes reuse it
+            self._renders.keep(prompt.messages, prompt.tools, prompt.ids)
         for o in recorded:
             calls = self._calls(ep, o["text"], names) if self.format is not None and names and choice != "none" \
                 else None
@@ -586,7 +624,8 @@ class Gateway:
         except messages_api.RequestError as e:
             raise _bad(e.param, str(e).split(": ", 1)[1]) from None
         try:
-            ids = self._render([normalize_message(m) for m in messages], tools)
+            ids = await self._off_loop(_size(messages, tools), self._render, [normalize_message(m) for m in messages],
+                                       tools)
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise _bad("messages", f"the chat template cannot render them: {type(e).__name__}: {e}") from None
         return {"input_tokens": len(ids)}

@@ -19,7 +19,9 @@ import threading
 from hyperrl.envs.tools import Tool
 from hyperrl.errors import HyperRLError
 
-__all__ = ["MCPTools", "MCPError", "Toolbox"]
+__all__ = ["MCPTools", "MCPError", "Toolbox", "KEEP_MARK"]
+
+KEEP_MARK = "HYPERRL_KEEP"  # in a process's environment: the run's own (an MCP server), not an agent's leftover
 
 
 class MCPError(HyperRLError, RuntimeError):
@@ -66,7 +68,9 @@ class MCPTools:
 
         started: asyncio.Future = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
-        params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
+        # marked as the run's own: an agent process ending what its agents started leaves the servers alone
+        params = StdioServerParameters(command=self.command[0], args=self.command[1:],
+                                       env={**(self.env or {}), KEEP_MARK: "mcp-server"})
 
         async def hold():  # the session's context is entered and left in this one task (anyio's rule)
             client = None

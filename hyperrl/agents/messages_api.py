@@ -21,6 +21,7 @@ is a 400 naming the field.
 
 from __future__ import annotations
 
+from hyperrl.agents.limits import schema_problem
 from hyperrl.agents.responses_api import RequestError, check_fields, text_parts
 
 __all__ = ["SERVED_FIELDS", "IGNORED_FIELDS", "request_messages", "request_tools", "request_tool_choice",
@@ -115,6 +116,8 @@ def request_tools(body: dict) -> list[dict] | None:
                                                    "as a custom tool (name, description, input_schema)")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise RequestError(f"tools[{i}].name", "a tool needs a name")
+        if "input_schema" in t and (why := schema_problem(t["input_schema"])):
+            raise RequestError(f"tools[{i}].input_schema", why)
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                                       "parameters": t.get("input_schema") or {"type": "object"}}})
     return out

@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ from hyperrl.rollout.requests import call_key
 from hyperrl.sandbox.tree import run_tree
 from hyperrl.trajectory import stack_episodes
 
-__all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome", "AgentError"]
+__all__ = ["AgentResult", "CommandResult", "AgentEnvironment", "EpisodeOutcome", "AgentError",
+           "AgentCancelled"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class AgentEnvironment:
         self.command = list(command) if command is not None else (["{harness}"] if harness is not None else None)
         self.harness_name, self.harness = harness, None
         self.first_refusal: str | None = None  # the last round's first refused request (named in errors)
+        self._cancel = threading.Event()  # set by cancel(): the round under way ends now, no later one starts
+        self.cancelled: str | None = None
         self.judge = load_function(reward, "env.reward") if reward is not None else None
         self.timeout_s, self.tool_format, self.model_name = timeout_s, tool_format, model_name
         self.workers = workers
@@ -213,6 +217,9 @@ class AgentEnvironment:
         calls0, rows0 = self.gateway.engine_calls, self.gateway.engine_rows
         keys = uids if uids is not None else [call_key(sampling.seed or 0, g, k % n) for k, (g, _) in enumerate(jobs)]
         batch, self.stats, self.errors = self._round(jobs, keys, sampling)
+        if self._cancel.is_set():
+            raise AgentCancelled(f"the agent round was cancelled ({self.cancelled}): "
+                                 f"{int(self.stats['agent_cancelled'])} of {len(jobs)} episodes had not finished")
         if batch is None:
             refused = int(self.stats["agent_refused_requests"])
             raise AgentError(f"no agent episode produced a row ({int(self.stats['agent_failed'])} failed, "
@@ -223,6 +230,19 @@ class AgentEnvironment:
         self.stats["agent_engine_calls"] = float(self.gateway.engine_calls - calls0)
         self.stats["agent_engine_rows"] = float(self.gateway.engine_rows - rows0)
         return batch
+
+    def cancel(self, reason: str) -> None:
+        """End the round under way at once (the run was asked to stop): its episodes are closed (an agent's next
+        call gets 404), the agent processes and CLI agents killed; the round then raises :class:`AgentCancelled`
+        naming ``reason`` and how many episodes had not finished. Safe from any thread; idempotent."""
+        self.cancelled = reason
+        self._cancel.set()
+        if self.gateway is not None:
+            self.gateway.finish_all()
+        if self.worker is not None:
+            self.worker.kill()
+        if self.runner is not None:
+            self.runner.cancel.set()
 
     def run_unit(self, sample, sampling, uids: list[int], *, group_id: int, submit) -> tuple:
         """One prompt's ``len(uids)`` episodes for the asynchronous trainer: their calls go to
@@ -238,9 +258,10 @@ class AgentEnvironment:
         ``(batch or None, stats, errors)``; ``lane``: the concurrency bound they share
         (:meth:`~hyperrl.agents.runner.ProgramRunner.run`)."""
         episodes = [self.gateway.open(u, sampling=sampling, submit=submit) for u in keys]
+        retried = 0
         try:
-            def done(k):  # its agent returned: the gateway stops counting it among those that may still call
-                self.gateway.finish(episodes[k])
+            def done(k, outcome=None):  # its agent returned: the gateway stops counting it among those that may
+                self.gateway.finish(episodes[k])  # still call
 
             if self.command is not None:
                 def command(k):
@@ -254,10 +275,20 @@ class AgentEnvironment:
             else:
                 work = [(s, ep.base_url, ep.api_key) for (_, s), ep in zip(jobs, episodes)]
                 outcomes = (self.worker if self.isolate else self.runner).run(work, done, lane=lane)
+                lost = [k for k, o in enumerate(outcomes) if o.lost]
+                retried = len(lost) if not self._cancel.is_set() else 0
+                if retried:  # the agent process died under them: once more, each in a fresh episode, a fresh process
+                    for k in lost:
+                        self.gateway.finish(episodes[k])
+                        episodes[k] = self.gateway.open(keys[k], sampling=sampling, submit=submit)
+                    again = self.worker.run([(jobs[k][1], episodes[k].base_url, episodes[k].api_key) for k in lost],
+                                            lambda j, o=None: done(lost[j]), lane=lane)
+                    for k, o in zip(lost, again):
+                        outcomes[k] = o if not o.lost else dataclasses.replace(o, error=f"{o.error} (retried once)")
         finally:
             for ep in episodes:
                 self.gateway.finish(ep)
-        return self._batch(jobs, episodes, outcomes, uids=submit is not None)
+        return self._batch(jobs, episodes, outcomes, uids=submit is not None, retried=retried)
 
     def _run_command(self, sample, ep) -> EpisodeOutcome:
         with tempfile.TemporaryDirectory(prefix="hyperrl-agent-") as tmp:
@@ -282,7 +313,9 @@ class AgentEnvironment:
                 return EpisodeOutcome(error=f"env.command: cannot start {argv[0]!r}: not an executable file "
                                             "(nor found on PATH)")
             # its own pid namespace: every process it starts ends with it, the output kept to a bounded tail
-            run = run_tree(argv, env=env, cwd=tmp, timeout_s=self.timeout_s)
+            run = run_tree(argv, env=env, cwd=tmp, timeout_s=self.timeout_s, cancel=self._cancel)
+            if run.timed_out and self._cancel.is_set():
+                return EpisodeOutcome(error=f"cancelled ({self.cancelled})")
             if run.timed_out:
                 return EpisodeOutcome(error=f"timed out after {self.timeout_s}s; stderr: {_tail(run.stderr)}")
             result = Path(result_file).read_text() if Path(result_file).is_file() else None
@@ -297,7 +330,7 @@ class AgentEnvironment:
             return EpisodeOutcome(error=f"env.reward raised {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ rows
-    def _batch(self, jobs, episodes, outcomes, *, uids: bool = False):
+    def _batch(self, jobs, episodes, outcomes, *, uids: bool = False, retried: int = 0):
         """The episodes' rows (``uids``: each carrying its episode's ``sample_uid``) → ``(batch or None,
         stats, errors)``."""
         rows, calls, failed, empty, errors = [], [], 0, 0, []
@@ -330,6 +363,8 @@ class AgentEnvironment:
                  "agent_server_errors": float(sum(len(e.errors) for e in episodes)),
                  "agent_abandoned_streams": float(sum(e.abandoned_streams for e in episodes)),
                  "agent_refused_requests": float(sum(len(e.refused) for e in episodes)),
+                 "agent_retried_episodes": float(retried),
+                 "agent_cancelled": float(sum(1 for o in outcomes if o.error is not None and self._cancel.is_set())),
                  "agent_rows": float(len(rows))}
         if errors and not getattr(self, "_closing", False):
             print(f"warning: {failed} of {len(episodes)} agent episodes failed; the first: {errors[0]}",
@@ -353,5 +388,9 @@ class AgentEnvironment:
 
 class AgentError(HyperRLError, RuntimeError):
     """No episode of a round produced anything to train on."""
+
+
+class AgentCancelled(HyperRLError, RuntimeError):
+    """A round ended by :meth:`AgentEnvironment.cancel` (the run was asked to stop)."""
 
 

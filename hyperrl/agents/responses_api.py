@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 
+from hyperrl.agents.limits import schema_problem
 from hyperrl.errors import HyperRLError
 
 __all__ = ["IGNORED_FIELDS", "SERVED_FIELDS", "RequestError", "request_messages", "request_tools",
@@ -150,6 +151,8 @@ def request_tools(body: dict) -> list[dict] | None:
                                                    "web search, file search, shell, custom — are not)")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise RequestError(f"tools[{i}].name", "a function tool needs a name")
+        if t.get("parameters") is not None and (why := schema_problem(t["parameters"])):
+            raise RequestError(f"tools[{i}].parameters", why)
         fn = {"name": t["name"], "description": t.get("description") or "",
               "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": fn})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class EpisodeOutcome:
     reward: float | None = None
     success: bool | None = None
     error: str | None = None
+    lost: bool = False  # the agent process died under it (not its own failure): retried once in a fresh process
 
 
 def _tail(text: str, n: int = 800) -> str:
@@ -61,26 +63,29 @@ class ProgramRunner:
         self._lock = threading.Lock()
         self._aloop = None  # the async programs' event loop (lazy)
         self._lanes: dict[str, tuple] = {}  # lane → its bound and HTTP pools (made on the loop)
+        self.cancel = threading.Event()  # set: the episodes under way are abandoned now (the run is stopping)
 
     def run(self, episodes: list[tuple], on_done=None, *, lane: str = "rounds") -> list[EpisodeOutcome]:
         """Run the program on ``episodes`` — ``(sample, base_url, api_key)`` each — in this process:
         an ``async def`` on one event loop, a plain function on threads; one outcome each, in order.
-        ``on_done(k)`` is called as episode ``k`` returns (the gateway then stops waiting for it when
-        it batches the others' calls). Concurrent rounds of one ``lane`` share the bound of
-        ``max_concurrent`` episodes and the HTTP pools; lanes are apart — an evaluation (lane ``rounds``)
-        run while the asynchronous trainer's units (lane ``units``) wait paused never waits for their
-        slots or connections."""
-        done = on_done or (lambda k: None)
+        ``on_done(k, outcome)`` is called as episode ``k`` returns (the gateway then stops waiting for it when
+        it batches the others' calls; an agent process sends its outcome at once). Concurrent rounds of one
+        ``lane`` share the bound of ``max_concurrent`` episodes and the HTTP pools; lanes are apart — an
+        evaluation (lane ``rounds``) run while the asynchronous trainer's units (lane ``units``) wait paused never
+        waits for their slots or connections."""
+        done = on_done or (lambda k, outcome: None)
         if self.is_async:
             coro = self._run_async(episodes, done, lane)
             return asyncio.run_coroutine_threadsafe(coro, self._loop()).result()
         import openai
 
         def one(k):
+            out = EpisodeOutcome(error="the agent's thread ended without an outcome")
             try:
-                return self._run_one(*episodes[k], http[k % len(http)])
+                out = self._run_one(*episodes[k], http[k % len(http)])
+                return out
             finally:
-                done(k)
+                done(k, out)
 
         http = [openai.DefaultHttpxClient(limits=_limits()) for _ in range(_pools(self.max_concurrent))]
         try:
@@ -107,9 +112,11 @@ class ProgramRunner:
 
         t = threading.Thread(target=call, daemon=True)  # a hung agent is left behind, its episode closed
         t.start()
-        t.join(self.timeout_s)
+        end = time.monotonic() + self.timeout_s
+        while t.is_alive() and time.monotonic() < end and not self.cancel.is_set():
+            t.join(min(0.2, max(0.0, end - time.monotonic())))
         if t.is_alive():  # left behind: once its episode is finished its calls get 404
-            return EpisodeOutcome(error=f"timed out after {self.timeout_s}s")
+            return EpisodeOutcome(error="cancelled" if self.cancel.is_set() else f"timed out after {self.timeout_s}s")
         if "error" in box:
             return EpisodeOutcome(error=_tail(box["error"]))
         return self._outcome(box.get("value"))
@@ -133,10 +140,12 @@ class ProgramRunner:
         gate, http = self._lanes[lane]
 
         async def one(k, sample, base_url, api_key):
+            out = EpisodeOutcome(error="the episode was cancelled")
             try:
-                return await run(k, sample, base_url, api_key)
+                out = await run(k, sample, base_url, api_key)
+                return out
             finally:
-                done(k)
+                done(k, out)
 
         async def run(k, sample, base_url, api_key):
             async with gate:

@@ -89,6 +89,7 @@ class AgentWorker:
             self._conn.send((rid, episodes, lane))
         waves = -(-len(episodes) // max(1, self.max_concurrent))
         deadline = time.monotonic() + waves * self.timeout_s + 60.0  # + the child's start-up (imports)
+        got: dict[int, EpisodeOutcome] = {}  # the outcomes already returned: kept if the process dies
         try:
             while time.monotonic() < deadline:
                 try:
@@ -99,17 +100,21 @@ class AgentWorker:
                     return value
                 if kind == "lost":
                     break
-                if on_done is not None:  # "done": one episode's agent returned
-                    on_done(value)
+                k, outcome = value  # "done": one episode's agent returned
+                got[k] = outcome
+                if on_done is not None:
+                    on_done(k)
             proc.join(5 if not proc.is_alive() or time.monotonic() < deadline else 0)
             code = proc.exitcode
             with self._lock:
                 if self._proc is proc:
                     self._stop()
                     self._lost = True
-            why = (f"the agent process died (exit code {code})" if code is not None else
-                   f"the agent process did not finish the round within {waves} × env.timeout_s + 60 s; killed")
-            return [EpisodeOutcome(error=why) for _ in episodes]
+            if code is None:  # a hang, not a crash: the round's unfinished episodes fail (a retry would hang too)
+                why = f"the agent process did not finish the round within {waves} × env.timeout_s + 60 s; killed"
+                return [got.get(k) or EpisodeOutcome(error=why) for k in range(len(episodes))]
+            return [got.get(k) or EpisodeOutcome(error=f"the agent process died (exit code {code})", lost=True)
+                    for k in range(len(episodes))]
         finally:
             with self._lock:
                 self._rounds.pop(rid, None)
@@ -122,6 +127,12 @@ class AgentWorker:
             self._proc.join(5)
             self._conn.close()
             self._proc = None
+
+    def kill(self) -> None:
+        """Kill the process now (its rounds end as lost); the next round starts it again."""
+        with self._lock:
+            self._stop()
+            self._lost = True
 
     def close(self) -> None:
         with self._lock:
@@ -164,6 +175,11 @@ class AgentPool:
         with ThreadPoolExecutor(k, thread_name_prefix="hyperrl-agent-pool") as pool:
             return [o for out in pool.map(part, range(k)) for o in out]
 
+    def kill(self) -> None:
+        """Kill every agent process now (:meth:`AgentWorker.kill`)."""
+        for w in self.workers:
+            w.kill()
+
     def close(self) -> None:
         for w in self.workers:
             w.close()
@@ -175,6 +191,7 @@ def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sourc
     from hyperrl.agents.mcp import Toolbox
     from hyperrl.agents.runner import EpisodeOutcome, ProgramRunner
 
+    guard_process()
     try:
         agent = ProgramRunner(program, timeout_s=timeout_s, max_concurrent=max_concurrent)
         agent.toolbox = Toolbox(tool_sources) if tool_sources and agent.wants_tools else None
@@ -186,15 +203,112 @@ def _serve(conn, program: str, timeout_s: float, max_concurrent: int, tool_sourc
         with lock:
             conn.send(msg)
 
+    busy = [0]  # rounds running: when none is, what the agents started is ended
+
     def round_(rid, episodes, lane) -> None:
-        send((rid, "result", agent.run(episodes, lambda k: send((rid, "done", k)), lane=lane)))
+        try:
+            send((rid, "result", agent.run(episodes, lambda k, o: send((rid, "done", (k, o))), lane=lane)))
+        finally:
+            with lock:
+                busy[0] -= 1
+                if not busy[0]:
+                    end_descendants()
 
     while True:
         try:
             rid, episodes, lane = conn.recv()
         except (EOFError, OSError):
+            end_descendants()
             return
         if agent is None:
             send((rid, "result", [EpisodeOutcome(error=error) for _ in episodes]))
         else:
+            with lock:
+                busy[0] += 1
             threading.Thread(target=round_, args=(rid, episodes, lane), daemon=True).start()
+
+
+def guard_process() -> None:
+    """(in an agent process) Adopt what the agents start and die with the trainer: the process becomes a child
+    subreaper (Linux ``PR_SET_CHILD_SUBREAPER``: a daemon an agent starts — ``setsid``, a double fork — is
+    re-parented here, not to init, so :func:`end_descendants` finds it), and a watchdog thread ends the process
+    and every descendant when its parent is gone (``kill -9`` of the trainer: its parent id changes) — a thread, not
+    ``PR_SET_PDEATHSIG``, which fires when the *thread* that started the process ends."""
+    import ctypes
+    import os
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass  # not Linux: descendants in other sessions are not adopted
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        end_descendants()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="hyperrl-agent-watchdog", daemon=True).start()
+
+
+def end_descendants() -> None:
+    """SIGKILL every live descendant of this process (read from ``/proc``; nothing where there is none) but the
+    run's own — an MCP server (``HYPERRL_KEEP`` in its environment) and what it started — scanning again until
+    none is left (a process forking as it is scanned), and reap the direct children it ended."""
+    import os
+    import signal
+
+    me = os.getpid()
+    for _ in range(50):
+        live, dead = _descendants(me)
+        for pid in dead:  # ours to reap (this process is their subreaper); a Popen's own wait is not disturbed:
+            try:          # only the pids this function killed end up here
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not live:
+            return
+        for pid in live:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.02)
+
+
+def _descendants(me: int) -> tuple[list[int], list[int]]:
+    """(live descendants of ``me`` outside the kept subtrees, zombie children of ``me``)."""
+    import os
+
+    from hyperrl.agents.mcp import KEEP_MARK
+
+    def kept(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return any(v.startswith(f"{KEEP_MARK}=".encode()) for v in f.read().split(b"\0"))
+        except OSError:
+            return False
+
+    children: dict[int, list[tuple[int, str]]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return [], []
+    for d in names:
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                children.setdefault(int(ppid), []).append((int(d), state))
+            except (OSError, IndexError, ValueError):
+                continue
+    live, dead = [], [pid for pid, state in children.get(me, []) if state == "Z"]
+    todo = [pid for pid, state in children.get(me, []) if state != "Z"]
+    while todo:
+        pid = todo.pop()
+        if kept(pid):
+            continue
+        live.append(pid)
+        todo.extend(p for p, st in children.get(pid, []) if st != "Z")
+    return live, dead

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["LOADABILITY", "BOOKKEEPING", "flatten", "config_changes", "loadability_changes"]
+__all__ = ["LOADABILITY", "LAYOUT", "BOOKKEEPING", "flatten", "config_changes", "loadability_changes",
+           "refuse_resume"]
 
 # a different value here means another model: its weights (or its shards) are not this run's
-LOADABILITY = ("model.checkpoint", "model.tokenizer", "model.lora", "run.tp")
+LOADABILITY = ("model.checkpoint", "model.tokenizer", "model.lora", "run.tp", "run.ep")
+# of those, the parallel layout a checkpoint's shards were saved in (the same model, laid out otherwise)
+LAYOUT = ("run.tp", "run.ep")
 _TINY = ("model.hidden", "model.layers", "model.heads", "model.kv_heads", "model.head_dim", "model.intermediate")
 # keys that say where a run writes and how long it goes, not what it trains: never listed as changes
 BOOKKEEPING = ("run.out_dir", "run.steps", "run.eval_every", "run.eval_prompts", "run.eval_n", "run.log_completions",
@@ -49,3 +52,16 @@ def loadability_changes(old: dict, new: dict) -> dict[str, tuple]:
     changes = config_changes(old, new)
     keys = set(LOADABILITY) | (set(_TINY) if not (flatten(new).get("model.checkpoint")) else set())
     return {k: v for k, v in changes.items() if k in keys or any(k.startswith(x + ".") for x in keys)}
+
+
+def refuse_resume(run_dir, other: dict[str, tuple]) -> str:
+    """Why a checkpoint of ``run_dir`` cannot be resumed, given :func:`loadability_changes`' ``other``: a changed
+    parallel layout (:data:`LAYOUT` alone) is named as such — its shards are laid out for the old degrees — else
+    the checkpoint is another model's run."""
+    said = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in other.items())
+    if set(other) <= set(LAYOUT):
+        return (f"{run_dir} was saved with another parallel layout ({said}): its checkpoint's shards are laid out "
+                f"for the saved degrees — resume with the same {', '.join(other)} (a checkpoint is not resharded on "
+                "load), or --no-resume to start fresh here (its checkpoints are set aside)")
+    return (f"{run_dir} holds another model's run ({said}) — resuming would mix the runs; set run.out_dir to a new "
+            "directory, or --no-resume to start fresh here (its checkpoints are set aside)")

@@ -225,7 +225,7 @@ def _data_task(d: dict, *, explicit_task: bool) -> dict:
     if (d.get("algo") or {}).get("preference"):  # pairs, not prompts: DPO and kin
         task = {"name": "preference", **{k: data[k] for k in keys + ("chosen_key", "rejected_key") if k in data}}
     else:
-        task = {"name": "files", **{k: data[k] for k in keys + ("rewards",) if k in data}}
+        task = {"name": "files", **{k: data[k] for k in keys + ("rewards", "image_root") if k in data}}
     if explicit_task:
         given = d.get("task") if isinstance(d.get("task"), dict) else {}
         if given.get("name") == task["name"] and list(given.get("train_files") or []) == list(data["train_files"]):

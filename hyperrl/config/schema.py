@@ -375,6 +375,9 @@ class DataConfig(_Frozen):
                                                                     "template (messages as 'role: content' lines)")
     rewards: list[str] = Field(default_factory=lambda: ["gsm8k_exact"], description="the files task's registered "
                                "rewards (the top-level rewards: list overrides them)")
+    image_root: str | None = Field(None, description="rows with images: a directory image paths may also lie in "
+                                   "(by default only the data file's own directory; ../, absolute paths and "
+                                   "symlinks leading out are refused)")
 
 
 class RunConfig(_Frozen):

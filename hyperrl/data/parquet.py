@@ -122,11 +122,21 @@ def _read_rows(path: Path) -> list[dict]:
 
     if not path.exists():
         raise DataError(f"{path}: no such file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file (a data file is parquet, jsonl or json)")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
+        import pyarrow as pa
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e)[:200]})") from None
     if suffix in (".jsonl", ".json"):
-        text = path.read_text()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start}) — is it a {suffix[1:]} file?") from None
         if suffix == ".json":
             try:
                 rows = json.loads(text)
@@ -134,14 +144,20 @@ def _read_rows(path: Path) -> list[dict]:
                 raise DataError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
             if not isinstance(rows, list):
                 raise DataError(f"{path}: expected a JSON list of objects, got {type(rows).__name__}")
+            bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise DataError(f"{path}: item {bad} is a {type(rows[bad]).__name__}, expected a JSON object")
             return rows
         rows = []
         for i, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i + 1}: not JSON ({e.msg})") from None
+                    row = json.loads(line)
+                except (json.JSONDecodeError, RecursionError) as e:
+                    raise DataError(f"{path}:{i + 1}: not JSON ({getattr(e, 'msg', 'nested too deep')})") from None
+                if not isinstance(row, dict):
+                    raise DataError(f"{path}:{i + 1}: a JSON object per line, got {type(row).__name__}")
+                rows.append(row)
         return rows
     raise DataError(f"{path}: unsupported data file type {suffix!r} (parquet, jsonl, json)")
 

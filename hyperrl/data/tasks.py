@@ -388,10 +388,11 @@ class VisionFileTask(FileTask):
     KEEP = 1024
 
     def __init__(self, tokenizer, image_processor, train, val=None, rewards=("gsm8k_exact",), *, image_key=None,
-                 **kw):
+                 image_root=None, **kw):
         from collections import OrderedDict
 
         self.image_processor, self.image_key, self._images, self._vision = image_processor, image_key, {}, OrderedDict()
+        self.image_root = image_root
         self.image_token_id = image_token_id(tokenizer, "data with images")
         if kw.get("max_prompt_length") and kw.get("overlong_prompts") == "truncate":
             raise ValueError("data.overlong_prompts=truncate with images: a cut could split an image's placeholders; "
@@ -403,8 +404,12 @@ class VisionFileTask(FileTask):
         """``ids`` with each image's one placeholder counted as its ``patches / merge²`` (the processor's
         ``get_number_of_image_patches`` from the image's size: nothing is resized here)."""
         extra = 0
-        for im in self._images[sample.source]:
-            patches = self.image_processor.get_number_of_image_patches(im.height, im.width, {})
+        for i, im in enumerate(self._images[sample.source]):
+            try:
+                patches = self.image_processor.get_number_of_image_patches(im.height, im.width, {})
+            except ValueError as e:  # e.g. an aspect ratio the processor refuses
+                raise DataError(f"{sample.source}: image {i} ({im.width}×{im.height}) is refused by the model's "
+                                f"image processor: {e}") from None
             extra += patches // self.merge ** 2 - 1
         return len(ids) + extra
 
@@ -416,7 +421,8 @@ class VisionFileTask(FileTask):
             raise DataError("data with images: give data files (parquet / JSONL / JSON), not records")
         out = []
         for path in paths:
-            for v in vision_samples(path, prompt_key=prompt_key, image_key=self.image_key):
+            for v in vision_samples(path, prompt_key=prompt_key, image_key=self.image_key, image_root=self.image_root,
+                                    max_pixels=getattr(self.image_processor, "max_pixels", None)):
                 self._images[v.source] = v.images
                 out.append(Sample(v.prompt, v.answer, v.source, v.extra))
         return PromptDataset(out)
@@ -583,14 +589,19 @@ def parquet(tokenizer, seed: int, *, path: str, val_path: str | None = None,
 def files(tokenizer, seed: int, image_processor=None, *, train_files: tuple[str, ...], val_files: tuple[str, ...] = (),
           rewards: tuple[RewardName, ...] = ("gsm8k_exact",), prompt_key: str = "prompt", max_prompt_length: int = 0,
           overlong_prompts: Literal["error", "filter", "truncate"] = "error",
-          apply_chat_template: Literal["auto", "always", "never"] = "auto") -> FileTask:
+          apply_chat_template: Literal["auto", "always", "never"] = "auto", image_root: str | None = None) -> FileTask:
     """Prompts from parquet / JSONL / JSON files (verl's columns), validation from ``val_files``;
     what ``data.train_files`` / ``data.val_files`` build. With a vision-language model (``image_processor``, given
-    by the composition root) the rows may carry images (:class:`VisionFileTask`: verl's or TRL's format)."""
+    by the composition root) the rows may carry images (:class:`VisionFileTask`: verl's or TRL's format; their
+    paths inside the data file's directory or ``image_root``)."""
     kw = dict(seed=seed, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
               overlong_prompts=overlong_prompts, apply_chat_template=apply_chat_template)
     if image_processor is not None:
-        return VisionFileTask(tokenizer, image_processor, list(train_files), list(val_files) or None, rewards, **kw)
+        return VisionFileTask(tokenizer, image_processor, list(train_files), list(val_files) or None, rewards,
+                              image_root=image_root, **kw)
+    if image_root is not None:
+        raise ValueError(f"image_root={image_root!r}: where a vision-language model's images are read from; this "
+                         "model reads no images — remove it")
     return FileTask(tokenizer, list(train_files), list(val_files) or None, rewards, **kw)
 
 

@@ -94,6 +94,11 @@ class Driver(ABC):
         """Release what :meth:`attach` started (the environments' steps under way finish on their own)."""
         return None  # a default hook: nothing to do
 
+    def cancel(self, reason: str) -> None:
+        """End the synchronous round under way now (the run was asked to stop); it raises, naming ``reason``.
+        From any thread."""
+        return None  # a default hook: a round without agents ends in a step's time
+
     def close(self) -> None:
         """Release what the driver holds (an agent's gateway)."""
         return None  # a default hook: nothing to do
@@ -313,6 +318,9 @@ class AgentDriver(Driver):
     def no_rows(self, step, groups):
         return AgentError(f"no agent episode of step {step}'s {groups} groups produced a row"
                           + (f"; the last failure: {self.error}" if self.error else ""))
+
+    def cancel(self, reason):
+        self.env.cancel(reason)
 
     def close(self):
         self.env.close()

@@ -53,6 +53,10 @@ class Generator:
         for k, v in stats.items():
             self.stats[k] = self.stats.get(k, 0.0) + v
 
+    def cancel(self, reason: str) -> None:
+        """End the round under way (the driver's :meth:`~hyperrl.loop.drivers.Driver.cancel`)."""
+        self.driver.cancel(reason)
+
     def close(self) -> None:
         """Stop the driver's agent gateway and the run's MCP servers (if any)."""
         try:

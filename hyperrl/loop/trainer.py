@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 from hyperrl import transforms as T
 from hyperrl.algorithms import GateError, LossContext, sum_terms
-from hyperrl.loop.collect import Collected, Timer
+from hyperrl.loop.collect import Collected, SyncCollector, Timer
 from hyperrl.loop.hooks import completion_rows
 from hyperrl.models.lora import TrainableView, is_lora
 from hyperrl.rewards import RewardError
@@ -89,6 +89,16 @@ class Trainer:
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
         self.step_idx += 1
         return self._report(batch, timer, {**got.metrics, **gate, **losses})
+
+    def cancel_collect(self, reason: str) -> bool:
+        """End the synchronous collection under way now — an agent round waits on its agents, up to
+        ``env.timeout_s`` — when the run is asked to stop; the step then raises and nothing of it is kept (the
+        step is generated again on resume). One process only (a rank ending its step alone would leave the
+        others in a collective); → whether it was asked."""
+        if self.parallel.world != 1 or not isinstance(self.collector, SyncCollector):
+            return False
+        self.generator.cancel(reason)
+        return True
 
     def collect(self, timer: Timer) -> Collected:
         """The step's batch, its metrics and prompts, from the collector (override to observe every batch)."""
@@ -216,7 +226,7 @@ class Trainer:
         anything is loaded; changed hyperparameters are kept in ``self.resume_report``."""
         import json
 
-        from hyperrl.config.compare import config_changes, loadability_changes
+        from hyperrl.config.compare import config_changes, loadability_changes, refuse_resume
         from hyperrl.loop.checkpoint import CheckpointError
 
         self.resume_report = {"skipped": [], "changes": {}}
@@ -236,10 +246,7 @@ class Trainer:
             now = self.cfg.to_dict()
             other = loadability_changes(old, now)
             if other:
-                said = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in other.items())
-                raise CheckpointError(f"{path.parent.parent} holds another model's run ({said}) — resuming would mix "
-                                      "the runs; set run.out_dir to a new directory, or --no-resume to start fresh "
-                                      "here (its checkpoints are set aside)")
+                raise CheckpointError(refuse_resume(path.parent.parent, other))
             self.resume_report["changes"] = config_changes(old, now)
         self.resume_report["path"] = str(path)
         st = self.checkpointer.load(path, self._parts(), verified=verified)

@@ -11,7 +11,14 @@ from hyperrl.models.critic import ValueModel
 from hyperrl.models.lora import AdapterDisabled, apply_lora
 from hyperrl.models.tiny import tiny_qwen2_5_vl, tiny_qwen3, tiny_qwen3_moe
 from hyperrl.multimodal import VISION_SPECIAL_TOKENS, suppress_outputs, vision_spec
-from hyperrl.tokenizer import DEFAULT_ALPHABET, char_tokenizer, check_vocab, load_tokenizer, read_chat_template
+from hyperrl.tokenizer import (
+    DEFAULT_ALPHABET,
+    TokenizerError,
+    char_tokenizer,
+    check_vocab,
+    load_tokenizer,
+    read_chat_template,
+)
 
 __all__ = ["build_tokenizer", "build_policy", "build_reference", "build_critic", "build_teachers", "same_tokenizer",
            "build_image_processor", "load_image_processor", "is_vision_checkpoint"]
@@ -162,7 +169,6 @@ def build_teachers(cfg, tok, device) -> dict:
     """``algo.distill``'s teachers: data_source → frozen causal LM in ``model.dtype`` on ``device`` (key None
     for a single ``teacher``). Each is a Hugging Face directory whose tokenizer must equal the student's
     (``tok``) — the teacher scores the student's own token ids, never re-tokenised text."""
-    from transformers import AutoModelForCausalLM
 
     d = cfg.algo.distill
     if d is None:
@@ -172,13 +178,38 @@ def build_teachers(cfg, tok, device) -> dict:
     out, loaded = {}, {}
     for source, path in paths.items():
         key = "algo.distill.teacher" if source is None else f"algo.distill.teachers.{source}"
-        why = same_tokenizer(tok, load_tokenizer(path))
+        try:
+            theirs = load_tokenizer(path)
+        except TokenizerError as e:
+            raise ValueError(f"{key}={path}: {e}") from None
+        why = same_tokenizer(tok, theirs)
         if why is not None:
             raise ValueError(f"{key}={path}: its tokenizer is not the student's ({student}): {why} — distillation "
                              "scores the student's token ids with the teacher, so both must tokenize alike")
         if path not in loaded:  # one model per directory, however many data sources share it
-            loaded[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype)).to(
-                device).eval().requires_grad_(False)
+            loaded[path] = _load_teacher(path, key, torch_dtype(cfg.model.dtype), device)
             check_vocab(tok, loaded[path].config.vocab_size, key)
         out[source] = loaded[path]
     return out
+
+
+def _load_teacher(path: str, key: str, dtype, device):
+    """A teacher directory → its frozen model; what cannot be loaded (a corrupt ``config.json``, truncated or
+    missing weights) or holds NaN / inf weights is a ``ValueError`` naming ``key``, the directory and why — found
+    at load, not as the student's refused publication many steps later."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - transformers / safetensors raise many kinds: one line, named
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"{key}={path}: the teacher cannot be loaded ({type(e).__name__}: {first[:300]}) — a "
+                         "teacher is a complete Hugging Face directory: config.json and its weights "
+                         "(model.safetensors), as save_pretrained writes them") from None
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"{key}={path}: the teacher's weights hold NaN or inf ({len(bad)} tensors: "
+                         f"{', '.join(bad[:3])}{' …' if len(bad) > 3 else ''}) — a diverged or damaged checkpoint; "
+                         "its log-probs would poison the distillation loss")
+    return model.to(device).eval().requires_grad_(False)

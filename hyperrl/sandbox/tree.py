@@ -70,9 +70,10 @@ def _read_tail(stream, buf: bytearray, cap: int, cut: list[bool]) -> None:
 
 
 def run_tree(argv: list[str], *, env: dict[str, str], cwd: str, timeout_s: float, tail_bytes: int = TAIL_BYTES,
-             grace_s: float = 2.0) -> TreeResult:
-    """Run ``argv`` (stdin empty) until it exits or ``timeout_s`` passes, then end its whole tree (see the module
-    doc); → :class:`TreeResult` with each stream's last ``tail_bytes``."""
+             grace_s: float = 2.0, cancel: threading.Event | None = None) -> TreeResult:
+    """Run ``argv`` (stdin empty) until it exits, ``timeout_s`` passes or ``cancel`` is set, then end its whole
+    tree (see the module doc); → :class:`TreeResult` with each stream's last ``tail_bytes`` (a cancelled run
+    reads as timed out)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(_contained(list(argv)), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
@@ -81,11 +82,15 @@ def run_tree(argv: list[str], *, env: dict[str, str], cwd: str, timeout_s: float
                for s, b, c in zip((proc.stdout, proc.stderr), bufs, cuts)]
     for r in readers:
         r.start()
-    timed_out = False
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+    timed_out, end = False, time.monotonic() + timeout_s
+    while True:
+        try:
+            proc.wait(timeout=max(0.0, min(0.2, end - time.monotonic())) if cancel is not None else timeout_s)
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= end or (cancel is not None and cancel.is_set()):
+                timed_out = True
+                break
     try:  # its process group — and, through the namespace, everything it started
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -68,6 +68,39 @@ def silent(sample, client):
     return 1.0
 
 
+def _ask(sample, client):
+    client.chat.completions.create(model="hyperrl-policy", messages=[{"role": "user", "content": sample.prompt}])
+
+
+def die_on_t1(sample, client):  # t:1's episodes take the agent process down once the others have returned;
+    _ask(sample, client)        # with DIE_ONCE set (a file), only the first time
+    once = os.environ.get("DIE_ONCE")
+    if sample.source == "t:1" and not (once and os.path.exists(once)):
+        time.sleep(1.5)
+        if once:
+            open(once, "w").close()
+        os._exit(3)
+    return 1.0
+
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def leave_daemons(sample, client):  # a child in its own session and a double-forked one, both outliving solve()
+    import subprocess
+    _ask(sample, client)
+    marker = os.environ["DAEMON_MARKER"]
+    subprocess.Popen([*SLEEPER, marker], start_new_session=True)
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv(sys.executable, [*SLEEPER, marker])
+        os._exit(0)
+    if os.environ.get("THEN_HANG"):
+        time.sleep(120)
+    return 1.0
+
+
 def die(sample, client):
     os._exit(3)
 
@@ -200,12 +233,103 @@ def test_a_hung_program_times_out_and_a_dead_agent_process_is_restarted(files):
     assert time.monotonic() - t < 10 and "timed out after 0.5s" in agent.errors[0]
     agent = _agent(program=f"{files}/agent.py:die", isolate=True)
     try:
-        for _ in range(2):  # the process dies every round; each round is reported, the next one restarts it
-            with pytest.raises(AgentError, match=r"died \(exit code 3\)"):
+        for _ in range(2):  # the process dies every round, and again on the retry; the next round restarts it
+            with pytest.raises(AgentError, match=r"died \(exit code 3\) \(retried once\)"):
                 agent.run(SAMPLES[:1], agent.gateway.sampling, 1)
-        assert agent.worker.restarts == 1
+            assert agent.stats["agent_retried_episodes"] == 1
+        assert agent.worker.restarts == 3
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_one_crashing_episode_fails_only_itself(files, tmp_path, monkeypatch, once):
+    """t:1's episodes ``os._exit`` the shared agent process after t:0's have returned: t:0's outcomes are kept,
+    t:1's — lost with the process — run again once in a fresh process and a fresh gateway episode (counted).
+    Dying only the first time, they then succeed; dying again, only they fail."""
+    if once:
+        monkeypatch.setenv("DIE_ONCE", str(tmp_path / "died"))
+    agent = _agent(program=f"{files}/agent.py:die_on_t1", isolate=True, has_rewards=False)
+    try:
+        batch = agent.run(SAMPLES, agent.gateway.sampling, 2)
+    finally:
+        agent.close()
+    assert agent.stats["agent_retried_episodes"] == 2 and agent.stats["agent_episodes"] == 4
+    assert agent.stats["agent_failed"] == (0 if once else 2), agent.errors
+    assert batch["group_id"].tolist() == ([0, 0, 1, 1] if once else [0, 0])
+    assert batch["reward"].tolist() == [1.0] * (4 if once else 2)
+    assert agent.stats["agent_rewrites"] == 0 and agent.stats["agent_rows"] == (4 if once else 2)
+    if not once:
+        assert all("died (exit code 3) (retried once)" in e for e in agent.errors)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(marker: str, wait_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while processes_with(marker):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_what_an_agent_program_starts_ends_with_its_round(files, monkeypatch):
+    """A program that leaves daemons behind (its own session; a double fork): the agent process adopts them (a
+    child subreaper) and ends them when no round is running."""
+    marker = f"program-daemon-{os.getpid()}-{time.time_ns()}"
+    monkeypatch.setenv("DAEMON_MARKER", marker)
+    agent = _agent(program=f"{files}/agent.py:leave_daemons", isolate=True)
+    try:
+        batch = agent.run(SAMPLES, agent.gateway.sampling, 1)
+        assert batch["reward"].tolist() == [1.0, 1.0]
+        assert _gone(marker), "a daemon an agent program started outlived its round"
+    finally:
+        agent.close()
+
+
+def test_agent_processes_die_with_the_trainer(files, tmp_path):
+    """``kill -9`` of the trainer mid-round: its agent process notices (its parent is gone) and ends itself and
+    every daemon its agents started, within seconds."""
+    marker = f"orphan-{os.getpid()}-{time.time_ns()}"
+    pids = tmp_path / "pids"
+    script = tmp_path / "trainer.py"
+    script.write_text(f'''
+import os, sys, threading, time
+sys.path.insert(0, {os.getcwd()!r})
+from tests.agents.test_programs import SAMPLES, _agent
+if __name__ == "__main__":  # the agent process is spawned: it imports this file
+    agent = _agent(program={f"{files}/agent.py:leave_daemons"!r}, isolate=True)
+    threading.Thread(target=agent.run, args=(SAMPLES, agent.gateway.sampling, 1), daemon=True).start()
+    while not (agent.worker.workers[0]._proc and agent.worker.workers[0]._proc.pid):
+        time.sleep(0.1)
+    open({str(pids)!r}, "w").write(str(agent.worker.workers[0]._proc.pid))
+    time.sleep(120)
+''')
+    import subprocess
+
+    trainer = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "DAEMON_MARKER": marker,
+                                                                    "THEN_HANG": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids.exists() and processes_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert processes_with(marker), "the agents never started their daemons"
+        worker = int(pids.read_text())
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _gone(marker, 10), "daemons outlived the killed trainer"
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "the agent process outlived the killed trainer"
 
 
 def test_a_cli_agent_reads_openai_base_url_and_is_judged(files):

@@ -81,3 +81,26 @@ def test_loader_deterministic_resumable_and_counts():
         c.next_batch(0)
     with pytest.raises(DataError, match="empty"):
         PromptLoader(PromptDataset([]), 2)
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("t.parquet", b"this is not parquet at all" * 10, r"t.parquet: not a readable parquet file"),
+    ("t.jsonl", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", r"t.jsonl: not UTF-8 text \(byte 0\) — is it a jsonl file\?"),
+    ("t.jsonl", b'{"prompt": "a"}\n[1, 2]\n', r"t.jsonl:2: a JSON object per line, got list"),
+    ("t.json", b'[{"prompt": "a"}, 3]', r"t.json: item 1 is a int, expected a JSON object"),
+    ("t.jsonl", b"[" * 100_000 + b"\n", r"t.jsonl:1: not JSON"),
+])
+def test_a_data_file_that_is_not_what_its_name_says_is_one_line(tmp_path, name, content, words):
+    """RL prompts and preference pairs read files alike: a file that is not parquet / JSONL / JSON is a DataError
+    naming the file (and line), never a traceback from pyarrow or json."""
+    from hyperrl.data.preference import PairDataset
+    from hyperrl.tokenizer import char_tokenizer
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=words):
+        PromptDataset.from_files(tmp_path / name)
+    with pytest.raises(DataError, match=words):
+        PairDataset.from_files([tmp_path / name], char_tokenizer())
+    (tmp_path / "dir.parquet").mkdir()
+    with pytest.raises(DataError, match=r"dir.parquet: not a file"):
+        PromptDataset.from_files(tmp_path / "dir.parquet")

@@ -125,6 +125,33 @@ def test_bad_teachers_are_refused_naming_the_key(tmp_path):
         build_trainer(cfg)
 
 
+@pytest.mark.parametrize("damage", ["config", "truncated", "missing", "nan"])
+def test_a_damaged_teacher_is_named_at_load(tmp_path, damage):
+    """A teacher directory with a corrupt config.json, truncated or missing weights, or NaN weights: one line
+    naming the key, the directory and the damage — at build, not as the student's refused publication later."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "teacher"
+    _teacher(path)
+    weights = path / "model.safetensors"
+    if damage == "config":
+        (path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ')
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        state = load_file(weights)
+        state["model.norm.weight"][3] = float("nan")
+        save_file(state, weights, metadata={"format": "pt"})
+    cfg = load_config(None, [f"--run.out_dir={tmp_path / 'run'}", *FAST, f"--algo.distill.teacher={path}"])
+    words = {"nan": r"the teacher's weights hold NaN or inf \(1 tensors: model.norm.weight\)",
+             "config": r".*: the tokenizer cannot be loaded \(OSError: .*config.json' is not a valid JSON file"
+             }.get(damage, r"the teacher cannot be loaded \(\w+")  # (its tokenizer is read first: a bad config)
+    with pytest.raises(ConfigError, match=rf"algo.distill.teacher=.*teacher: {words}"):
+        build_trainer(cfg)
+
+
 def test_clip_and_whiten_golden():
     # log-ratios (student − teacher) 1, 8, −2 on the mask: clip 5 → 1, 5, −2 → A = −1, −5, 2 (coef 1);
     # whitened: mean −4/3, population std sqrt(((1/3)² + (11/3)² + (10/3)²)/3) = sqrt(222/27) = sqrt(74/9) = 2.867442
