@@ -13,6 +13,7 @@ is started again for the next call, never a crashed run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 
@@ -60,13 +61,55 @@ class MCPTools:
             return fut.result(self.start_timeout_s)
         except Exception as e:  # noqa: BLE001 - named with the command
             fut.cancel()
-            raise MCPError(f"tools[].mcp={self.command}: the MCP server did not start ({type(e).__name__}: {e}); "
-                           "check the command runs by itself and speaks MCP over stdio") from None
+            self._end_holder()  # a server that never answered is killed (it would hold the trainer's files)
+            why = (f"no answer to initialize within {self.start_timeout_s:g} s; killed"
+                   if isinstance(e, TimeoutError | concurrent.futures.TimeoutError) else f"{type(e).__name__}: {e}")
+            tail = self._stderr_tail()
+            raise MCPError(f"tools[].mcp={self.command}: the MCP server did not start ({why})"
+                           + (f"; its stderr: {tail}" if tail else "")
+                           + "; check the command runs by itself and speaks MCP over stdio") from None
+
+    def _stderr_tail(self, n: int = 800) -> str:
+        """The last ``n`` characters the server wrote to its stderr (a temporary file of its own)."""
+        log = getattr(self, "_errlog", None)
+        if log is None:
+            return ""
+        with contextlib.suppress(OSError, ValueError):
+            log.flush()
+            log.seek(0)
+            text = log.read().strip()
+            return text if len(text) <= n else "…" + text[-n:]
+        return ""
+
+    def _end_holder(self, grace_s: float = 5.0) -> None:
+        """Stop the task holding the session: asked (the stop event), then cancelled after ``grace_s`` — leaving
+        the session ends the server's process tree (the mcp SDK: close its stdin, SIGTERM, then SIGKILL)."""
+        holder = getattr(self, "_holder", None)
+        if holder is None or not self._loop.is_running():
+            return
+        if getattr(self, "_stop", None) is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+        async def end():
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(holder), grace_s)
+            if not holder.done():
+                holder.cancel()
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(holder, 10)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(end(), self._loop).result(grace_s + 12)
 
     async def _open(self):
+        import tempfile
+
         from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
 
         started: asyncio.Future = asyncio.get_running_loop().create_future()
+        if getattr(self, "_errlog", None) is None:  # the server's stderr: its tail names a failed start
+            self._errlog = tempfile.TemporaryFile("w+", prefix="hyperrl-mcp-stderr-")
         self._stop = asyncio.Event()
         # marked as the run's own: an agent process ending what its agents started leaves the servers alone
         params = StdioServerParameters(command=self.command[0], args=self.command[1:],
@@ -75,7 +118,7 @@ class MCPTools:
         async def hold():  # the session's context is entered and left in this one task (anyio's rule)
             client = None
             try:
-                async with Client(params, mode="legacy") as client:
+                async with Client(stdio_client(params, errlog=self._errlog), mode="legacy") as client:
                     listed = await client.list_tools()
                     self._client = client
                     if not started.done():
@@ -123,13 +166,12 @@ class MCPTools:
         """Stop the server and the loop (idempotent)."""
         if not self._thread.is_alive():
             return
-        if getattr(self, "_stop", None) is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-            with contextlib.suppress(Exception):
-                held = asyncio.wait_for(asyncio.shield(self._holder), 10)
-                asyncio.run_coroutine_threadsafe(held, self._loop).result(12)
+        self._end_holder()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if getattr(self, "_errlog", None) is not None:
+            self._errlog.close()
+            self._errlog = None
 
     def specs(self) -> list[dict]:
         """The tools as an OpenAI ``tools`` list (and a chat template's ``tools=``)."""

@@ -276,8 +276,10 @@ class AgentEnvironment:
                 work = [(s, ep.base_url, ep.api_key) for (_, s), ep in zip(jobs, episodes)]
                 outcomes = (self.worker if self.isolate else self.runner).run(work, done, lane=lane)
                 lost = [k for k, o in enumerate(outcomes) if o.lost]
-                retried = len(lost) if not self._cancel.is_set() else 0
-                if retried:  # the agent process died under them: once more, each in a fresh episode, a fresh process
+                # the agent process died under them: once more, each in a fresh episode, in a fresh process —
+                # synchronous rounds only (an asynchronous unit's calls may still be queued under the same uids)
+                retried = len(lost) if not self._cancel.is_set() and submit is None else 0
+                if retried:
                     for k in lost:
                         self.gateway.finish(episodes[k])
                         episodes[k] = self.gateway.open(keys[k], sampling=sampling, submit=submit)

@@ -65,6 +65,36 @@ def test_a_server_that_does_not_start_is_named():
         MCPTools(["no-such-server-binary"], start_timeout_s=10)
 
 
+def test_a_silent_server_is_killed_and_a_dying_one_is_named_with_its_stderr(tmp_path):
+    """A server that never answers ``initialize`` is killed at the start timeout — it no longer holds the
+    trainer's stderr (``hyperrl train … | tee log`` returns); one that exits at once is named with its stderr."""
+    import os
+    import subprocess
+    import time
+
+    from tests.agents.test_programs import processes_with
+
+    marker = f"silent-mcp-{os.getpid()}-{time.time_ns()}"
+    script = tmp_path / "host.py"  # a parent whose stderr is a pipe: it ends only when every holder lets go
+    script.write_text(f"""
+import sys
+from hyperrl.agents.mcp import MCPError, MCPTools
+try:
+    MCPTools([sys.executable, "-c", "import time; time.sleep(300)", {marker!r}], start_timeout_s=2)
+except MCPError as e:
+    print(e)
+""")
+    t = time.monotonic()
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert time.monotonic() - t < 60 and "no answer to initialize within 2 s; killed" in out.stdout, out
+    assert not processes_with(marker)
+    with pytest.raises(MCPError, match=r"did not start .*its stderr: .*ImportError: no module named frobnicate"):
+        MCPTools([sys.executable, "-c", "import sys; sys.exit('ImportError: no module named frobnicate')"],
+                 start_timeout_s=10)
+
+
 def test_a_toolbox_of_mcp_and_registered_tools():
     with pytest.raises(MCPError, match="'calculator' is already provided"):  # the MCP calculator and ours clash
         Toolbox([{"mcp": SERVER, "timeout_s": 3.0}, {"name": "calculator"}])
