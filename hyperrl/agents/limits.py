@@ -91,10 +91,15 @@ class RenderCache:
         self.max_bytes, self.size = int(max_bytes), 0
         self._items: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
+        self._last = threading.local()  # this thread's last (msgs, tools, key): keep() reuses render()'s key
 
-    @staticmethod
-    def _key(msgs: list, tools: list | None) -> str:
-        return json.dumps([msgs, tools])  # key order kept: templates render it
+    def _key(self, msgs: list, tools: list | None) -> str:
+        last = getattr(self._last, "value", None)
+        if last is not None and last[0] is msgs and last[1] is tools:
+            return last[2]
+        key = json.dumps([msgs, tools])  # key order kept: templates render it
+        self._last.value = (msgs, tools, key)
+        return key
 
     def render(self, tokenizer, msgs: list, tools: list | None) -> tuple[int, ...]:
         """The ids of ``msgs`` and ``tools`` as the chat template renders them (cached when served before)."""
