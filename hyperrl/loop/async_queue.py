@@ -222,19 +222,35 @@ class AsyncQueue:
 
     def state(self) -> dict:
         """(under the lock) The prompts of every live unit (in admission order) and of evicted-not-yet-readmitted
-        ones, the data cursor and the counters (:meth:`AsyncCollector.state
-        <hyperrl.loop.collect_async.AsyncCollector.state>`)."""
+        ones, the data cursor and the counters; and the ready units an older version than the learner's generated,
+        with their rows (``ready``: the weights a resume has cannot generate them again) — :meth:`AsyncCollector.state
+        <hyperrl.loop.collect_async.AsyncCollector.state>`."""
         b = self.buffer
+        kept = [u for u in b.units if u.state == A.READY and u.version < self.version]
+        ready = [{"key": u.key, "version": u.version,
+                  "rows": {k: v for k, v in self.rows[u.uid][0].items()} if self.rows[u.uid] else {}} for u in kept]
         return {"live": [u.key for u in b.units] + list(self.requeue), "next_key": self.next_key,
-                "consumed": b.consumed, "evicted": b.evicted, "evictions": [list(e) for e in b.evictions]}
+                "consumed": b.consumed, "evicted": b.evicted, "evictions": [list(e) for e in b.evictions],
+                "ready": ready}
 
     def load_state(self, st: dict) -> None:
-        """(under the lock) A checkpoint's :meth:`state`: its prompts are admitted again first; the units in
+        """(under the lock) A checkpoint's :meth:`state`: its ready units are ready again, with their rows and
+        admission versions (their scoring starts again); its other prompts are admitted again first; the units in
         flight are forgotten (the driver's too: their episodes start again)."""
         b = self.buffer
-        self.buffer = A.Buffer(b.eta, b.batch, b.max_concurrent, (), st["consumed"] + st["evicted"],
-                               st["consumed"], st["evicted"], tuple(tuple(e) for e in st["evictions"]))
+        ready = st.get("ready", [])  # a checkpoint from before ready rows were kept: every prompt regenerated
+        base = st["consumed"] + st["evicted"]
+        units = tuple(A.Unit(base + i, r["version"], r["key"], A.READY) for i, r in enumerate(ready))
+        self.buffer = A.Buffer(b.eta, b.batch, b.max_concurrent, units, base + len(units), st["consumed"],
+                               st["evicted"], tuple(tuple(e) for e in st["evictions"]))
         self.units, self.rows, self.by, self.pending, self.limits = {}, {}, {}, [], {}
         self.driver.reset()
-        self.requeue, self.next_key = list(st["live"]), st["next_key"]
+        for u, r in zip(units, ready):
+            rows = r["rows"]
+            self.units[u.uid], self.by[u.uid] = u, set()
+            self.rows[u.uid] = [TensorDict(rows, batch_size=[rows["tokens"].shape[0]])] if rows else []
+            if rows and self.on_ready is not None:
+                self.on_ready(u.uid, u.key, self.rows[u.uid][0])
+        kept = {u.key for u in units}
+        self.requeue, self.next_key = [k for k in st["live"] if k not in kept], st["next_key"]
         self.record({"resume": st.get("step", None)})

@@ -3,7 +3,8 @@
 Layout of ``<dir>/step_<k>/``: per rank ``r`` (suffix ``.rank<r>`` when the world size is > 1)
 ``<part>{sfx}.safetensors`` for each tensor part (``model``, ``critic``, …) holding that rank's
 *local shards*, optimizer parts as ``<part>{sfx}.safetensors`` + ``<part>{sfx}.json``,
-``rng{sfx}.safetensors``; then ``state.json`` (step, version, counters, data cursor, world size),
+``rng{sfx}.safetensors``; then ``state.json`` (step, version, counters, data cursor, world size; tensors in the
+state — an asynchronous run's ready rows — go to ``state.safetensors``, referenced by name),
 ``layout.json`` (each sharded tensor's global shape, ``hyperrl.sharding`` spec and mesh —
 ``fsdp``, or ``dp × tp`` under tensor parallelism — what :func:`consolidate` needs) and, written last, ``COMPLETE``:
 JSON holding every file's SHA-256 (each rank hashes its own files; rank 0 folds their manifests in).
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from hyperrl.errors import HyperRLError
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_dirs", "verify_checkpoint",
-           "consolidate", "rng_states", "set_rng_states", "CheckpointError", "MARKER", "CRASH_POINTS"]
+           "consolidate", "read_state", "rng_states", "set_rng_states", "CheckpointError", "MARKER", "CRASH_POINTS"]
 
 MARKER = "COMPLETE"
 _STEP = re.compile(r"step_(\d+)")
@@ -134,6 +135,8 @@ def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], stat
     An intact ``step_<step>`` is returned as is (written once); a damaged one is set aside first.
     ``_crash_after`` (tests only) kills the process after that part or :data:`CRASH_POINTS` step."""
     root = Path(root)
+    state_tensors: dict[str, torch.Tensor] = {}
+    state = _split_tensors(state, "", state_tensors)  # before anything is written: a bad state refused first
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     intact = final.is_dir() and _verifies(final)
     barrier()
@@ -176,7 +179,7 @@ def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], stat
     if rank == 0:
         try:
             _finish(root, tmp, final, state={**state, "world_size": world_size, "parts": list(parts)},
-                    layout=layout or {}, world_size=world_size, crash=_crash_after)
+                    tensors=state_tensors, layout=layout or {}, world_size=world_size, crash=_crash_after)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"{final}: writing the checkpoint failed ({type(e).__name__}: {e}); the previous "
@@ -185,17 +188,53 @@ def save_checkpoint(root: str | Path, step: int, *, parts: dict[str, dict], stat
     return final
 
 
-def _finish(root: Path, tmp: Path, final: Path, *, state: dict, layout: dict, world_size: int,
+_TENSOR = "__tensor__"  # a tensor of the state, by its name in state.safetensors
+
+
+def _split_tensors(obj, path: str, out: dict[str, torch.Tensor]):
+    """``obj`` with every tensor (in nested dicts and lists) replaced by ``{"__tensor__": name}``; the
+    tensors into ``out`` by name (their path in ``obj``)."""
+    if torch.is_tensor(obj):
+        out[path] = obj.detach().cpu().clone().contiguous()
+        return {_TENSOR: path}
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            raise CheckpointError(f"state: {path or '/'} holds the reserved key {_TENSOR!r}")
+        return {k: _split_tensors(v, f"{path}/{k}", out) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_split_tensors(v, f"{path}/{i}", out) for i, v in enumerate(obj)]
+    return obj
+
+
+def _join_tensors(obj, tensors: dict[str, torch.Tensor], where: Path):
+    """:func:`_split_tensors` undone: each reference replaced by its tensor (a missing one named)."""
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            if obj[_TENSOR] not in tensors:
+                raise CheckpointError(f"{where}: state tensor {obj[_TENSOR]!r} is missing from state.safetensors")
+            return tensors[obj[_TENSOR]]
+        return {k: _join_tensors(v, tensors, where) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join_tensors(v, tensors, where) for v in obj]
+    return obj
+
+
+def _finish(root: Path, tmp: Path, final: Path, *, state: dict, tensors: dict, layout: dict, world_size: int,
             crash: str | None) -> None:
-    """Rank 0: state and layout, the marker with every file's hash, then the rename — a damaged
-    ``final`` set aside first, so an intact checkpoint exists at every instant."""
+    """Rank 0: state (its ``tensors`` in ``state.safetensors``, :func:`_split_tensors`) and layout, the marker with
+    every file's hash, then the rename — a damaged ``final`` set aside first, so an intact checkpoint exists at
+    every instant."""
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     (tmp / "layout.json").write_text(json.dumps(layout))
-    for f in ("state.json", "layout.json"):
+    files = ["state.json", "layout.json"]
+    if tensors:
+        save_file(tensors, tmp / "state.safetensors")
+        files.append("state.safetensors")
+    for f in files:
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     _crash("state", crash)
-    sums = {"state.json": _sha256(tmp / "state.json"), "layout.json": _sha256(tmp / "layout.json")}
+    sums = {f: _sha256(tmp / f) for f in files}
     for r in range(world_size):
         sums.update(json.loads((tmp / f"manifest{_suffix(r, world_size)}.json").read_text()))
     with open(tmp / MARKER, "w") as fh:
@@ -300,7 +339,7 @@ def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0, ver
                               f"checkpoint (latest complete: {latest_checkpoint(path.parent)})")
     if not verified:
         verify_checkpoint(path, rank=rank, world_size=world_size)
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
     if state.get("world_size", 1) != world_size:
         raise CheckpointError(f"{path}: written with world size {state.get('world_size')}, resuming with "
                               f"{world_size}; resharding optimizer state across world sizes is not supported")
@@ -313,6 +352,14 @@ def load_checkpoint(path: str | Path, *, world_size: int = 1, rank: int = 0, ver
         meta = path / f"{name}{sfx}.json"
         out[name] = _optim_from_files(load_file(f), json.loads(meta.read_text())) if meta.exists() else load_file(f)
     return out
+
+
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's ``state.json``, its tensors (``state.safetensors``) in place."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
+    f = path / "state.safetensors"
+    return _join_tensors(state, load_file(f), path) if f.is_file() else state
 
 
 def consolidate(path: str | Path, part: str = "model") -> dict[str, torch.Tensor]:

@@ -276,9 +276,12 @@ class AsyncCollector:
     def state(self) -> dict:
         """The buffer at a step boundary, losslessly: the prompts of every live unit (in flight or
         ready, in admission order) and of evicted-not-yet-readmitted ones, the data cursor, the
-        counters. On resume they are admitted again first and regenerated — under the resumed
-        weights, with the same sample_uids, so nothing is lost or trained twice and the staleness
-        bound holds across the restart (they are fresh)."""
+        counters, and the rows of the ready units an older version generated (tensors: the
+        checkpoint keeps them in ``state.safetensors``). On resume those are ready again as they
+        were; the rest are admitted again first and regenerated — under the resumed weights, with
+        the same sample_uids — so nothing is lost or trained twice, the staleness bound holds
+        across the restart, and a gated run continues bit for bit (batch k still from version
+        k − η)."""
         with self.queue.cond:
             return {"async": self.queue.state()}
 

@@ -100,6 +100,31 @@ def test_a_gated_multi_turn_run_reproduces_bit_for_bit(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(a.policy.parameters(), b.policy.parameters()))
 
 
+def test_a_resumed_gated_multi_turn_run_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """Gated, η = 1, checkpoint after step 2: batch 2's episodes (finished at version 1) travel in the checkpoint as
+    rows; batch 3's run again from their first turn under the resumed weights — the same weights as the
+    uninterrupted run at the end."""
+    a = _build(_cfg(tmp_path / "a", "--async.schedule=gated"), trainer=AsyncTrainer, max_staleness=1)
+    try:
+        ma = [a.step() for _ in range(4)]
+    finally:
+        a.close()
+    b = _build(_cfg(tmp_path / "b", "--async.schedule=gated"), trainer=AsyncTrainer, max_staleness=1)
+    try:
+        mb = [b.step() for _ in range(2)]
+        b.save()
+    finally:
+        b.close()
+    c = _build(_cfg(tmp_path / "b", "--async.schedule=gated"), trainer=AsyncTrainer, max_staleness=1)
+    try:
+        assert c.resume() and c.collector.queue.buffer.ready == 4  # batch 2's 4 groups, with their rows
+        mb += [c.step() for _ in range(2)]
+    finally:
+        c.close()
+    assert [m["loss_policy"] for m in ma] == [m["loss_policy"] for m in mb]
+    assert all(torch.equal(p, q) for p, q in zip(a.policy.parameters(), c.policy.parameters()))
+
+
 class _Restartable(LocalWorker):
     """A worker whose process can "die": its engine call raises WorkerDied once (the requests it held
     come back to nobody); restart() brings it back serving the same engine."""

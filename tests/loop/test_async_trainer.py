@@ -302,6 +302,40 @@ def test_the_gated_schedule_generates_each_batch_at_one_version_and_reproduces_b
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_resumed_gated_run_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """Gated, η = 2, checkpoint after step 2 (version 2): batches 2 and 3 are ready, generated at versions 0 and
+    1 — weights the resumed run no longer has. Their rows travel in the checkpoint (``state.safetensors``) and are
+    ready again on resume; only batch 4 (admitted at version 2) is generated again, under the resumed weights,
+    with the same sample_uids and calls: every metric and weight equals the uninterrupted run's, and each batch k
+    still comes whole from version k − η."""
+    from hyperrl.loop.checkpoint import read_state
+
+    def cfg(name):
+        return _cfg(tmp_path / name, "--rollout.max_new_tokens=16", "--rollout.prompts_per_step=4",
+                    "--async.max_staleness=2", "--async.schedule=gated")
+
+    def run(tr, steps):
+        try:
+            return [tr.step() for _ in range(steps)], tr
+        finally:
+            tr.close()
+
+    ma, a = run(build_trainer(cfg("a"), trainer=_Recording), 5)
+    first, b = run(build_trainer(cfg("b"), trainer=_Recording), 2)
+    kept = read_state(b.save())["async"]["ready"]
+    assert sorted(r["key"] // 4 for r in kept) == [2] * 4 + [3] * 4  # batches 2, 3: their 4 groups each
+    assert {r["version"] for r in kept} == {0, 1} and all(r["rows"]["tokens"].shape[0] == 4 for r in kept)
+    c = build_trainer(cfg("b"), trainer=_Recording)
+    assert c.resume() and c.collector.queue.buffer.ready == 8
+    rest, c = run(c, 3)
+    for k, (version, _, versions, _, _) in enumerate(b.trained + c.trained):
+        assert version == k and set(versions) == {max(0, k - 2)}
+    for x, y in zip(ma, first + rest):
+        same = {k: x[k] for k in x if not k.startswith("time_") and k not in _TIMING}
+        assert same == {k: y[k] for k in same}
+    assert all(torch.equal(p, q) for p, q in zip(a.policy.parameters(), c.policy.parameters()))
+
+
 def test_gated_needs_whole_steps_in_flight(tmp_path):
     with pytest.raises(ValueError, match=r"async.max_concurrent=3: the gated schedule admits whole steps"):
         build_trainer(_cfg(tmp_path, "--async.max_staleness=1", "--async.schedule=gated", "--async.max_concurrent=3"))

@@ -150,6 +150,33 @@ def test_a_damaged_checkpoint_is_skipped_naming_the_file_and_strays_are_ignored(
         verify_checkpoint(ck / "step_4")
 
 
+def test_tensors_in_a_checkpoints_state_are_kept_exactly_and_checksummed(tmp_path):
+    """A state holding tensors (an asynchronous run's ready rows) round-trips through ``state.safetensors``:
+    values, dtypes and shapes exact (bool, int64, float32, an empty tensor), nested in dicts and lists; the file's
+    checksum is in the marker; a reserved key in the state is refused naming its place."""
+    import torch
+
+    from hyperrl.loop.checkpoint import CheckpointError, read_state, save_checkpoint
+
+    rows = {"tokens": torch.arange(6).view(2, 3), "mask": torch.tensor([[True, False, True]] * 2),
+            "logprobs": torch.randn(2, 3), "none": torch.zeros(0, 3)}
+    state = {"step": 2, "async": {"ready": [{"key": 8, "version": 0, "rows": rows}, {"key": 9, "rows": {}}]}}
+    path = save_checkpoint(tmp_path, 2, parts={"model": {"w": torch.ones(2)}}, state=state, rng={})
+    back = read_state(path)["async"]["ready"]
+    assert [r["key"] for r in back] == [8, 9] and back[1]["rows"] == {}
+    for k, v in rows.items():
+        assert back[0]["rows"][k].dtype == v.dtype and torch.equal(back[0]["rows"][k], v), k
+    assert "state.safetensors" in json.loads((path / "COMPLETE").read_text())["sha256"]
+    data = bytearray((path / "state.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "state.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="state.safetensors: checksum mismatch"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"state: /async holds the reserved key '__tensor__'"):
+        save_checkpoint(tmp_path, 3, parts={}, state={"async": {"__tensor__": 1}}, rng={})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2"]  # refused before anything was written
+
+
 @pytest.mark.slow
 def test_rerunning_a_finished_run_writes_nothing_again_and_a_run_without_markers_keeps_its_records(tmp_path):
     x = tmp_path / "x"
