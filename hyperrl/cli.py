@@ -1,5 +1,5 @@
 """``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl config``, ``hyperrl plan``,
-``hyperrl export``, ``hyperrl demo``."""
+``hyperrl export``, ``hyperrl diff``, ``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def _known_errors() -> dict[type, tuple[str, int]]:
     from hyperrl.agents.mcp import MCPError
     from hyperrl.config import ConfigError
     from hyperrl.data import DataError
+    from hyperrl.diff import DiffError
     from hyperrl.export import ExportError
     from hyperrl.loop.checkpoint import CheckpointError
     from hyperrl.loop.evaluate import EvaluationError
@@ -33,7 +34,8 @@ def _known_errors() -> dict[type, tuple[str, int]]:
             CheckpointError: ("checkpoint error", 2), ExportError: ("export error", 2),
             EvaluationError: ("evaluation error", 2), GateError: ("gate error", 2), LayoutError: ("plan error", 2),
             MeshError: ("plan error", 2), SpecError: ("plan error", 2), WorkerError: ("rollout worker error", 1),
-            WeightPublishError: ("publication error", 1), AgentError: ("agent error", 1), MCPError: ("mcp error", 1)}
+            WeightPublishError: ("publication error", 1), AgentError: ("agent error", 1), MCPError: ("mcp error", 1),
+            DiffError: ("diff error", 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +89,17 @@ def _main(argv: list[str]) -> int:
     ex.add_argument("--adapters", action="store_true", help="a LoRA run: write only the adapters (PEFT's "
                     "adapter_model.safetensors + adapter_config.json, which PEFT and vLLM's LoRA load) and the "
                     "tokenizer, not merged weights")
+    df = sub.add_parser("diff", help="where two runs part: configs, package versions, then the first step and stage "
+                        "whose fingerprints differ, drilled down to rows, tokens and weight tensors")
+    df.add_argument("run_a", help="a run directory (run.out_dir)")
+    df.add_argument("run_b", help="another run directory")
+    df.add_argument("--step", type=int, help="compare this step only")
+    df.add_argument("--json", action="store_true", help="print the diff as JSON")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "diff":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _diff(args)
     if args.command == "export":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -112,6 +124,18 @@ def _main(argv: list[str]) -> int:
         return 0
     parser.error(f"unknown command {args.command!r}")
     return 2
+
+
+def _diff(args) -> int:
+    """``hyperrl diff``: the report (or ``--json``); exit 0 when the runs agree in every step both reached, 1 when
+    they part."""
+    import json
+
+    from hyperrl.diff import diff_runs, format_diff
+
+    d = diff_runs(args.run_a, args.run_b, step=args.step)
+    print(json.dumps(d.to_dict(), indent=1) if args.json else format_diff(d))
+    return 0 if d.step is None and not d.events else 1
 
 
 def _config(args, overrides: list[str]) -> int:

@@ -19,6 +19,7 @@ from hyperrl.compose import build
 from hyperrl.config import TrainConfig
 from hyperrl.distributed import init_distributed
 from hyperrl.export import export_hf
+from hyperrl.loop.fingerprints import write_fingerprints
 from hyperrl.loop.hooks import (
     clip_warning,
     eval_line,
@@ -125,7 +126,8 @@ def _write_config(out: Path, cfg: TrainConfig) -> Path:
     return path
 
 
-_RECORDS = ("checkpoints", "metrics.jsonl", "completions.jsonl", "async_events.jsonl", "reward_curve.png", "hf")
+_RECORDS = ("checkpoints", "metrics.jsonl", "completions.jsonl", "async_events.jsonl", "reward_curve.png", "hf",
+            "fingerprints.jsonl", "fingerprints")
 
 
 def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra_hooks=()) -> dict:
@@ -166,15 +168,18 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
     hooks = list(extra_hooks)
     if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
         if resumed:
-            _truncate_log(jsonl, trainer.step_idx)
-            _truncate_log(out / "completions.jsonl", trainer.step_idx)
+            for log in (jsonl, out / "completions.jsonl", out / "fingerprints.jsonl"):
+                _truncate_log(log, trainer.step_idx)
         elif jsonl.exists():  # records without a checkpoint to resume from: kept, not deleted
-            _set_aside(out, ("metrics.jsonl", "completions.jsonl"), "no checkpoint to resume from")
+            _set_aside(out, ("metrics.jsonl", "completions.jsonl", "fingerprints.jsonl", "fingerprints"),
+                       "no checkpoint to resume from")
         _write_config(out, cfg)
         hooks.append(write_jsonl(jsonl))
         hooks.append(clip_warning(cfg.rollout.max_new_tokens))
         if cfg.run.log_completions:
             hooks.append(write_completions(out / "completions.jsonl"))
+        if cfg.run.fingerprints:
+            hooks.append(write_fingerprints(out, values=cfg.run.fingerprint_values))
         tb = tensorboard(out)
         if tb:
             hooks.append(tb)

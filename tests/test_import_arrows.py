@@ -13,7 +13,8 @@ is stated once, here (docs/trainer.md draws it):
     5 agents        the OpenAI-compatible gateway, agent programs, MCP tools
     6 config
     7 loop
-    8 the root      compose (the composition root: build), run (the outer loop: train), cli, export, demo, the facade
+    8 the root      compose (the composition root: build), run (the outer loop: train), cli, export, diff, demo,
+                    the facade
 
 A module may import its own package and any package of a lower layer — never a higher one, nor a
 package beside it in its layer.
@@ -36,7 +37,7 @@ LAYERS = [
     ("agents",),
     ("config",),
     ("loop",),
-    ("",),  # the root: compose (the composition root), run, cli, export, demo and the facade hyperrl/__init__.py
+    ("",),  # the root: compose (the composition root), run, cli, export, diff, demo and the facade hyperrl/__init__.py
 ]
 FOUNDATIONS = (*LAYERS[0], *LAYERS[1])
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
@@ -108,7 +109,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-ROOT = {"hyperrl", "hyperrl.compose", "hyperrl.run", "hyperrl.cli", "hyperrl.export", "hyperrl.demo"}
+ROOT = {"hyperrl", "hyperrl.compose", "hyperrl.run", "hyperrl.cli", "hyperrl.export", "hyperrl.demo", "hyperrl.diff"}
 
 
 def test_every_module_has_a_layer():

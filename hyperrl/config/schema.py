@@ -424,6 +424,12 @@ class RunConfig(_Frozen):
                     "exchanges heads for sequence by all-to-all (Ulysses, hyperrl.distributed.context_parallel) — "
                     "the update's activations and logits per rank ≈ 1/cp; must divide the attention heads; 1 = off")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
+    fingerprints: bool = Field(True, description="record each step's fingerprints (hashes of the prompts, samples, "
+                               "log-probs, rewards, advantages, loss and weights) to fingerprints.jsonl — what "
+                               "`hyperrl diff RUN_A RUN_B` compares (hyperrl.loop.fingerprints)")
+    fingerprint_values: int = Field(10, ge=0, description="keep the rows themselves for the first k steps "
+                                    "(fingerprints/step_<k>.safetensors): a diff there names the first differing "
+                                    "token and both values")
     wandb_project: str = Field("", description="log to Weights & Biases under this project (pip install wandb)")
 
 

@@ -23,7 +23,8 @@ One class for every kind of run: synchronous, asynchronous and preference runs d
 collector and evaluator handed in (``SyncTrainer``, ``AsyncTrainer`` and ``PreferenceTrainer`` are
 its names in earlier releases). The trainer imports no ``torch.distributed``. Users observe through
 hooks ``hook(event, trainer, metrics)`` (:mod:`hyperrl.loop.hooks`); events ``"step"``, ``"eval"``,
-``"checkpoint"``, ``"completions"``.
+``"checkpoint"``, ``"completions"``, and ``"batch"`` (``{"step", "batch", "metrics"}``: the trained batch after the
+pipeline — what :mod:`hyperrl.loop.fingerprints` records).
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ class Trainer:
             rows = completion_rows(batch, self.tok, self.scorer.names, self.cfg.run.log_completions)
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
         self.step_idx += 1
-        return self._report(batch, timer, {**got.metrics, **gate, **losses})
+        metrics = self._report(batch, timer, {**got.metrics, **gate, **losses})
+        self._emit("batch", {"step": self.step_idx, "batch": batch, "metrics": metrics})  # e.g. its fingerprints
+        return metrics
 
     def cancel_collect(self, reason: str) -> bool:
         """End the synchronous collection under way now — an agent round waits on its agents, up to

@@ -44,9 +44,13 @@ def _weights(out: Path) -> dict:
 
 
 def _same(a: Path, b: Path) -> None:
+    from hyperrl.diff import diff_runs
+
     assert _records(a) == _records(b)
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+    d = diff_runs(a, b)  # every step's fingerprints too: rows, rewards, advantages, loss terms, weights
+    assert d.step is None and d.versions == {} and d.steps[0] == d.steps[1], d
 
 
 def test_two_processes_at_the_default_thread_count_agree_bit_for_bit(tmp_path):
