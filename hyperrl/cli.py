@@ -1,5 +1,5 @@
 """``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl config``, ``hyperrl plan``,
-``hyperrl export``, ``hyperrl diff``, ``hyperrl demo``."""
+``hyperrl export``, ``hyperrl diff``, ``hyperrl trace``, ``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -95,7 +95,15 @@ def _main(argv: list[str]) -> int:
     df.add_argument("run_b", help="another run directory")
     df.add_argument("--step", type=int, help="compare this step only")
     df.add_argument("--json", action="store_true", help="print the diff as JSON")
+    tc = sub.add_parser("trace", help="a run's timeline (each step's stages, each rollout worker's calls, versions, "
+                        "evictions) as a Chrome / Perfetto trace")
+    tc.add_argument("run", help="a run directory (run.out_dir)")
+    tc.add_argument("--out", help="where to write it (default: RUN/trace.json)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "trace":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _trace(args)
     if args.command == "diff":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -136,6 +144,27 @@ def _diff(args) -> int:
     d = diff_runs(args.run_a, args.run_b, step=args.step)
     print(json.dumps(d.to_dict(), indent=1) if args.json else format_diff(d))
     return 0 if d.step is None and not d.events else 1
+
+
+def _trace(args) -> int:
+    """``hyperrl trace``: write the run's timeline as a trace file and say where and what it holds."""
+    import json
+    from pathlib import Path
+
+    from hyperrl.loop.timeline import chrome_trace, read_timeline
+
+    try:
+        records = read_timeline(args.run)
+    except FileNotFoundError as e:
+        raise SystemExit(f"trace error: {e}") from None
+    trace = chrome_trace(records)
+    out = Path(args.out or Path(args.run) / "trace.json")
+    out.write_text(json.dumps(trace))
+    steps = {r["step"] for r in records if "spans" in r}
+    calls = sum(1 for e in trace["traceEvents"] if e.get("pid") == 2 and e.get("ph") == "X")
+    print(f"{out}: {len(steps)} steps, {calls} rollout worker calls — open it in https://ui.perfetto.dev or "
+          "chrome://tracing")
+    return 0
 
 
 def _config(args, overrides: list[str]) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from hyperrl.compose import build
@@ -30,6 +31,7 @@ from hyperrl.loop.hooks import (
     write_completions,
     write_jsonl,
 )
+from hyperrl.loop.timeline import write_timeline
 
 __all__ = ["train"]
 
@@ -127,7 +129,7 @@ def _write_config(out: Path, cfg: TrainConfig) -> Path:
 
 
 _RECORDS = ("checkpoints", "metrics.jsonl", "completions.jsonl", "async_events.jsonl", "reward_curve.png", "hf",
-            "fingerprints.jsonl", "fingerprints")
+            "fingerprints.jsonl", "fingerprints", "timeline.jsonl", "trace.json")
 
 
 def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra_hooks=()) -> dict:
@@ -168,11 +170,11 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
     hooks = list(extra_hooks)
     if rank == 0:  # rank 0 logs; metrics are already averaged over ranks
         if resumed:
-            for log in (jsonl, out / "completions.jsonl", out / "fingerprints.jsonl"):
+            for log in (jsonl, out / "completions.jsonl", out / "fingerprints.jsonl", out / "timeline.jsonl"):
                 _truncate_log(log, trainer.step_idx)
         elif jsonl.exists():  # records without a checkpoint to resume from: kept, not deleted
-            _set_aside(out, ("metrics.jsonl", "completions.jsonl", "fingerprints.jsonl", "fingerprints"),
-                       "no checkpoint to resume from")
+            _set_aside(out, ("metrics.jsonl", "completions.jsonl", "fingerprints.jsonl", "fingerprints",
+                             "timeline.jsonl"), "no checkpoint to resume from")
         _write_config(out, cfg)
         hooks.append(write_jsonl(jsonl))
         hooks.append(clip_warning(cfg.rollout.max_new_tokens))
@@ -180,6 +182,7 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
             hooks.append(write_completions(out / "completions.jsonl"))
         if cfg.run.fingerprints:
             hooks.append(write_fingerprints(out, values=cfg.run.fingerprint_values))
+        hooks.append(write_timeline(out))
         tb = tensorboard(out)
         if tb:
             hooks.append(tb)
@@ -214,17 +217,53 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
             bar.close()
 
 
+class _Profiler:
+    """``run.profile``: torch.profiler from the start of step ``a`` to the end of step ``b`` (each step a labelled
+    range), its trace written to ``out/profile_steps_<a>-<b>.json`` (this rank's; ``.rank<r>`` beyond rank 0)."""
+
+    def __init__(self, profile, out: Path, rank: int):
+        self.window = profile.steps if profile is not None else None
+        self.out, self.rank, self.prof = out, rank, None
+
+    @contextmanager
+    def step(self, k: int):
+        """Profile step ``k`` when it falls in the window (start before the first, write after the last)."""
+        if self.window is None or not self.window[0] <= k <= self.window[1]:
+            yield
+            return
+        import torch
+
+        if self.prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        with torch.profiler.record_function(f"step {k}"):
+            yield
+        if k == self.window[1]:
+            self.prof.__exit__(None, None, None)
+            a, b = self.window
+            path = self.out / (f"profile_steps_{a}-{b}.json" if self.rank == 0 else
+                               f"profile_steps_{a}-{b}.rank{self.rank}.json")
+            self.prof.export_chrome_trace(str(path))
+            self.prof = None
+            print(f"profile of steps {a}–{b}: {path} (open it in https://ui.perfetto.dev)", file=sys.stderr,
+                  flush=True)
+
+
 def _loop(cfg, trainer, rank, out, jsonl, *, bar, last_eval, t0) -> dict:
     """The steps (evaluations, checkpoints, a signal's stop), the last evaluation and checkpoint, the
     plot and the export."""
     from hyperrl.agents import AgentCancelled
 
     saved = None
+    profiler = _Profiler(cfg.run.profile, out, rank)
     # a signal ends an agent round under way at once (one process): the step is dropped and generated on resume
     with _Interrupt(on_signal=lambda name: trainer.cancel_collect(name)) as stop:
         while trainer.step_idx < cfg.run.steps and not stop.requested(trainer.parallel):
             try:
-                trainer.step()
+                with profiler.step(trainer.step_idx + 1):
+                    trainer.step()
             except AgentCancelled as e:
                 print(f"{e}; step {trainer.step_idx + 1} is generated again on resume", file=sys.stderr)
                 break

@@ -380,6 +380,22 @@ class DataConfig(_Frozen):
                                    "symlinks leading out are refused)")
 
 
+class ProfileConfig(_Frozen):
+    """``run.profile``: torch.profiler over a window of steps."""
+
+    steps: tuple[int, int] = Field(description="[first, last] step to profile (1-based, inclusive): "
+                                   "out_dir/profile_steps_<first>-<last>.json, a Chrome / Perfetto trace of every "
+                                   "op (CPU, and CUDA on a GPU)")
+
+    @model_validator(mode="after")
+    def _window(self):
+        a, b = self.steps
+        if a < 1 or b < a:
+            raise ValueError(f"run.profile.steps={list(self.steps)}: give [first, last] with 1 ≤ first ≤ last "
+                             "(1-based steps, inclusive), e.g. {steps: [10, 12]}")
+        return self
+
+
 class RunConfig(_Frozen):
     """``run``: steps, seed, evaluation, checkpoints, export, output directory, device, tensor parallelism,
     threads, logging."""
@@ -427,6 +443,8 @@ class RunConfig(_Frozen):
     fingerprints: bool = Field(True, description="record each step's fingerprints (hashes of the prompts, samples, "
                                "log-probs, rewards, advantages, loss and weights) to fingerprints.jsonl — what "
                                "`hyperrl diff RUN_A RUN_B` compares (hyperrl.loop.fingerprints)")
+    profile: ProfileConfig | None = Field(None, description="torch.profiler over steps [a, b]: {steps: [a, b]} → "
+                                          "out_dir/profile_steps_<a>-<b>.json (opens in ui.perfetto.dev)")
     fingerprint_values: int = Field(10, ge=0, description="keep the rows themselves for the first k steps "
                                     "(fingerprints/step_<k>.safetensors): a diff there names the first differing "
                                     "token and both values")

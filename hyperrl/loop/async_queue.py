@@ -63,6 +63,7 @@ class AsyncQueue:
         self.progress = 0  # calls delivered and environment steps taken (a wait's liveness)
         self.paused = self.stopped = False
         self.log, self.seq = log, 0  # every worker call and every take: what a replay needs
+        self.timeline: list[dict] = []  # the workers' calls and the evictions since the learner's last take, timed
         if log is not None and fresh:
             log.parent.mkdir(parents=True, exist_ok=True)
             log.write_text("")
@@ -112,14 +113,18 @@ class AsyncQueue:
             with self.log.open("a") as f:
                 f.write(json.dumps(event) + "\n")
 
-    def deliver(self, out: TensorDict, worker: str, record: dict) -> None:
+    def deliver(self, out: TensorDict, worker: str, record: dict, *, t0: float = 0.0, dur: float = 0.0) -> None:
         """A worker's call's rows: finished ones through the driver to their unit (complete when all n are in);
-        aborted ones resume, first in line."""
+        aborted ones resume, first in line. ``t0`` / ``dur``: when the call started (epoch seconds) and how long it
+        ran — the run's timeline."""
         done = out[out["finish_reason"] != _ABORTED]
         with self.cond:
             resumed = resume_requests(out, self.limits)
             record.pop("replayed", None)
             self.record(record)
+            self.timeline.append({"call": record["call"], "worker": worker, "version": record["version"],
+                                  "requests": len(record["uids"]), "aborted": len(resumed),
+                                  "steps": record.get("steps"), "t0": t0, "dur": dur})
             self.progress += 1
             done = self.driver.deliver(done, worker)
             unit_of = {u.key: u.uid for u in self.units.values()}
@@ -155,6 +160,7 @@ class AsyncQueue:
                 self.on_ready(uid, self.units[uid].key, rows)
         except TrajectoryError as e:
             self.buffer = A.evict(self.buffer, uid, f"{', '.join(sorted(self.by[uid]))}: {e}")
+            self.timeline.append({"evict": self.units[uid].key, "why": str(e), "t0": time.time()})
             self.requeue.append(self.units.pop(uid).key)
             self.rows.pop(uid)
             self.by.pop(uid)

@@ -36,19 +36,26 @@ class Collected:
     batch: TensorDict
     metrics: dict = field(default_factory=dict)
     samples: dict = field(default_factory=dict)
+    events: list = field(default_factory=list)  # the collector's timeline since the last step (workers' calls, …)
 
 
 class Timer:
-    """Wall-clock phases of a step: ``with timer("generate"): …`` adds to ``timer.t["time_generate_s"]``."""
+    """Wall-clock phases of a step: ``with timer("generate"): …`` adds to ``timer.t["time_generate_s"]`` and
+    appends ``(name, start, seconds)`` to ``timer.spans`` (start: seconds since the epoch — a timeline's)."""
 
     def __init__(self):
         self.t: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        yield
-        self.t[f"time_{name}_s"] = self.t.get(f"time_{name}_s", 0.0) + time.perf_counter() - t0
+        wall, t0 = time.time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.t[f"time_{name}_s"] = self.t.get(f"time_{name}_s", 0.0) + dt
+            self.spans.append((name, wall, dt))
 
 
 def sample_uid(step: int, attempt: int, prompt: int, sample: int, *, prompts_per_step: int, n: int,

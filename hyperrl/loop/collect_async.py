@@ -134,17 +134,22 @@ class AsyncCollector:
                     reqs = self.driver.order(reqs)
                     q.busy.add(w.name)
                 try:  # busy until the rows are delivered (or the worker restarted): a publication waits
+                    wall, t0 = time.time(), time.perf_counter()
                     try:
                         out, steps = w.generate_requests(reqs, sp, stop_after)
                     except WorkerDied:  # its requests came back to nobody: they wait again, unchanged
                         with q.cond:
+                            q.timeline.append({"call": record["call"], "worker": w.name, "died": True,
+                                               "version": record["version"], "requests": len(reqs), "t0": wall,
+                                               "dur": time.perf_counter() - t0})
                             q.pending = reqs + q.pending
                             self.schedule.died(record.get("replayed"))
                             self.restarts += 1
                             q.cond.notify_all()
                         w.restart()  # serving the current version (or a WorkerError naming it)
                         continue
-                    q.deliver(out, w.name, {**record, "worker": w.name, "steps": steps})
+                    q.deliver(out, w.name, {**record, "worker": w.name, "steps": steps}, t0=wall,
+                              dur=time.perf_counter() - t0)
                 finally:
                     with q.cond:
                         q.busy.discard(w.name)
@@ -169,6 +174,7 @@ class AsyncCollector:
 
             q.wait(ready, f"waiting for a batch at version {version}")
             rows = q.consume(step, taken)
+            events, q.timeline = q.timeline, []
             counts = [w.restarts for w in self.workers if w.restarts is not None]  # a Ray worker counts its own
             b = q.buffer
             counters = {"async_admitted": b.admitted, "async_consumed": b.consumed, "async_evicted": b.evicted,
@@ -190,7 +196,8 @@ class AsyncCollector:
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], version, self.eta)
         with q.cond:
             agents = self.driver.pop_stats()  # the agent rounds finished since the last step
-        return Collected(batch, {**counters, **agents, **overlap, **{k: float(v) for k, v in st.items()}}, samples)
+        return Collected(batch, {**counters, **agents, **overlap, **{k: float(v) for k, v in st.items()}}, samples,
+                         events)
 
     @staticmethod
     def _overlap(ready: list, now: float) -> dict[str, float]:

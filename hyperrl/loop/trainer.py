@@ -23,12 +23,14 @@ One class for every kind of run: synchronous, asynchronous and preference runs d
 collector and evaluator handed in (``SyncTrainer``, ``AsyncTrainer`` and ``PreferenceTrainer`` are
 its names in earlier releases). The trainer imports no ``torch.distributed``. Users observe through
 hooks ``hook(event, trainer, metrics)`` (:mod:`hyperrl.loop.hooks`); events ``"step"``, ``"eval"``,
-``"checkpoint"``, ``"completions"``, and ``"batch"`` (``{"step", "batch", "metrics"}``: the trained batch after the
-pipeline — what :mod:`hyperrl.loop.fingerprints` records).
+``"checkpoint"``, ``"completions"``, ``"batch"`` (``{"step", "batch", "metrics", "spans", "events"}``: the trained
+batch after the pipeline — what :mod:`hyperrl.loop.fingerprints` records — and the step's timed stages and collector
+events, what :mod:`hyperrl.loop.timeline` records) and ``"span"`` (an evaluation's or a checkpoint's time).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -90,7 +92,8 @@ class Trainer:
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
         self.step_idx += 1
         metrics = self._report(batch, timer, {**got.metrics, **gate, **losses})
-        self._emit("batch", {"step": self.step_idx, "batch": batch, "metrics": metrics})  # e.g. its fingerprints
+        self._emit("batch", {"step": self.step_idx, "batch": batch, "metrics": metrics,  # e.g. its fingerprints
+                             "spans": timer.spans, "events": got.events})  # the step's timeline
         return metrics
 
     def cancel_collect(self, reason: str) -> bool:
@@ -192,11 +195,13 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out evaluation (:class:`~hyperrl.loop.evaluate.Evaluator`) while the collector is
         paused (an asynchronous run's engine is the workers')."""
+        wall, t0 = time.time(), time.perf_counter()
         with self.collector.paused("pausing for evaluation", drain=False):
             try:
                 metrics = self.evaluator.evaluate(self.step_idx)
             except RewardError as e:
                 raise RewardError(f"evaluation at step {self.step_idx}: {e}", row=e.row) from e
+        self._emit("span", {"step": self.step_idx, "name": "evaluate", "t0": wall, "dur": time.perf_counter() - t0})
         self._emit("eval", metrics)
         return metrics
 
@@ -216,7 +221,9 @@ class Trainer:
                  "tokens_seen": self.tokens_seen, "optim_steps": self.learner.optim_steps,
                  "kl_coef": self.kl_state.beta, "task": self.task.state(), "config": self.cfg.to_dict(),
                  **self.collector.state()}
+        wall, t0 = time.time(), time.perf_counter()
         path = self.checkpointer.save(self.step_idx, self._parts(), state, _crash_after=_crash_after)
+        self._emit("span", {"step": self.step_idx, "name": "checkpoint", "t0": wall, "dur": time.perf_counter() - t0})
         if self.parallel.rank == 0:
             self._emit("checkpoint", {"step": self.step_idx, "path": str(path)})
         return path
