@@ -1,5 +1,5 @@
 """``hyperrl`` command line: ``hyperrl train`` (the main job), ``hyperrl config``, ``hyperrl plan``,
-``hyperrl export``, ``hyperrl diff``, ``hyperrl trace``, ``hyperrl demo``."""
+``hyperrl export``, ``hyperrl diff``, ``hyperrl doctor``, ``hyperrl trace``, ``hyperrl demo``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def _known_errors() -> dict[type, tuple[str, int]]:
     from hyperrl.diff import DiffError
     from hyperrl.export import ExportError
     from hyperrl.loop.checkpoint import CheckpointError
+    from hyperrl.loop.doctor import DoctorError
     from hyperrl.loop.evaluate import EvaluationError
     from hyperrl.loop.prepare import GateError
     from hyperrl.registry import HyperparameterError
@@ -35,7 +36,7 @@ def _known_errors() -> dict[type, tuple[str, int]]:
             EvaluationError: ("evaluation error", 2), GateError: ("gate error", 2), LayoutError: ("plan error", 2),
             MeshError: ("plan error", 2), SpecError: ("plan error", 2), WorkerError: ("rollout worker error", 1),
             WeightPublishError: ("publication error", 1), AgentError: ("agent error", 1), MCPError: ("mcp error", 1),
-            DiffError: ("diff error", 2)}
+            DiffError: ("diff error", 2), DoctorError: ("doctor error", 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +100,20 @@ def _main(argv: list[str]) -> int:
                         "evictions) as a Chrome / Perfetto trace")
     tc.add_argument("run", help="a run directory (run.out_dir)")
     tc.add_argument("--out", help="where to write it (default: RUN/trace.json)")
+    dr = sub.add_parser("doctor", help="why the trainer's and the engine's log-probs disagree: a recorded batch "
+                        "re-scored under each known cause, ranked by how much of the gap it closes")
+    dr.add_argument("run", help="a run directory (run.out_dir)")
+    dr.add_argument("--step", type=int, help="the step whose kept rows to examine (default: the last one the "
+                    "doctor has weights for)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from hyperrl.loop.doctor import doctor_run
+
+        d, step = doctor_run(args.run, args.step)
+        print(f"step {step}: {d.verdict()}\n{d.table()}")
+        return 0
     if args.command == "trace":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

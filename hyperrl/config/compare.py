@@ -17,7 +17,8 @@ _TINY = ("model.hidden", "model.layers", "model.heads", "model.kv_heads", "model
 # keys that say where a run writes and how long it goes, not what it trains: never listed as changes
 BOOKKEEPING = ("run.out_dir", "run.steps", "run.eval_every", "run.eval_prompts", "run.eval_n", "run.log_completions",
                "run.keep_last_k", "run.export", "run.ckpt_every", "run.threads", "run.wandb_project",
-               "run.fingerprints", "run.fingerprint_values", "run.profile")
+               "run.fingerprints", "run.fingerprint_values", "run.profile",
+               "run.doctor_above")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

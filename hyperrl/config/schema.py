@@ -443,6 +443,10 @@ class RunConfig(_Frozen):
     fingerprints: bool = Field(True, description="record each step's fingerprints (hashes of the prompts, samples, "
                                "log-probs, rewards, advantages, loss and weights) to fingerprints.jsonl — what "
                                "`hyperrl diff RUN_A RUN_B` compares (hyperrl.loop.fingerprints)")
+    doctor_above: float | None = Field(0.01, gt=0, description="when the trainer-vs-engine mismatch (mean |Δ "
+                                       "log-prob| over action tokens) exceeds this, the mismatch doctor diagnoses "
+                                       "the next step's batch once and warns with its verdict (hyperrl.loop.doctor; "
+                                       "a refused gate is diagnosed too); null = never")
     profile: ProfileConfig | None = Field(None, description="torch.profiler over steps [a, b]: {steps: [a, b]} → "
                                           "out_dir/profile_steps_<a>-<b>.json (opens in ui.perfetto.dev)")
     fingerprint_values: int = Field(10, ge=0, description="keep the rows themselves for the first k steps "

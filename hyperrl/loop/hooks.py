@@ -193,12 +193,12 @@ def write_completions(path: Path):
 
 
 def write_jsonl(path: Path):
-    """A hook appending every step / eval record — and the run's ``resume`` and ``interrupt`` events
+    """A hook appending every step / eval record — and the run's ``resume``, ``interrupt`` and ``doctor`` events
     — to ``path`` as JSON lines (a NaN or infinite number is written as null: the file stays JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def hook(event, trainer, metrics):
-        if event in ("step", "eval", "resume", "interrupt"):
+        if event in ("step", "eval", "resume", "interrupt", "doctor"):
             with path.open("a") as f:
                 f.write(json.dumps({"event": event, **{k: (None if isinstance(v, float) and not math.isfinite(v)
                                                            else v) for k, v in metrics.items()}}) + "\n")

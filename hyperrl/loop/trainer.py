@@ -30,6 +30,7 @@ events, what :mod:`hyperrl.loop.timeline` records) and ``"span"`` (an evaluation
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +66,7 @@ class Trainer:
         self.kl_state = kl_controller.init()
         self.step_idx, self.version = 0, engine.policy_version
         self.samples_seen = self.tokens_seen = 0
+        self._doctor_due = self._doctor_done = False
 
     # ------------------------------------------------------------------ the step, top to bottom
     def step(self) -> dict:
@@ -78,7 +80,18 @@ class Trainer:
         gate, losses = {}, {"update_skipped": 1.0}
         if self.parallel.all_have_rows(batch.batch_size[0]):  # else every rank skips alike
             with timer("logprob"):
-                batch, gate = self.prepare(batch, samples=got.samples)  # the keys the pipeline needs, the gate
+                try:
+                    batch, gate = self.prepare(batch, samples=got.samples)  # the keys the pipeline needs, the gate
+                except GateError as e:  # why the gate is refused: the doctor's verdict on this batch
+                    raise GateError(f"{e}; doctor: {self.doctor(batch).verdict()}") from e
+            if self._doctor_due:  # the mismatch was high last step: diagnose this batch before its update
+                self._doctor_due = False
+                self._doctor_done = True
+                d = self.doctor(batch)
+                print(f"warning: step {self.step_idx + 1}: trainer vs engine log-probs — {d.verdict()} "
+                      "(hyperrl.loop.doctor; run.doctor_above)", file=sys.stderr, flush=True)
+                self._emit("doctor", {"step": self.step_idx + 1, "gap": d.gap, "verdict": d.verdict(),
+                                      "causes": {c[0]: c[3] for c in d.causes}})
             batch = self.pipeline.transform(batch)  # advantages (and returns)
             if self.engine.capabilities.sleeps:  # the engine frees its memory for the update; publish wakes it
                 self.engine.sleep()
@@ -92,9 +105,24 @@ class Trainer:
             self._emit("completions", {"step": self.step_idx + 1, "rows": rows})
         self.step_idx += 1
         metrics = self._report(batch, timer, {**got.metrics, **gate, **losses})
+        above = self.cfg.run.doctor_above
+        if above is not None and not self._doctor_done and metrics.get("mismatch_mean_abs", 0.0) > above:
+            self._doctor_due = True  # at most once a run: the causes are systematic
         self._emit("batch", {"step": self.step_idx, "batch": batch, "metrics": metrics,  # e.g. its fingerprints
                              "spans": timer.spans, "events": got.events})  # the step's timeline
         return metrics
+
+    @torch.no_grad()
+    def doctor(self, batch: TensorDict):
+        """The mismatch doctor on ``batch`` with the trainer's policy as it is now
+        (:func:`hyperrl.loop.doctor.diagnose`): which known cause makes the engine's log-probs differ."""
+        from hyperrl.device import torch_dtype
+        from hyperrl.loop.doctor import DoctorContext, diagnose
+
+        r, m = self.cfg.rollout, self.cfg.model
+        ctx = DoctorContext(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, dtype=torch_dtype(m.dtype),
+                            head_dtype=torch.float32 if m.lm_head_fp32 else None, version=self.version)
+        return diagnose(self.policy, batch.to(self.device), ctx)
 
     def cancel_collect(self, reason: str) -> bool:
         """End the synchronous collection under way now — an agent round waits on its agents, up to

@@ -1,0 +1,331 @@
+"""The mismatch doctor: which known cause makes the trainer's log-probs and the engine's disagree.
+
+Given a recorded batch (the engine's ``rollout_logprobs`` on its action tokens) and the trainer's policy, the
+gap is ``|log π_engine − log π_trainer|`` per action token. Each *switch* re-scores the batch with one mechanism
+changed to what an engine may have done — the known causes (REFERENCE.md; slime's advice: change one mechanism at
+a time) — and the doctor reports how much of the gap each closes, ranked:
+
+* ``sampling`` — temperature, top-k and top-p applied as the engine applied them, the log-prob taken from the
+  renormalised (processed) distribution (TRL #6789; vLLM's ``processed_logprobs``);
+* ``temperature`` — the log-prob of the untempered logits (an engine reporting them before temperature, TRL #4159);
+* ``head_precision`` — the LM head in the other precision (bf16 ↔ fp32; open-instruct #1387);
+* ``compute_dtype`` — the model held and run in the other precision (bf16 ↔ fp32: an engine serving bf16 weights);
+* ``routes`` — a mixture of experts routed by the engine's recorded routes (R3; Megatron-LM #4168);
+* ``version`` — the weights of the version the engine stamped on the tokens (a stale or half-applied publication),
+  where those weights are at hand;
+* ``micro_batch`` — each row alone rather than the batch (composition and padding width; verl #6280 / #2996).
+
+``closes`` = 1 − gap(switch) / gap(trainer) over the action tokens: 1 when the switch reproduces the engine, ≤ 0 when
+it makes things worse. :func:`diagnose` → :class:`Diagnosis` (its :meth:`~Diagnosis.verdict` names the cause).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from hyperrl.errors import HyperRLError
+from hyperrl.rollout.hf import filter_logits
+
+
+class DoctorError(HyperRLError, ValueError):
+    """A run the doctor cannot examine (no kept rows at the step, no weights for it); the message says why."""
+
+__all__ = ["SWITCHES", "DoctorContext", "Diagnosis", "diagnose", "trainer_logprobs", "doctor_run", "DoctorError"]
+
+
+@dataclass(frozen=True)
+class DoctorContext:
+    """What the switches read: the run's sampling (``temperature``, ``top_k``, ``top_p``), the trainer's compute and
+    head dtypes, the trainer's policy version and ``weights_for(version)`` → that version's state dict or None."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    dtype: torch.dtype = torch.float32
+    head_dtype: torch.dtype | None = None  # None: the model's own
+    version: int | None = None
+    weights_for: Callable[[int], dict | None] | None = None
+
+
+def _first_action(act: torch.Tensor) -> int:
+    return max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)
+
+
+def _logits(model, batch: TensorDict, *, dtype: torch.dtype, head_dtype: torch.dtype | None = None,
+            replay=None) -> tuple[int, torch.Tensor]:
+    """``(a, logits [B, T − a, V])`` fp32 of one plain forward from the batch's first action position ``a``, the
+    forward under ``dtype`` autocast (fp32: none) and the LM head recomputed in ``head_dtype`` (None: as it ran)."""
+    tokens, act = batch["tokens"], batch["action_mask"]
+    a = _first_action(act)
+    head = model.get_output_embeddings()
+    seen = []
+    hook = head.register_forward_hook(lambda m, inp, out: seen.append(inp[0])) if head_dtype is not None else None
+    auto = torch.autocast(tokens.device.type, dtype=dtype) if dtype != torch.float32 else torch.autocast(
+        tokens.device.type, enabled=False)
+    try:
+        with auto, (replay if replay is not None else contextlib.nullcontext()):
+            logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                           logits_to_keep=tokens.shape[1] - a).logits
+    finally:
+        if hook is not None:
+            hook.remove()
+    if head_dtype is not None:
+        logits = torch.nn.functional.linear(seen[-1].to(head_dtype), head.weight.to(head_dtype),
+                                            None if head.bias is None else head.bias.to(head_dtype))
+    return a, logits.float()
+
+
+def _token_lp(a: int, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(z)[token]`` on the window, padded to ``[B, T]``."""
+    lp = torch.log_softmax(z, -1).gather(-1, tokens[:, a:, None])[..., 0]
+    return torch.nn.functional.pad(lp, (a, 0))
+
+
+def trainer_logprobs(model, batch: TensorDict, ctx: DoctorContext) -> torch.Tensor:
+    """The trainer's view: ``log softmax(logits / T)`` of one forward in its dtype and head precision ``[B, T]``."""
+    a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=ctx.head_dtype)
+    return _token_lp(a, logits / ctx.temperature, batch["tokens"])
+
+
+def _sampling(model, batch, ctx):
+    if not (ctx.top_k or ctx.top_p < 1.0):
+        return None
+    a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=ctx.head_dtype)
+    B, W, V = logits.shape
+    z = filter_logits(logits.reshape(B * W, V), ctx.temperature, ctx.top_k, ctx.top_p).view(B, W, V)
+    return _token_lp(a, z, batch["tokens"])
+
+
+def _temperature(model, batch, ctx):
+    if ctx.temperature == 1.0:
+        return None
+    a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=ctx.head_dtype)
+    return _token_lp(a, logits, batch["tokens"])
+
+
+def _other(dt: torch.dtype) -> torch.dtype:
+    return torch.float32 if dt == torch.bfloat16 else torch.bfloat16
+
+
+def _head_precision(model, batch, ctx):
+    a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=_other(ctx.head_dtype or ctx.dtype))
+    return _token_lp(a, logits / ctx.temperature, batch["tokens"])
+
+
+def _compute_dtype(model, batch, ctx):
+    other = _other(next(model.parameters()).dtype)  # a copy of the model held in the other dtype, as an engine holds it
+    a, logits = _logits(copy.deepcopy(model).to(other), batch, dtype=torch.float32)
+    return _token_lp(a, logits / ctx.temperature, batch["tokens"])
+
+
+def _routes(model, batch, ctx):
+    from hyperrl.loop.forward import RouteReplay
+    from hyperrl.routing import Routing, is_moe
+
+    if not is_moe(model) or "routes" not in batch.keys():
+        return None
+    tokens = batch["tokens"]
+    B, W = tokens.shape[0], tokens.shape[1] - 1
+    replay = RouteReplay(Routing(model), batch, batch["routes"], force=True)
+    src = torch.nn.functional.pad(torch.arange(B * W).view(B, W), (0, 1), value=-1)
+    a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=ctx.head_dtype,
+                        replay=replay.call(torch.where(batch["attention_mask"].bool(), src, -1), B * W))
+    return _token_lp(a, logits / ctx.temperature, tokens)
+
+
+def _version(model, batch, ctx):
+    if ctx.weights_for is None or "token_version" not in batch.keys():
+        return None
+    v = batch["token_version"][batch["action_mask"].bool()]
+    if not v.numel():
+        return None
+    engine = int(v.min())
+    if engine == ctx.version:
+        return None
+    sd = ctx.weights_for(engine)
+    if sd is None:
+        return None
+    old = copy.deepcopy(model)
+    old.load_state_dict(sd)
+    return trainer_logprobs(old, batch, ctx)
+
+
+def _micro_batch(model, batch, ctx):
+    T = batch["tokens"].shape[1]
+    rows = []
+    for i in range(batch.batch_size[0]):
+        att = batch["attention_mask"][i]
+        keep = int(att.nonzero().max()) + 1 if att.any() else 1  # the row alone, its own width
+        row = TensorDict({k: v[i:i + 1, :keep] if v.dim() >= 2 and v.shape[1] == T else v[i:i + 1]
+                          for k, v in batch.items()}, batch_size=[1])
+        lp = trainer_logprobs(model, row, ctx) if row["action_mask"][:, 1:].any() else torch.zeros(1, keep)
+        rows.append(torch.nn.functional.pad(lp, (0, T - keep)))
+    return torch.cat(rows)
+
+
+# name → (what it tries, the function); a function returns None where the switch does not apply to this run
+SWITCHES: dict[str, tuple[str, Callable]] = {
+    "sampling": ("top-k / top-p applied as the engine sampled, the processed log-prob", _sampling),
+    "temperature": ("the log-prob before temperature", _temperature),
+    "head_precision": ("the LM head in the other precision (bf16 ↔ fp32)", _head_precision),
+    "compute_dtype": ("the model in the other precision (bf16 ↔ fp32)", _compute_dtype),
+    "routes": ("the engine's recorded MoE routes replayed", _routes),
+    "version": ("the weights of the version the engine stamped", _version),
+    "micro_batch": ("each row alone (batch composition, padding width)", _micro_batch),
+}
+
+
+@dataclass
+class Diagnosis:
+    """``gap``: the trainer's mean |Δ log-prob| over action tokens; ``causes``: ``(switch, what, gap under it,
+    closes)`` ranked by how much of the gap each closes; ``skipped``: switches that do not apply here; ``worst``:
+    the largest-gap tokens ``(row, position, token, engine, trainer, under the top switch)``; ``versions``: the
+    engine's stamped versions and the trainer's."""
+
+    gap: float
+    causes: list[tuple[str, str, float, float]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    worst: list[tuple] = field(default_factory=list)
+    versions: tuple = ()
+
+    def verdict(self, *, threshold: float = 0.5, rounding: float = 1e-5) -> str:
+        """One line: the cause that closes most of the gap (at least ``threshold`` of it), or that none does; a gap
+        under ``rounding`` (mean |Δ log-prob|) is float rounding, not a cause."""
+        if self.gap <= rounding:
+            return (f"no gap beyond float rounding (mean |Δ log-prob| {self.gap:.3g} ≤ {rounding:g}): the trainer "
+                    "reproduces the engine's log-probs")
+        if self.causes and self.causes[0][3] >= threshold:
+            name, what, g, c = self.causes[0]
+            return f"{name}: {what} closes {c:.0%} of the gap (mean |Δ log-prob| {self.gap:.3g} → {g:.3g})"
+        best = f"; the closest, {self.causes[0][0]}, closes {self.causes[0][3]:.0%}" if self.causes else ""
+        return f"none of the known causes closes the gap (mean |Δ log-prob| {self.gap:.3g}){best}"
+
+    def table(self) -> str:
+        """The ranked causes as text."""
+        lines = [f"trainer vs engine: mean |Δ log-prob| {self.gap:.4g} over the action tokens"
+                 + (f"; engine versions {self.versions[0]}, trainer version {self.versions[1]}" if self.versions
+                    else "")]
+        lines += [f"  {name:15s} " + (f"closes {c:6.1%}" if c >= 0 else "makes it worse") + f"  (gap {g:.4g}) — {what}"
+                  for name, what, g, c in self.causes]
+        if self.skipped:
+            lines.append(f"  not applicable here: {', '.join(self.skipped)}")
+        if self.worst:
+            lines.append("  worst tokens (row, position, token: engine / trainer / under the top cause):")
+            lines += [f"    {r}, {p}, {t}: {e:.4f} / {tr:.4f} / {s:.4f}" for r, p, t, e, tr, s in self.worst]
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def diagnose(model, batch: TensorDict, ctx: DoctorContext, *, switches=None, worst: int = 8) -> Diagnosis:
+    """Re-score ``batch`` under each switch (:data:`SWITCHES`, or the names in ``switches``) and rank them by the
+    share of the trainer-vs-engine gap they close (module doc). ``batch``: tokens, attention and action masks,
+    ``rollout_logprobs`` (and ``token_version``, ``routes`` where the switches need them)."""
+    for k in ("tokens", "attention_mask", "action_mask", "rollout_logprobs"):
+        if k not in batch.keys():
+            raise KeyError(f"doctor: the batch has no {k!r} — it needs the rollout's rows (tokens, masks, "
+                           "rollout_logprobs)")
+    act = batch["action_mask"].bool().clone()
+    act[:, 0] = False  # position 0 predicts nothing
+    engine = batch["rollout_logprobs"].float()
+    base = trainer_logprobs(model, batch, ctx)
+    d = (engine - base).abs()
+    gap = float(d[act].mean()) if act.any() else 0.0
+    out = Diagnosis(gap)
+    if "token_version" in batch.keys() and act.any():
+        out.versions = (sorted(set(batch["token_version"][act].tolist())), ctx.version)
+    best_lp = None
+    for name in switches or SWITCHES:
+        what, fn = SWITCHES[name]
+        lp = fn(model, batch, ctx)
+        if lp is None:
+            out.skipped.append(name)
+            continue
+        g = float((engine - lp).abs()[act].mean())
+        out.causes.append((name, what, g, 1.0 - g / gap if gap > 0 else 0.0))
+        if best_lp is None or g < best_lp[0]:
+            best_lp = (g, lp)
+    out.causes.sort(key=lambda c: -c[3])
+    if act.any() and best_lp is not None:
+        idx = torch.nonzero(act)
+        top = torch.topk(d[act], min(worst, len(idx))).indices
+        out.worst = [(int(idx[i, 0]), int(idx[i, 1]), int(batch["tokens"][idx[i, 0], idx[i, 1]]),
+                      float(engine[idx[i, 0], idx[i, 1]]), float(base[idx[i, 0], idx[i, 1]]),
+                      float(best_lp[1][idx[i, 0], idx[i, 1]])) for i in top.tolist()]
+    return out
+
+
+def _checkpoints(run: Path) -> dict[int, Path]:
+    """The run's checkpoints by the policy version they hold."""
+    from hyperrl.loop.checkpoint import checkpoint_dirs
+
+    out = {}
+    for c in checkpoint_dirs(run / "checkpoints", warn=False):
+        st = json.loads((c / "state.json").read_text())
+        out[int(st.get("version", st.get("step", 0)))] = c
+    return out
+
+
+def doctor_run(run: str | Path, step: int | None = None) -> tuple[Diagnosis, int]:
+    """``hyperrl doctor RUN [--step N]``: the recorded batch of step ``N`` (``fingerprints/step_<N>.safetensors``:
+    the first ``run.fingerprint_values`` steps; default the last such step the doctor has weights for) scored by the
+    policy that trained it — the run's initial weights for step 1, else the checkpoint of version ``N − 1`` — under
+    each switch (:func:`diagnose`; the engine's stamped version from the checkpoints too). → ``(diagnosis, N)``."""
+    from safetensors.torch import load_file
+
+    from hyperrl.config import validate_config
+    from hyperrl.device import torch_dtype
+    from hyperrl.loop.checkpoint import consolidate
+    from hyperrl.models.head import fp32_lm_head
+    from hyperrl.models.policy import build_policy, build_tokenizer
+
+    run = Path(run)
+    if not (run / "config.json").is_file():
+        raise DoctorError(f"{run}: no config.json — not a run directory (give a run.out_dir)")
+    cfg = validate_config(json.loads((run / "config.json").read_text()))
+    if cfg.model.lora is not None:
+        raise DoctorError("model.lora: the doctor re-scores full weights; a LoRA run's checkpoints hold the adapters "
+                          "only (not supported yet)")
+    kept = sorted(int(f.stem.split("_")[1]) for f in (run / "fingerprints").glob("step_*.safetensors"))
+    ckpts = _checkpoints(run)
+    usable = [k for k in kept if k == 1 or (k - 1) in ckpts]
+    if step is None:
+        if not usable:
+            raise DoctorError(f"{run}: no step has both its rows kept (steps {kept or 'none'}: "
+                              "run.fingerprint_values) and the weights that trained it (step 1, or a checkpoint of "
+                              f"the version before: {sorted(ckpts) or 'none'})")
+        step = usable[-1]
+    elif step not in kept:
+        raise DoctorError(f"step {step}: its rows were not kept (kept: {kept or 'none'}) — rerun with "
+                          f"run.fingerprint_values ≥ {step}")
+    elif step not in usable:
+        raise DoctorError(f"step {step}: no checkpoint of version {step - 1} (checkpoints of versions "
+                          f"{sorted(ckpts) or 'none'}) — rerun with run.ckpt_every dividing {step - 1}")
+    tok = build_tokenizer(cfg)
+    policy = build_policy(cfg, tok, lora=False)
+    if step > 1:
+        policy.load_state_dict(consolidate(ckpts[step - 1], "model"))
+    if cfg.model.lm_head_fp32:
+        fp32_lm_head(policy)
+    policy.eval()
+    init = {k: v.clone() for k, v in policy.state_dict().items()} if step == 1 else None
+
+    def weights_for(v: int):
+        if v == 0 and init is not None:
+            return init
+        return consolidate(ckpts[v], "model") if v in ckpts else None
+
+    rows = load_file(run / "fingerprints" / f"step_{step}.safetensors")
+    batch = TensorDict(rows, batch_size=[rows["tokens"].shape[0]])
+    r, m = cfg.rollout, cfg.model
+    ctx = DoctorContext(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, dtype=torch_dtype(m.dtype),
+                        head_dtype=torch.float32 if m.lm_head_fp32 else None, version=step - 1,
+                        weights_for=weights_for)
+    return diagnose(policy, batch, ctx), step
