@@ -145,3 +145,18 @@ def test_an_asynchronous_runs_event_logs_are_compared_call_by_call(tmp_path):
     d = diff_runs(a, b)
     assert d.step is None and d.events["line"] == k + 1 and d.events["b"]["version"] == e["version"] - 1
     assert f"async event logs part at line {k + 1}" in format_diff(d)
+
+
+def test_a_moe_run_is_fingerprinted_diffed_traced_and_doctored(tmp_path, capsys):
+    """A mixture of experts: its rows keep the engine's routes, so the doctor can replay them."""
+    moe = ["--run.steps=3", "--model.layers=2", "--run.ckpt_every=2"]
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        train(load_config("configs/moe.yaml", [*_ARGS[1:], f"--run.out_dir={out}", *moe]), progress=False)
+        runs.append(out)
+    assert diff_runs(*runs).step is None
+    assert main(["trace", str(runs[0])]) == 0
+    assert main(["doctor", str(runs[0])]) == 0
+    out = capsys.readouterr().out
+    assert "step 3: no gap beyond float rounding" in out and "routes" in out.split("not applicable")[0]

@@ -130,11 +130,11 @@ def _routes(model, batch, ctx):
     from hyperrl.loop.forward import RouteReplay
     from hyperrl.routing import Routing, is_moe
 
-    if not is_moe(model) or "routes" not in batch.keys():
+    if not is_moe(model) or "routed_experts" not in batch.keys():
         return None
     tokens = batch["tokens"]
     B, W = tokens.shape[0], tokens.shape[1] - 1
-    replay = RouteReplay(Routing(model), batch, batch["routes"], force=True)
+    replay = RouteReplay(Routing(model), batch, batch["routed_experts"], force=True)
     src = torch.nn.functional.pad(torch.arange(B * W).view(B, W), (0, 1), value=-1)
     a, logits = _logits(model, batch, dtype=ctx.dtype, head_dtype=ctx.head_dtype,
                         replay=replay.call(torch.where(batch["attention_mask"].bool(), src, -1), B * W))

