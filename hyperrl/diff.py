@@ -67,10 +67,18 @@ def _config(run: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _config_diff(a: dict, b: dict) -> dict:
-    from hyperrl.config.compare import flatten
+def _flat(d, prefix: str = "") -> dict:
+    """Every leaf of a config as a dotted key (variants too: ``task.name``, ``task.max_operand``)."""
+    if not isinstance(d, dict) or not d:
+        return {prefix[:-1]: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
 
-    fa, fb = flatten(json.loads(json.dumps(a))), flatten(json.loads(json.dumps(b)))
+
+def _config_diff(a: dict, b: dict) -> dict:
+    fa, fb = _flat(json.loads(json.dumps(a))), _flat(json.loads(json.dumps(b)))
     return {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb))
             if k != "run.out_dir" and fa.get(k) != fb.get(k)}
 

@@ -160,3 +160,12 @@ def test_a_moe_run_is_fingerprinted_diffed_traced_and_doctored(tmp_path, capsys)
     assert main(["doctor", str(runs[0])]) == 0
     out = capsys.readouterr().out
     assert "step 3: no gap beyond float rounding" in out and "routes" in out.split("not applicable")[0]
+
+
+def test_runs_of_different_tasks_and_models_say_what_differs_and_compare_the_rest(ref, tmp_path):
+    other = _run(tmp_path / "other", "--task=arith", "--model.hidden=64", "--run.steps=2")
+    d = diff_runs(ref, other)
+    assert d.config["task.name"] == ["modsum", "arith"] and d.config["model.hidden"] == [128, 64]
+    assert (d.step, d.stage) == (1, "prompts") and d.n_rows == 16 and d.steps == (5, 2)
+    text = format_diff(d)
+    assert "task.name: 'modsum' → 'arith'" in text and "first difference: step 1, prompts" in text
