@@ -44,9 +44,11 @@ class Generator:
         self.stats: dict[str, float] = {}
 
     def pop_stats(self) -> dict[str, float]:
-        """The agent rounds' counts since the last call (``agent_*``: episodes, failed, empty, calls …), summed."""
+        """The agent rounds' counts since the last call (``agent_*``: episodes, failed, empty, calls …), summed, and
+        the engine's own statistics where it keeps them (vLLM's scheduler: ``engine_*``)."""
         out, self.stats = self.stats, {}
-        return out
+        engine = getattr(self.engine, "pop_stats", None)
+        return {**out, **engine()} if engine is not None else out
 
     def add_stats(self, stats: dict[str, float]) -> None:
         """Add an agent round's counts to those :meth:`pop_stats` returns."""

@@ -44,6 +44,7 @@ from hyperrl.rollout.base import (
 )
 from hyperrl.rollout.requests import Request
 from hyperrl.rollout.transports import TRANSPORTS, transport_class
+from hyperrl.rollout.vllm_stats import EngineStats
 from hyperrl.rollout.vllm_tp import (
     bind_cpu_workers,
     check_group_agrees,
@@ -131,6 +132,7 @@ class VLLMEngine(TransactionalEngine):
         chosen.check_available()
         if self._native_backend:  # vLLM's own weight transfer: each worker holds vLLM's engine of that backend
             engine_kwargs["weight_transfer_config"] = {"backend": self._native_backend}
+        engine_kwargs.setdefault("disable_log_stats", False)  # its scheduler's figures become step metrics
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                            max_model_len=max_model_len, logprobs_mode="processed_logprobs",
@@ -146,6 +148,7 @@ class VLLMEngine(TransactionalEngine):
             if not bound:
                 raise ValueError(f"rollout.engine.routed_experts: vLLM serves {model_dir} with no mixture-of-experts "
                                  "layer to record")
+        self._stats = EngineStats(self.llm) if not engine_kwargs["disable_log_stats"] else None
         self.dtype = getattr(torch, dtype) if isinstance(dtype, str) and hasattr(torch, dtype) else torch.float32
         self._hf_shapes, self._fused, self._unfuse = dict(self._shapes), None, {}
         self._cuts, self._worker_shapes, self._split = {}, [], None  # tp > 1: each worker's planned shards
@@ -249,7 +252,7 @@ class VLLMEngine(TransactionalEngine):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: need at least one prompt, each with at least one token")
         sp = _vllm_sampling(sampling, n=n, max_tokens=sampling.max_new_tokens, seed=sampling.seed)
-        with self._dead_is_broken():
+        with self._dead_is_broken(), self._sampled():
             outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False,
                                      lora_request=self._lora)
         routes = self._take_routes()
@@ -259,6 +262,15 @@ class VLLMEngine(TransactionalEngine):
         if self._group is not None:
             check_group_agrees(rows, self._group)
         return stack_episodes(rows, self.pad_id)
+
+    def _sampled(self):
+        """vLLM's gauges sampled while the body generates (:mod:`hyperrl.rollout.vllm_stats`)."""
+        return self._stats.during() if self._stats is not None else contextlib.nullcontext()
+
+    def pop_stats(self) -> dict[str, float]:
+        """vLLM's scheduler since the last call — queue, batch and KV-cache peaks, queue time, preemptions, prefix-cache
+        hit rate (:class:`~hyperrl.rollout.vllm_stats.EngineStats`) — as step metrics; {} with stats disabled."""
+        return self._stats.pop() if self._stats is not None else {}
 
     @contextlib.contextmanager
     def _dead_is_broken(self):
@@ -340,7 +352,7 @@ class VLLMEngine(TransactionalEngine):
             eng.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt) + list(r.partial)), sp,
                             lora_request=self._lora)
         latest = {}
-        with self._dead_is_broken():
+        with self._dead_is_broken(), self._sampled():
             while eng.has_unfinished_requests():
                 if abort is not None and abort.is_set():
                     eng.abort_request([rid for rid in ids if rid not in latest or not latest[rid].finished])

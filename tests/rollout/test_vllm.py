@@ -76,6 +76,16 @@ def test_vllm_bad_publication_keeps_serving(report):
     assert report["diff_after_nan"] < 1e-5
 
 
+def test_vllms_scheduler_figures_become_step_metrics(report):
+    """256 sequences of 64 tokens: the gauges sampled while vLLM generates saw its batch and its KV cache in use;
+    the counters' differences since the last call (no preemption at this size; queue times measured)."""
+    first, again = report["stats_first"], report["stats_again"]
+    assert first["engine_requests_running_max"] >= 2 and 0 < first["engine_kv_cache_usage_max"] <= 1
+    assert first["engine_preemptions"] == 0 and first["engine_queue_time_s"] >= 0
+    assert 0 <= first["engine_prefix_cache_hit_rate"] <= 1
+    assert set(again) == set(first)  # every figure each step, the peaks started again
+
+
 def test_vllm_layout_is_read_from_the_loaded_engine(report):
     lay = report["layout"]  # vLLM's own parameters: fused, the vocabulary padded (92 → 128), no HF names
     # tiny_qwen3 defaults: hidden 64, 2 q heads + 1 kv head of 32, MLP 128, vocab 92 (tied)

@@ -82,6 +82,14 @@ def run() -> dict:
     except Exception as e:  # noqa: BLE001
         results["nan_publish"] = str(e)[:200]
     results["diff_after_nan"] = diff(eng.generate(prompts, sp, n=2))
+    # vLLM's scheduler as step metrics: a long generation (its gauges sampled while it runs), then the same prompts
+    # again (the prefix cache serves their prompts)
+    eng.pop_stats()
+    many = [tok.encode(f"{i}+{i * 7 % 50}=") for i in range(128)]
+    eng.generate(many, SamplingParams(max_new_tokens=64, temperature=1.0, seed=2), n=2)
+    results["stats_first"] = eng.pop_stats()
+    eng.generate(many, SamplingParams(max_new_tokens=4, temperature=1.0, seed=3), n=1)
+    results["stats_again"] = eng.pop_stats()
     seg = Path(eng.weight_transport.path)  # the shm transport's segment
     results["segment_existed"] = seg.exists()
     eng.close()
