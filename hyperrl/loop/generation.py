@@ -47,8 +47,7 @@ class Generator:
         """The agent rounds' counts since the last call (``agent_*``: episodes, failed, empty, calls …), summed, and
         the engine's own statistics where it keeps them (vLLM's scheduler: ``engine_*``)."""
         out, self.stats = self.stats, {}
-        engine = getattr(self.engine, "pop_stats", None)
-        return {**out, **engine()} if engine is not None else out
+        return {**out, **self.engine.pop_stats()} if self.engine.capabilities.stats else out
 
     def add_stats(self, stats: dict[str, float]) -> None:
         """Add an agent round's counts to those :meth:`pop_stats` returns."""

@@ -75,7 +75,8 @@ class Capabilities:
       trainer's ``run.tp`` must be the same);
     * ``sleeps`` — frees its memory while the trainer updates (``sleep()``; the next publication wakes it);
     * ``devices`` — the accelerators one engine takes (vLLM: its ``tp`` workers, one GPU each — on CPU one core group
-      each), checked against the machine when an executor starts several replicas.
+      each), checked against the machine when an executor starts several replicas;
+    * ``stats`` — keeps its own scheduler's figures (``pop_stats()`` → ``engine_*`` step metrics; vLLM's).
     """
 
     keyed: bool = False
@@ -90,6 +91,7 @@ class Capabilities:
     tp: int = 1
     sleeps: bool = False
     devices: int = 1
+    stats: bool = False
 
 
 def transformers_capabilities(*, share_weights: bool = False, tp: int = 1, **_) -> Capabilities:
@@ -115,7 +117,7 @@ def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = Fal
         in_place = False
     return Capabilities(resumable=not colocated, lora_adapters=lora_adapters, routes=routed_experts,
                         buffers=in_place and tp == 1 and not colocated, deltas=not colocated, sleeps=bool(sleep),
-                        tp=tp if colocated else 1, devices=tp)
+                        tp=tp if colocated else 1, devices=tp, stats=True)
 
 
 @runtime_checkable

@@ -310,7 +310,8 @@ class RayEngine(TransactionalEngine):
         self._full_bytes = sum(math.prod(p.local_shape(0)) * p.dtype.itemsize for p in self._layout.params.values())
         # what the group can do: its engines' generation; publication is the group's own (no buffers to fill, no
         # adapters path, never the trainer's modules)
-        self.capabilities = replace(d["capabilities"], buffers=False, lora_adapters=False, shared_weights=False)
+        self.capabilities = replace(d["capabilities"], buffers=False, lora_adapters=False, shared_weights=False,
+                                    stats=False)  # the actors keep their engines' figures
 
     @property
     def policy_version(self) -> int:
