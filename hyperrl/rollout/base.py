@@ -117,7 +117,7 @@ def vllm_capabilities(*, lora_adapters: bool = False, routed_experts: bool = Fal
         in_place = False
     return Capabilities(resumable=not colocated, lora_adapters=lora_adapters, routes=routed_experts,
                         buffers=in_place and tp == 1 and not colocated, deltas=not colocated, sleeps=bool(sleep),
-                        tp=tp if colocated else 1, devices=tp, stats=True)
+                        tp=tp if colocated else 1, devices=tp, stats=not colocated)
 
 
 @runtime_checkable

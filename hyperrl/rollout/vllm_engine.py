@@ -132,7 +132,8 @@ class VLLMEngine(TransactionalEngine):
         chosen.check_available()
         if self._native_backend:  # vLLM's own weight transfer: each worker holds vLLM's engine of that backend
             engine_kwargs["weight_transfer_config"] = {"backend": self._native_backend}
-        engine_kwargs.setdefault("disable_log_stats", False)  # its scheduler's figures become step metrics
+        # its scheduler's figures become step metrics (not colocated: ranks sharing one stdout, each logging them)
+        engine_kwargs.setdefault("disable_log_stats", colocated)
         try:
             self.llm = LLM(model=str(model_dir), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                            max_model_len=max_model_len, logprobs_mode="processed_logprobs",

@@ -18,7 +18,9 @@ def _torchrun(nproc: int, steps: int, *extra: str) -> list[dict]:
                         str(HERE / "colocated_train.py"), str(steps), *extra], capture_output=True, text=True,
                        timeout=900, cwd=HERE.parents[1], env={**os.environ, "HYPERRL_OUT": out,
                                                               "PYTHONPATH": str(HERE.parents[1])})
-    ranks = [json.loads(ln[len("RESULT "):]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    # the ranks share stdout: another rank's log may follow a report on its line — read the JSON object only
+    dec = json.JSONDecoder()
+    ranks = [dec.raw_decode(ln[len("RESULT "):])[0] for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or len(ranks) != nproc:
         raise RuntimeError(f"torchrun failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
     return sorted(ranks, key=lambda x: x["rank"])

@@ -48,7 +48,8 @@ def main(steps: int, extra: list[str]) -> None:
            "world": dist.get_world_size(), "fan_out": cfg.rollout.fan_out,
            "plan": _bytes(plan),
            "plan_other": _bytes(reshard_plan(plan.src, plan.dst, fan_out=not cfg.rollout.fan_out))}
-    print("RESULT " + json.dumps(res), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(res) + "\n")  # one write: the ranks share the pipe (no line split)
+    sys.stdout.flush()
     dist.barrier()
     del torch
 
