@@ -32,6 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.errors import HyperRLError
+from hyperrl.loop.forward import _first_action
 from hyperrl.rollout.hf import filter_logits
 
 
@@ -53,10 +54,6 @@ class DoctorContext:
     head_dtype: torch.dtype | None = None  # None: the model's own
     version: int | None = None
     weights_for: Callable[[int], dict | None] | None = None
-
-
-def _first_action(act: torch.Tensor) -> int:
-    return max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)
 
 
 def _logits(model, batch: TensorDict, *, dtype: torch.dtype, head_dtype: torch.dtype | None = None,

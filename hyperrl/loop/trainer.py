@@ -88,9 +88,10 @@ class Trainer:
                 self._doctor_due = False
                 self._doctor_done = True
                 d = self.doctor(batch)
-                print(f"warning: step {self.step_idx + 1}: trainer vs engine log-probs — {d.verdict()} "
+                verdict = d.verdict()
+                print(f"warning: step {self.step_idx + 1}: trainer vs engine log-probs — {verdict} "
                       "(hyperrl.loop.doctor; run.doctor_above)", file=sys.stderr, flush=True)
-                self._emit("doctor", {"step": self.step_idx + 1, "gap": d.gap, "verdict": d.verdict(),
+                self._emit("doctor", {"step": self.step_idx + 1, "gap": d.gap, "verdict": verdict,
                                       "causes": {c[0]: c[3] for c in d.causes}})
             batch = self.pipeline.transform(batch)  # advantages (and returns)
             if self.engine.capabilities.sleeps:  # the engine frees its memory for the update; publish wakes it
