@@ -82,7 +82,7 @@ def start_pinned_ray(threads: int) -> set[int]:
 
     learner, rollout = set(range(threads)), set(range(threads, 2 * threads))
     os.sched_setaffinity(0, learner)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     _pin_ray_system(rollout)
     return rollout
 

@@ -63,7 +63,7 @@ def run_ray(lr: float, steps: int, layers: int, seed: int = 0, codec: str = "spa
     tok = char_tokenizer()
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2 * actors, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2 * actors, include_dashboard=False, log_to_driver=False)
     try:
         groups = [RayEngine(ENGINES.build("transformers")(EngineContext(policy, torch.device("cpu"), torch.bfloat16,
                                                                         seed, tempfile.mkdtemp(), tok)),

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,8 +1,10 @@
 """A local Ray instance started by hyperrl requires Ray's token authentication: its own actors run,
 a process without the token cannot connect (Ray 2.58's servers listen on every interface)."""
 
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from hyperrl.rollout.workers.ray_executor import _local_ray, _token_auth
 
 if sys.argv[1] == "before":  # Ray imported (and run) in this process before hyperrl could ask for auth
     import ray
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     ray.shutdown()
 auth = _token_auth()
 import ray
@@ -36,14 +38,24 @@ ray.shutdown()
 """
 
 
-@pytest.mark.parametrize("first", ["fresh", "before"])
+@pytest.mark.parametrize("first", ["fresh", "before", "stale"])
 def test_a_local_ray_instance_refuses_a_process_without_its_token(tmp_path, first):
+    """``stale``: Ray's temp dir names another cluster in ``ray_current_cluster`` (``ray start`` or
+    ``ray.cluster_utils.Cluster`` writes it — another test's cluster, CI once ran one beside the vLLM check);
+    a bare ``ray.init(num_cpus=…)`` would try to join it and refuse ``num_cpus``: hyperrl's local instance
+    is its own all the same."""
     script = tmp_path / "local_ray.py"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), first], capture_output=True, text=True, timeout=400,
-                         cwd=ROOT)
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rt") as ray_tmp:  # short: Ray's socket paths
+        if first == "stale":
+            Path(ray_tmp, "ray").mkdir()  # Ray's temp dir is $RAY_TMPDIR/ray
+            Path(ray_tmp, "ray", "ray_current_cluster").write_text("127.0.0.1:1")
+            env["RAY_TMPDIR"] = ray_tmp
+        out = subprocess.run([sys.executable, str(script), first], capture_output=True, text=True, timeout=400,
+                             cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    if first == "fresh":
+    if first in ("fresh", "stale"):
         assert "MODE token ACTOR 42" in out.stdout and "INTRUDER False" in out.stdout, out.stdout
     else:  # Ray caches the mode per process: it falls back, and says so
         assert "MODE None ACTOR 42" in out.stdout and "without token authentication" in out.stderr, out.stdout

@@ -66,9 +66,16 @@ def thread_executor(engine) -> Workers:
 _RAY_HINT = "pip install -c constraints.txt -e '.[async]' (Ray is the async extra)"
 
 
+def _ray_address(address: str | None) -> str | None:
+    """The cluster to join: ``address``, else Ray's own ``RAY_ADDRESS`` where it is set, else None (a local one)."""
+    import os
+
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def _ray_capabilities(*, workers: int = 1, address: str | None = None, **_) -> ExecutorCapabilities:
     """Ray's workers build their own engines; on a local cluster (no ``address``) all ``workers`` on this machine."""
-    return ExecutorCapabilities(remote=True, local_engines=workers if address is None else 0)
+    return ExecutorCapabilities(remote=True, local_engines=workers if _ray_address(address) is None else 0)
 
 
 @register_executor("ray", requires=(("ray", _RAY_HINT),), capabilities=_ray_capabilities)
@@ -81,10 +88,10 @@ def ray_executor(engine, *, workers: int = 1, num_cpus: float = 1.0, threads: in
     pieces, then all commit; a refusal or a stuck worker aborts everywhere). A worker that dies
     is restarted — serving the current version — up to ``max_restarts`` times each; its requests
     are generated again from their exact partial tokens. ``address``: a running cluster
-    (``"auto"``, ``"ray://…"``); None = the already-initialised Ray, else a local one started
-    with ``num_cpus = workers · num_cpus``. ``timeout_s``: deadline of every call (start,
-    publication)."""
+    (``"auto"``, ``"ray://…"``); None = the already-initialised Ray, else ``RAY_ADDRESS`` where it is
+    set, else a local one of this run's own started with ``num_cpus = workers · num_cpus``.
+    ``timeout_s``: deadline of every call (start, publication)."""
     from hyperrl.rollout.workers.ray_executor import ray_workers
 
-    return ray_workers(engine, workers=workers, num_cpus=num_cpus, threads=threads, address=address,
+    return ray_workers(engine, workers=workers, num_cpus=num_cpus, threads=threads, address=_ray_address(address),
                        max_restarts=max_restarts, timeout_s=timeout_s)

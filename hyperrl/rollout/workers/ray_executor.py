@@ -563,7 +563,10 @@ def _local_ray(num_cpus: int, *, auth: bool) -> None:
     """A local Ray instance only this run can use. Ray 2.58's servers (GCS, raylet, workers) listen
     on every interface and run the cloudpickled work they are sent; the instance hyperrl starts
     therefore requires Ray's token authentication (:func:`_token_auth`). Where Ray was imported
-    before hyperrl could ask for it, the instance starts without — and says so."""
+    before hyperrl could ask for it, the instance starts without — and says so. Started with
+    ``address="local"``: a bare ``ray.init()`` joins the cluster named in ``<ray temp dir>/ray_current_cluster``
+    (left by ``ray start`` or ``ray.cluster_utils.Cluster`` — another job's, or a stale one) and then
+    refuses ``num_cpus``."""
     import sys
 
     import ray
@@ -572,7 +575,7 @@ def _local_ray(num_cpus: int, *, auth: bool) -> None:
         print("warning: Ray was imported before hyperrl started it, so the local Ray instance runs without token "
               "authentication (its ports accept any local-network peer); set RAY_AUTH_MODE=token and "
               "RAY_AUTH_TOKEN before starting Python to require it", file=sys.stderr)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
 
 
 def ray_workers(engine, *, workers: int, num_cpus: float, threads: int, address: str | None, max_restarts: int,
