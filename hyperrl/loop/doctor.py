@@ -13,10 +13,17 @@ a time) — and the doctor reports how much of the gap each closes, ranked:
 * ``routes`` — a mixture of experts routed by the engine's recorded routes (R3; Megatron-LM #4168);
 * ``version`` — the weights of the version the engine stamped on the tokens (a stale or half-applied publication),
   where those weights are at hand;
+* ``padding`` — the prompts left-padded to the batch's longest as a batched engine pads them, the pads attended and
+  counted in the positions (an engine batch run without its attention mask; verl #2996);
 * ``micro_batch`` — each row alone rather than the batch (composition and padding width; verl #6280 / #2996).
 
 ``closes`` = 1 − gap(switch) / gap(trainer) over the action tokens: 1 when the switch reproduces the engine, ≤ 0 when
 it makes things worse. :func:`diagnose` → :class:`Diagnosis` (its :meth:`~Diagnosis.verdict` names the cause).
+
+Per layer: the top cause, where it has a per-layer form (``routes``, ``version``), is applied to one decoder layer at
+a time — that layer alone routed by the engine's routes, or holding the stamped version's weights — and ``closes`` is
+reported per layer (:attr:`Diagnosis.layers`): which layers' routing flips, or which layers a half-applied
+publication left stale, make the gap.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +47,15 @@ from hyperrl.rollout.hf import filter_logits
 class DoctorError(HyperRLError, ValueError):
     """A run the doctor cannot examine (no kept rows at the step, no weights for it); the message says why."""
 
-__all__ = ["SWITCHES", "DoctorContext", "Diagnosis", "diagnose", "trainer_logprobs", "doctor_run", "DoctorError"]
+__all__ = ["SWITCHES", "PER_LAYER", "DoctorContext", "Diagnosis", "diagnose", "trainer_logprobs", "decoder_layers",
+           "doctor_run", "DoctorError"]
 
 
 @dataclass(frozen=True)
 class DoctorContext:
     """What the switches read: the run's sampling (``temperature``, ``top_k``, ``top_p``), the trainer's compute and
-    head dtypes, the trainer's policy version and ``weights_for(version)`` → that version's state dict or None."""
+    head dtypes, the trainer's policy version and ``weights_for(version)`` → that version's state dict or None, the
+    tokenizer's ``pad_id``."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -54,6 +64,7 @@ class DoctorContext:
     head_dtype: torch.dtype | None = None  # None: the model's own
     version: int | None = None
     weights_for: Callable[[int], dict | None] | None = None
+    pad_id: int | None = None  # the token a batched engine pads prompts with
 
 
 def _logits(model, batch: TensorDict, *, dtype: torch.dtype, head_dtype: torch.dtype | None = None,
@@ -155,6 +166,33 @@ def _version(model, batch, ctx):
     return trainer_logprobs(old, batch, ctx)
 
 
+def _padding(model, batch, ctx):
+    """Row ``i`` (prompt length ``p_i`` = its first action position) shifted right by ``P − p_i`` pad tokens
+    (``P = max p_i``: a batched engine's left padding) and scored with every position attended and positions
+    ``0 … P + T`` — an engine that ran its padded batch without the attention mask. None where every prompt has the
+    same length (nothing padded) or the pad token is unknown."""
+    tokens, act = batch["tokens"], batch["action_mask"].bool()
+    if ctx.pad_id is None or not act.any():
+        return None
+    B, T = tokens.shape
+    has = act.any(-1)
+    first = torch.where(has, act.int().argmax(-1), T)  # a row without actions: nothing to score
+    P = int(first[has].max())
+    shift = torch.where(has, P - first, 0)
+    if not bool((shift[has] > 0).any()):
+        return None
+    S = int(shift.max())
+    col = torch.arange(T + S)[None, :] - shift[:, None]  # padded column → the row's own column (< 0: a pad)
+    ids = torch.where(col >= 0, tokens.gather(1, col.clamp(0, T - 1)), ctx.pad_id)
+    auto = torch.autocast(tokens.device.type, dtype=ctx.dtype) if ctx.dtype != torch.float32 else torch.autocast(
+        tokens.device.type, enabled=False)
+    with auto:
+        logits = model(input_ids=ids[:, :-1], attention_mask=torch.ones_like(ids[:, :-1])).logits.float()
+    lp = torch.log_softmax(logits / ctx.temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T + S − 1]
+    back = (torch.arange(T)[None, :] + shift[:, None] - 1).clamp_min(0)  # the row's column t, predicted at t + s − 1
+    return torch.where(torch.arange(T)[None, :] > 0, lp.gather(1, back), 0.0)
+
+
 def _micro_batch(model, batch, ctx):
     T = batch["tokens"].shape[1]
     rows = []
@@ -168,6 +206,45 @@ def _micro_batch(model, batch, ctx):
     return torch.cat(rows)
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers in order: the modules named ``….layers.<i>`` (every transformers decoder family
+    names them so; a vision tower's ``blocks`` are not among them)."""
+    found = {}
+    for name, mod in model.named_modules():
+        m = _LAYER.search(name)
+        if m is not None and name.endswith(f"layers.{m.group(1)}"):
+            found.setdefault(int(m.group(1)), mod)
+    return [found[i] for i in sorted(found)]
+
+
+def _routes_layer(model, batch, ctx, layer: int):
+    """The engine's recorded routes replayed in layer ``layer`` only (the others left to the trainer's routers)."""
+    only = torch.full_like(batch["routed_experts"], -1)
+    only[..., layer, :] = batch["routed_experts"][..., layer, :]
+    b = batch.clone(False)  # a shallow copy: the caller's batch keeps its routes
+    b["routed_experts"] = only
+    return _routes(model, b, ctx)
+
+
+def _version_layer(model, batch, ctx, layer: int):
+    """Layer ``layer`` alone holding the weights of the version the engine stamped."""
+    v = batch["token_version"][batch["action_mask"].bool()]
+    sd = ctx.weights_for(int(v.min()))
+    keep = {k: t for k, t in sd.items() if (m := _LAYER.search(k)) is not None and int(m.group(1)) == layer}
+    old = copy.deepcopy(model)
+    old.load_state_dict(keep, strict=False)
+    return trainer_logprobs(old, batch, ctx)
+
+
+# the switches with a per-layer form: name → fn(model, batch, ctx, layer) (applied where the whole switch applied)
+# (not compute_dtype: rounding one layer differently does not add up to the whole model's rounding — a bf16 engine's
+# gap was closed 17 % by layer 0 alone and −14 % by layer 1 — so no layer can be named)
+PER_LAYER: dict[str, Callable] = {"routes": _routes_layer, "version": _version_layer}
+
+
 # name → (what it tries, the function); a function returns None where the switch does not apply to this run
 SWITCHES: dict[str, tuple[str, Callable]] = {
     "sampling": ("top-k / top-p applied as the engine sampled, the processed log-prob", _sampling),
@@ -176,6 +253,7 @@ SWITCHES: dict[str, tuple[str, Callable]] = {
     "compute_dtype": ("the model in the other precision (bf16 ↔ fp32)", _compute_dtype),
     "routes": ("the engine's recorded MoE routes replayed", _routes),
     "version": ("the weights of the version the engine stamped", _version),
+    "padding": ("the prompts left-padded as a batched engine pads them, the pads attended", _padding),
     "micro_batch": ("each row alone (batch composition, padding width)", _micro_batch),
 }
 
@@ -185,13 +263,15 @@ class Diagnosis:
     """``gap``: the trainer's mean |Δ log-prob| over action tokens; ``causes``: ``(switch, what, gap under it,
     closes)`` ranked by how much of the gap each closes; ``skipped``: switches that do not apply here; ``worst``:
     the largest-gap tokens ``(row, position, token, engine, trainer, under the top switch)``; ``versions``: the
-    engine's stamped versions and the trainer's."""
+    engine's stamped versions and the trainer's; ``layers``: ``(switch, [closes per decoder layer])`` — the top
+    cause applied to one layer at a time, where it has a per-layer form (:data:`PER_LAYER`)."""
 
     gap: float
     causes: list[tuple[str, str, float, float]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     worst: list[tuple] = field(default_factory=list)
     versions: tuple = ()
+    layers: tuple = ()
 
     def verdict(self, *, threshold: float = 0.5, rounding: float = 1e-5) -> str:
         """One line: the cause that closes most of the gap (at least ``threshold`` of it), or that none does; a gap
@@ -212,6 +292,10 @@ class Diagnosis:
                     else "")]
         lines += [f"  {name:15s} " + (f"closes {c:6.1%}" if c >= 0 else "makes it worse") + f"  (gap {g:.4g}) — {what}"
                   for name, what, g, c in self.causes]
+        if self.layers:
+            name, closes = self.layers
+            lines.append(f"  {name} one decoder layer at a time: "
+                         + ", ".join(f"layer {i} closes {c:.1%}" for i, c in enumerate(closes)))
         if self.skipped:
             lines.append(f"  not applicable here: {', '.join(self.skipped)}")
         if self.worst:
@@ -221,10 +305,13 @@ class Diagnosis:
 
 
 @torch.no_grad()
-def diagnose(model, batch: TensorDict, ctx: DoctorContext, *, switches=None, worst: int = 8) -> Diagnosis:
+def diagnose(model, batch: TensorDict, ctx: DoctorContext, *, switches=None, worst: int = 8,
+             max_layers: int = 64) -> Diagnosis:
     """Re-score ``batch`` under each switch (:data:`SWITCHES`, or the names in ``switches``) and rank them by the
-    share of the trainer-vs-engine gap they close (module doc). ``batch``: tokens, attention and action masks,
-    ``rollout_logprobs`` (and ``token_version``, ``routes`` where the switches need them)."""
+    share of the trainer-vs-engine gap they close (module doc); the top cause then one decoder layer at a time where
+    it has a per-layer form and the model has at most ``max_layers`` layers (one forward each). ``batch``: tokens,
+    attention and action masks, ``rollout_logprobs`` (and ``token_version``, ``routes`` where the switches need
+    them)."""
     for k in ("tokens", "attention_mask", "action_mask", "rollout_logprobs"):
         if k not in batch.keys():
             raise KeyError(f"doctor: the batch has no {k!r} — it needs the rollout's rows (tokens, masks, "
@@ -250,6 +337,10 @@ def diagnose(model, batch: TensorDict, ctx: DoctorContext, *, switches=None, wor
         if best_lp is None or g < best_lp[0]:
             best_lp = (g, lp)
     out.causes.sort(key=lambda c: -c[3])
+    if out.causes and out.causes[0][0] in PER_LAYER and gap > 0 and 0 < len(decoder_layers(model)) <= max_layers:
+        name = out.causes[0][0]
+        out.layers = (name, [1.0 - float((engine - PER_LAYER[name](model, batch, ctx, i)).abs()[act].mean()) / gap
+                             for i in range(len(decoder_layers(model)))])
     if act.any() and best_lp is not None:
         idx = torch.nonzero(act)
         top = torch.topk(d[act], min(worst, len(idx))).indices
@@ -324,5 +415,5 @@ def doctor_run(run: str | Path, step: int | None = None) -> tuple[Diagnosis, int
     r, m = cfg.rollout, cfg.model
     ctx = DoctorContext(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, dtype=torch_dtype(m.dtype),
                         head_dtype=torch.float32 if m.lm_head_fp32 else None, version=step - 1,
-                        weights_for=weights_for)
+                        weights_for=weights_for, pad_id=tok.pad_token_id)
     return diagnose(policy, batch, ctx), step

@@ -92,7 +92,8 @@ class Trainer:
                 print(f"warning: step {self.step_idx + 1}: trainer vs engine log-probs — {verdict} "
                       "(hyperrl.loop.doctor; run.doctor_above)", file=sys.stderr, flush=True)
                 self._emit("doctor", {"step": self.step_idx + 1, "gap": d.gap, "verdict": verdict,
-                                      "causes": {c[0]: c[3] for c in d.causes}})
+                                      "causes": {c[0]: c[3] for c in d.causes},
+                                      **({"layers": {d.layers[0]: d.layers[1]}} if d.layers else {})})
             batch = self.pipeline.transform(batch)  # advantages (and returns)
             if self.engine.capabilities.sleeps:  # the engine frees its memory for the update; publish wakes it
                 self.engine.sleep()
@@ -122,7 +123,8 @@ class Trainer:
 
         r, m = self.cfg.rollout, self.cfg.model
         ctx = DoctorContext(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, dtype=torch_dtype(m.dtype),
-                            head_dtype=torch.float32 if m.lm_head_fp32 else None, version=self.version)
+                            head_dtype=torch.float32 if m.lm_head_fp32 else None, version=self.version,
+                            pad_id=self.tok.pad_token_id)
         return diagnose(self.policy, batch.to(self.device), ctx)
 
     def cancel_collect(self, reason: str) -> bool:

@@ -79,6 +79,23 @@ def test_a_stale_version_is_named_version_when_its_weights_are_at_hand(tmp_path)
     assert "version" in tr.doctor(batch).skipped  # the trainer alone keeps no old weights: not tried
 
 
+def test_a_stale_layer_is_named_with_its_layer(tmp_path):
+    """The trainer's weights moved in decoder layer 1 only since the engine's version: per layer, the stamped
+    version's weights in layer 1 alone close the whole gap, in layer 0 nothing."""
+    tr = _trainer(tmp_path, "--model.layers=2")
+    old = {k: v.clone() for k, v in tr.policy.state_dict().items()}
+    batch = tr.collect(Timer()).batch
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in tr.policy.named_parameters():
+            if ".layers.1." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    ctx = DoctorContext(temperature=tr.cfg.rollout.temperature, version=1, weights_for={0: old}.get)
+    d = diagnose(tr.policy, batch, ctx)
+    assert _first(d)[0] == "version" and d.layers[0] == "version", d.table()
+    assert abs(d.layers[1][0]) < 1e-3 and d.layers[1][1] > 0.99, d.table()
+
+
 def test_hyperrl_doctor_on_a_recorded_run_and_the_automatic_diagnosis(tmp_path, capsys):
     run = tmp_path / "run"
     train(load_config(None, [*_ARGS, f"--run.out_dir={run}", "--run.steps=5", "--run.ckpt_every=2",
@@ -105,8 +122,9 @@ def test_a_refused_gate_says_the_doctors_verdict(tmp_path):
 
 
 def test_an_engine_routing_other_experts_is_named_routes(tmp_path):
-    """The engine's MoE routers nudged (5 % of their spread): some tokens go to other experts than the trainer's
-    routers pick; replaying the engine's recorded routes closes most of the gap (the gate weights still differ)."""
+    """The engine's second-layer MoE router nudged (20 % of its spread): some tokens go to other experts than the
+    trainer's routers pick; replaying the engine's recorded routes closes most of the gap (the gate weights still
+    differ), and one layer at a time names layer 1."""
     from hyperrl.models.moe import moe_routers
 
     tr = build_trainer(load_config("configs/moe.yaml", [f"--run.out_dir={tmp_path}", "--rollout.prompts_per_step=4",
@@ -114,7 +132,34 @@ def test_an_engine_routing_other_experts_is_named_routes(tmp_path):
                                                         "--run.eval_every=0"]))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for r in moe_routers(tr.engine.model):
-            r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.05 * r.weight.std())
+        r = moe_routers(tr.engine.model)[1]  # the second layer's router only
+        r.weight.add_(torch.randn(r.weight.shape, generator=g) * 0.2 * r.weight.std())
     d = tr.doctor(tr.collect(Timer()).batch)
-    assert d.gap > 1e-3 and _first(d)[0] == "routes" and _first(d)[1] > 0.8
+    assert d.gap > 1e-3 and _first(d)[0] == "routes" and _first(d)[1] > 0.8, d.table()
+    # one layer at a time: layer 0 routes as the engine did already (replaying it changes nothing); layer 1's
+    # replay closes what the whole replay closes
+    assert d.layers[0] == "routes" and abs(d.layers[1][0]) < 1e-3 and d.layers[1][1] > 0.8, d.table()
+    assert "routes one decoder layer at a time: layer 0 closes" in d.table()
+
+
+def test_an_engine_attending_its_left_padding_is_named_padding(tmp_path):
+    """The repeat task's prompts differ in length ("3*2=" / "3*12="): a batched engine left-pads them. The engine
+    here runs its padded batch without the attention mask (the pads attended, counted in the positions) — the rows
+    with the shorter prompts are scored in another context than the trainer's; re-scoring them padded the same way
+    closes the gap."""
+    tr = _trainer(tmp_path, "--task=repeat", "--rollout.max_new_tokens=21", "--rollout.prompts_per_step=8")
+    m = tr.engine.model
+    forward = m.forward
+
+    def unmasked(*args, **kw):  # the engine's batch without its mask: HF then attends every position
+        kw.pop("attention_mask", None), kw.pop("position_ids", None)
+        return forward(*args, **kw)
+
+    m.forward = unmasked
+    batch = tr.collect(Timer()).batch
+    first = batch["action_mask"].int().argmax(-1)
+    assert len(set(first.tolist())) > 1  # prompts of several lengths: some rows were padded
+    d = tr.doctor(batch)
+    assert d.gap > 1e-3 and _first(d)[0] == "padding" and _first(d)[1] > 0.99, d.table()
+    clean = _trainer(tmp_path / "clean", "--task=repeat", "--rollout.max_new_tokens=21")
+    assert clean.doctor(clean.collect(Timer()).batch).gap < 1e-5  # the engine's own padding is masked
