@@ -196,8 +196,11 @@ class AsyncCollector:
         st = T.staleness_metrics(batch["token_version"], batch["action_mask"], version, self.eta)
         with q.cond:
             agents = self.driver.pop_stats()  # the agent rounds finished since the last step
-        return Collected(batch, {**counters, **agents, **overlap, **{k: float(v) for k, v in st.items()}}, samples,
-                         events)
+        # the engine's own scheduler figures since the last step (an engine that keeps them: vLLM's, on the thread
+        # executor; a Ray group's actors keep theirs)
+        engine = self.engine.pop_stats() if self.engine.capabilities.stats else {}
+        return Collected(batch, {**counters, **agents, **engine, **overlap, **{k: float(v) for k, v in st.items()}},
+                         samples, events)
 
     @staticmethod
     def _overlap(ready: list, now: float) -> dict[str, float]:

@@ -4,7 +4,8 @@ vLLM keeps Prometheus metrics in the process that holds its ``LLM`` (``LLM.get_m
 ``disable_log_stats=False``): counters (preemptions, prefix-cache queries and hits, tokens), histograms (each
 request's time in the queue) and gauges (requests waiting, running; KV-cache usage). The gauges read ~0 once a
 synchronous ``generate`` has returned, so :class:`EngineStats` samples them from a thread while the generation
-runs (every ``interval`` s: a snapshot costs ~3 ms) and takes the counters' and histograms' differences across it:
+runs (10 ms after it starts, then every ``interval`` s: a snapshot costs ~3 ms) and takes the counters' and
+histograms' differences across it:
 
 * ``engine_requests_waiting_max`` / ``engine_requests_running_max`` — the scheduler's queue and batch at their
   largest (sampled);
@@ -52,6 +53,7 @@ class EngineStats:
         self.llm, self.interval = llm, interval
         self.base = _snapshot(llm.get_metrics())
         self.peaks: dict[str, float] = {}
+        self._lock = threading.Lock()  # an async run pops on the learner's thread while a worker's thread samples
 
     @contextlib.contextmanager
     def during(self):
@@ -59,10 +61,14 @@ class EngineStats:
         stop = threading.Event()
 
         def sample():
-            while not stop.wait(self.interval):
-                for k, v in _snapshot(self.llm.get_metrics()).items():
-                    if k.startswith("engine_"):
-                        self.peaks[k] = max(self.peaks.get(k, 0.0), v)
+            wait = min(self.interval, 0.01)  # the first look early: a short generation is over before `interval`
+            while not stop.wait(wait):
+                wait = self.interval
+                snap = _snapshot(self.llm.get_metrics())
+                with self._lock:
+                    for k, v in snap.items():
+                        if k.startswith("engine_"):
+                            self.peaks[k] = max(self.peaks.get(k, 0.0), v)
 
         t = threading.Thread(target=sample, name="hyperrl-vllm-stats", daemon=True)
         t.start()
@@ -75,13 +81,15 @@ class EngineStats:
     def pop(self) -> dict[str, float]:
         """The figures since the last call (module doc); the peaks start again."""
         now = _snapshot(self.llm.get_metrics())
+        with self._lock:
+            peaks, self.peaks = self.peaks, {}
         d = {k: now.get(k, 0.0) - self.base.get(k, 0.0) for k in ("preemptions", "queries", "hits", "queue_sum",
                                                                    "queue_count")}
-        out = {**{k: max(v, now.get(k, 0.0)) for k, v in self.peaks.items()},
+        out = {**{k: max(v, now.get(k, 0.0)) for k, v in peaks.items()},
                "engine_preemptions": d["preemptions"],
                "engine_prefix_cache_hit_rate": d["hits"] / d["queries"] if d["queries"] else 0.0,
                "engine_queue_time_s": d["queue_sum"] / d["queue_count"] if d["queue_count"] else 0.0}
         for k in _GAUGES.values():
             out.setdefault(k, now.get(k, 0.0))
-        self.base, self.peaks = now, {}
+        self.base = now
         return out

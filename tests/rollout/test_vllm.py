@@ -141,6 +141,8 @@ def test_vllm_resumable_requests_and_the_async_trainer(reports):
     r = _part(reports, "check_vllm_async")
     assert r["collector"] == "AsyncCollector" and r["engine"] == "VLLMEngine"
     assert max(r["staleness"]) <= 1 and r["evicted"] == 0 and r["conservation"] and r["consumed"] == 5 * 4
+    # vLLM's scheduler figures are step metrics of an async run too (the worker's engine, popped by the learner)
+    assert None not in r["engine_running"] and max(r["engine_running"]) > 0, r["engine_running"]
     assert r["version"] == r["served"] == 5
     assert r["same_twice"]  # one seed per (run seed, uid, partial length): the same request, the same tokens
     assert set(r["cut_reasons"]) == {2} and max(r["cut_lengths"]) < 12  # aborted mid-generation

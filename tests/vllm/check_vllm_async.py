@@ -38,17 +38,18 @@ def run() -> dict:
                              "--async.max_staleness=1"])
     tr = build_trainer(cfg)
     res = {"collector": type(tr.collector).__name__, "engine": type(tr.engine).__name__}
-    stale, partial = [], []
+    stale, partial, running = [], [], []
     try:
         for _ in range(5):
             m = tr.step()
             stale.append(m["staleness_max"])
             partial.append(m["partial_rows_frac"])
+            running.append(m.get("engine_requests_running_max"))
         res["restarts"] = m["async_restarts"]
     finally:
         tr.collector.stop_workers()
-    res.update(steps=5, staleness=stale, partial=partial, evicted=m["async_evicted"], version=tr.version,
-               served=tr.engine.policy_version)
+    res.update(steps=5, staleness=stale, partial=partial, engine_running=running, evicted=m["async_evicted"],
+               version=tr.version, served=tr.engine.policy_version)
     # every trained sample once: the buffer's accounting
     b = tr.collector.queue.buffer
     res["conservation"] = b.admitted == b.consumed + b.evicted + b.in_flight + b.ready
