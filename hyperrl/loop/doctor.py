@@ -364,23 +364,22 @@ def _checkpoints(run: Path) -> dict[int, Path]:
 def doctor_run(run: str | Path, step: int | None = None) -> tuple[Diagnosis, int]:
     """``hyperrl doctor RUN [--step N]``: the recorded batch of step ``N`` (``fingerprints/step_<N>.safetensors``:
     the first ``run.fingerprint_values`` steps; default the last such step the doctor has weights for) scored by the
-    policy that trained it — the run's initial weights for step 1, else the checkpoint of version ``N − 1`` — under
-    each switch (:func:`diagnose`; the engine's stamped version from the checkpoints too). → ``(diagnosis, N)``."""
+    policy that trained it — the run's initial weights for step 1, else the checkpoint of version ``N − 1`` (a LoRA
+    run's adapters over its base, as its trainer ran them) — under each switch (:func:`diagnose`; the engine's
+    stamped version from the checkpoints too). → ``(diagnosis, N)``."""
     from safetensors.torch import load_file
 
     from hyperrl.config import validate_config
     from hyperrl.device import torch_dtype
     from hyperrl.loop.checkpoint import consolidate
     from hyperrl.models.head import fp32_lm_head
+    from hyperrl.models.lora import apply_lora
     from hyperrl.models.policy import build_policy, build_tokenizer
 
     run = Path(run)
     if not (run / "config.json").is_file():
         raise DoctorError(f"{run}: no config.json — not a run directory (give a run.out_dir)")
     cfg = validate_config(json.loads((run / "config.json").read_text()))
-    if cfg.model.lora is not None:
-        raise DoctorError("model.lora: the doctor re-scores full weights; a LoRA run's checkpoints hold the adapters "
-                          "only (not supported yet)")
     kept = sorted(int(f.stem.split("_")[1]) for f in (run / "fingerprints").glob("step_*.safetensors"))
     ckpts = _checkpoints(run)
     usable = [k for k in kept if k == 1 or (k - 1) in ckpts]
@@ -397,18 +396,25 @@ def doctor_run(run: str | Path, step: int | None = None) -> tuple[Diagnosis, int
         raise DoctorError(f"step {step}: no checkpoint of version {step - 1} (checkpoints of versions "
                           f"{sorted(ckpts) or 'none'}) — rerun with run.ckpt_every dividing {step - 1}")
     tok = build_tokenizer(cfg)
-    policy = build_policy(cfg, tok, lora=False)
-    if step > 1:
-        policy.load_state_dict(consolidate(ckpts[step - 1], "model"))
+    policy = build_policy(cfg, tok, lora=False)  # as the composition root builds it: the head, then the adapters
     if cfg.model.lm_head_fp32:
         fp32_lm_head(policy)
-    policy.eval()
-    init = {k: v.clone() for k, v in policy.state_dict().items()} if step == 1 else None
+    lora = cfg.model.lora is not None
+    if lora:  # the trainer's view: base + adapters, unmerged (a LoRA checkpoint holds the trainable part only)
+        policy = apply_lora(policy, **cfg.model.lora.model_dump())
+    init = {k: v.clone() for k, v in policy.state_dict().items()} if lora or step == 1 else None
 
     def weights_for(v: int):
-        if v == 0 and init is not None:
+        if v == 0 and step == 1:
             return init
-        return consolidate(ckpts[v], "model") if v in ckpts else None
+        if v not in ckpts:
+            return None
+        sd = consolidate(ckpts[v], "model")
+        return {**init, **sd} if lora else sd  # a LoRA checkpoint's adapters over the (unchanged) base
+
+    if step > 1:
+        policy.load_state_dict(weights_for(step - 1))
+    policy.eval()
 
     rows = load_file(run / "fingerprints" / f"step_{step}.safetensors")
     batch = TensorDict(rows, batch_size=[rows["tokens"].shape[0]])

@@ -163,3 +163,23 @@ def test_an_engine_attending_its_left_padding_is_named_padding(tmp_path):
     assert d.gap > 1e-3 and _first(d)[0] == "padding" and _first(d)[1] > 0.99, d.table()
     clean = _trainer(tmp_path / "clean", "--task=repeat", "--rollout.max_new_tokens=21")
     assert clean.doctor(clean.collect(Timer()).batch).gap < 1e-5  # the engine's own padding is masked
+
+
+def test_hyperrl_doctor_on_a_lora_run_rebuilds_its_adapters(tmp_path, capsys, monkeypatch):
+    """A LoRA run's checkpoints hold the adapters only: the doctor rebuilds the trainer's view (base + adapters of
+    the checkpoint) — with the engine's merged weights the gap is float rounding; with top-p it is named."""
+    lora = ["--model.lora={r: 8, alpha: 16}", "--optim.lr=0.01", "--run.steps=3", "--run.ckpt_every=2"]
+    plain, topp = tmp_path / "plain", tmp_path / "topp"
+    train(load_config(None, [*_ARGS, *lora, f"--run.out_dir={plain}"]), progress=False)
+    train(load_config(None, [*_ARGS, *lora, f"--run.out_dir={topp}", "--rollout.top_p=0.7"]), progress=False)
+    capsys.readouterr()
+    from hyperrl.loop.doctor import doctor_run
+
+    d, step = doctor_run(plain)
+    assert step == 3 and d.gap < 1e-5, d.table()
+    assert doctor_run(plain, 1)[0].gap < 1e-5  # step 1: the initial adapters (B = 0)
+    assert main(["doctor", str(topp)]) == 0
+    assert capsys.readouterr().out.startswith("step 3: sampling: ")
+    # the checkpoint's adapters are what closes it: without them (the base alone) the gap is far beyond rounding
+    monkeypatch.setattr("hyperrl.loop.checkpoint.consolidate", lambda *a, **k: {})
+    assert doctor_run(plain)[0].gap > 1e-4
