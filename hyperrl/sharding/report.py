@@ -74,10 +74,12 @@ def plan_stats(plan) -> PlanStats:
         remote = ~g.is_local
         msgs += int(remote.sum()) * m
         wire += int(nb[remote].sum()) * m
-        for tree, k in g.member_counts():
-            egress += int(nb[remote & tree.is_leader].sum()) * k
-            fwd += int(nb[remote & ~tree.is_leader].sum()) * k
-            for r, b in zip(*_sum_by(tree.sender[remote], nb[remote])):
+        wire_one = int(nb[remote].sum())
+        for t, k in g.offset_counts():
+            ranks, sent, eg = g.sent(t)
+            egress += eg * k
+            fwd += (wire_one - eg) * k
+            for r, b in zip(ranks.tolist(), sent.tolist()):
                 outb[r] += b * k
         for r, b in zip(*_sum_by(g.dst_rank[remote], nb[remote])):
             inb[r] += b * m
