@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import product
 from typing import NamedTuple, Protocol
 
 import torch
@@ -163,7 +164,24 @@ class ChunkRule:
 
 @lru_cache(maxsize=4096)
 def _rule_boxes(rule, shape: tuple[int, ...], mesh: Mesh) -> tuple[Box, ...]:
-    """The rule's box at every mesh position (cached: every layer shares it)."""
+    """The rule's box at every mesh position (cached: every layer shares it). A :class:`ChunkRule` — every
+    engine parameter but a few — has its per-dim intervals computed once, not once per position."""
+    if type(rule) is ChunkRule:
+        names, size = mesh.names, mesh.axis_size
+        ivs = [(dim_intervals(L, tuple(size(a) for a in axes)), [(names.index(a), size(a)) for a in axes])
+               for L, axes in zip(shape, rule.spec.dims)]
+        out = []
+        for c in product(*(range(n) for n in mesh.shape)):
+            offs, sizes = [], []
+            for iv, axes in ivs:
+                k = 0
+                for i, n in axes:
+                    k = k * n + c[i]
+                lo, hi = iv[k]
+                offs.append(lo)
+                sizes.append(hi - lo)
+            out.append(Box(tuple(offs), tuple(sizes)))
+        return tuple(out)
     return tuple(rule.box(shape, mesh, c) for _, c in mesh.coords())
 
 
@@ -267,6 +285,9 @@ class Piece(tuple):
     dst_offset = property(lambda s: s[2])
 
 
+_new_tuple = tuple.__new__
+
+
 class Demand(NamedTuple):
     """What one destination parameter needs from one source tensor: a shared ``pattern`` of pieces
     plus a ``shift`` added to every piece's destination offset (an expert's slot). (A named tuple:
@@ -339,6 +360,16 @@ class DstLayout:
         shared by every block in it, so ``E`` stacked experts cost ``O(#positions)``, not ``O(E·#positions)``."""
         out: defaultdict[str, list[Demand]] = defaultdict(list)
         interned: dict[tuple, tuple] = {}  # equal patterns (e.g. of every layer) become one object
+        # the same pattern object again (a stacked part's slots share one): no re-hashing of its 256 pieces —
+        # kept with the object, so that its id cannot be reused while this runs
+        by_id: dict[int, tuple[tuple, tuple]] = {}
+
+        def intern(pat: tuple) -> tuple:
+            hit = by_id.get(id(pat))
+            if hit is None:
+                hit = by_id[id(pat)] = (pat, interned.setdefault(pat, pat))
+            return hit[1]
+
         by_signature: dict[tuple, list] = {}  # params equal but for source names (every layer) share patterns
         for name, param in self.params.items():
             sig = (param.mesh, param.cat_dim, tuple(
@@ -346,14 +377,13 @@ class DstLayout:
                 for p in param.parts))
             cached = by_signature.get(sig)
             if cached is None:  # patterns interned once here, not per block
-                cached = by_signature[sig] = [[(interned.setdefault(pat, pat), sh)
-                                               for _, pat, sh in _part_patterns(param, j, part)]
+                cached = by_signature[sig] = [[(intern(pat), sh) for _, pat, sh in _part_patterns(param, j, part)]
                                               for j, part in enumerate(param.parts)]
             for part, results in zip(param.parts, cached):
                 blocks = sorted(part.blocks, key=lambda b: b.offset[0]) if part.blocks and part.blocks[0].stacked \
                     else part.blocks
-                for block, (pattern, shift) in zip(blocks, results):
-                    out[block.src].append(Demand(name, pattern, shift))
+                for block, (pattern, shift) in zip(blocks, results):  # tuple.__new__: 45,000 of them
+                    out[block.src].append(_new_tuple(Demand, (name, pattern, shift)))
         return dict(out)
 
 
@@ -405,15 +435,18 @@ def check_compatible(src: Layout, dst: DstLayout) -> None:
     """Names, shapes and dtypes agree; raises :class:`LayoutError` listing every mismatch."""
     have = src._p
     need, dtypes, bad_shape = {}, {}, []
-    for pname, p, _, _, b in dst.blocks():
-        need[b.src] = b.shape
-        pl = have.get(b.src)
-        if pl is None:
-            continue
-        if pl.shape != b.shape:
-            bad_shape.append(f"{b.src}: source {list(pl.shape)} vs destination {list(b.shape)}")
-        if pl.dtype != p.dtype:
-            dtypes[b.src] = f"{b.src}: source {pl.dtype} vs destination {pname} {p.dtype}"
+    for pname, p in dst.params.items():  # the walk of DstLayout.blocks, inlined (45,000 blocks)
+        dtype = p.dtype
+        for part in p.parts:
+            for b in part.blocks:
+                need[b.src] = b.shape
+                pl = have.get(b.src)
+                if pl is None:
+                    continue
+                if pl.shape != b.shape:
+                    bad_shape.append(f"{b.src}: source {list(pl.shape)} vs destination {list(b.shape)}")
+                if pl.dtype != dtype:
+                    dtypes[b.src] = f"{b.src}: source {pl.dtype} vs destination {pname} {dtype}"
     problems = []
     if len(need) != len(have) or not need.keys() == have.keys():
         missing, extra = sorted(need.keys() - have.keys()), sorted(have.keys() - need.keys())

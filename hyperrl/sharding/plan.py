@@ -54,18 +54,31 @@ def _src_grid(pl: Placement) -> _SrcGrid:
                     tuple(np.array([b for _, b in iv], dtype=np.int64) for iv in ivs), holders)
 
 
-@dataclass(frozen=True)
 class _Geometry:
-    """Every (piece × overlapping source shard) intersection of one pattern, as arrays."""
+    """Every (piece × overlapping source shard) intersection of one pattern, as arrays ``[E]`` / ``[E, nd]``. The
+    distinct regions (source shard ∩ requested box) are computed once; the per-entry boxes (``src_lo``,
+    ``inter_lo``, ``size``: the materialisation's) are gathered from them on first use — planning and its byte
+    accounting read only ``piece``, ``holders``, ``sender``, ``key`` and ``numel``."""
 
-    piece: np.ndarray  # [E] index into the pattern
-    src_lo: np.ndarray  # [E, nd] the holders' shard box start
-    inter_lo: np.ndarray  # [E, nd] intersection (global coords of the source tensor)
-    size: np.ndarray  # [E, nd]
-    holders: np.ndarray  # [E, R] source mesh positions
-    sender: np.ndarray  # [E] holder chosen to send (replicas rotate with the piece index)
-    key: np.ndarray  # [E] region id: equal for replicas requesting the same region
-    numel: np.ndarray  # [E]
+    def __init__(self, piece, ent, r_src_lo, r_lo, r_size, holders, sender, key, numel):
+        self.piece = piece  # [E] index into the pattern
+        self._ent, self._r = ent, (r_src_lo, r_lo, r_size)  # [E] → region row; the regions' boxes
+        self.holders = holders  # [E, R] source mesh positions
+        self.sender = sender  # [E] holder chosen to send (replicas rotate with the piece index)
+        self.key = key  # [E] region id: equal for replicas requesting the same region
+        self.numel = numel  # [E]
+
+    @property
+    def src_lo(self) -> np.ndarray:  # [E, nd] the holders' shard box start
+        return self._r[0][self._ent]
+
+    @property
+    def inter_lo(self) -> np.ndarray:  # [E, nd] intersection (global coords of the source tensor)
+        return self._r[1][self._ent]
+
+    @property
+    def size(self) -> np.ndarray:  # [E, nd]
+        return self._r[2][self._ent]
 
 
 def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
@@ -110,12 +123,15 @@ def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
     first = np.searchsorted(box, np.arange(U))  # box is sorted: its regions are contiguous
     per_box = np.bincount(box, minlength=U)
     n_piece = per_box[box_of_piece]
-    piece = np.repeat(np.arange(len(pattern)), n_piece)
-    ent = np.repeat(first[box_of_piece] - (np.cumsum(n_piece) - n_piece), n_piece) + np.arange(piece.size)
-    holders = grid.holders[flat_k[ent]]
-    sender = holders[np.arange(piece.size), piece % holders.shape[1]]
-    size_e = size[ent]
-    return _Geometry(piece, src_lo[ent], lo[ent], size_e, holders, sender, region[ent], size_e.prod(1))
+    # the per-entry index arrays in int32 (E ≤ 2³¹; half the memory of a 262,144-entry geometry to touch)
+    piece = np.repeat(np.arange(len(pattern), dtype=np.int32), n_piece)
+    ent = np.repeat((first[box_of_piece] - (np.cumsum(n_piece) - n_piece)).astype(np.int32), n_piece)
+    ent += np.arange(piece.size, dtype=np.int32)
+    R = grid.holders.shape[1]
+    r_holders = grid.holders[flat_k].astype(np.int32)
+    holders = r_holders[ent]
+    sender = holders[:, 0] if R == 1 else holders[np.arange(piece.size), piece % R]
+    return _Geometry(piece, ent, src_lo, lo, size, holders, sender, region.astype(np.int32)[ent], size.prod(1)[ent])
 
 
 class _Classes(NamedTuple):
@@ -150,14 +166,26 @@ class _Group:
     members: list = field(default_factory=list)  # [(tensor name, Demand)]
     offsets: list = field(default_factory=list)  # the tree of each member (fan-out; empty: tree 0 for all)
     ranks_per_node: int = 0  # > 0: among source replicas, prefer one on the receiver's node
+    # arrays equal for every group of one geometry, source and destination meshes (planning shares them: the 16
+    # expert-parallel source meshes of DeepSeek-V3 make groups that differ in their source ranks only)
+    shared: dict | None = field(default=None, repr=False)
 
     def __post_init__(self):
         g = self.geo
         src_r = np.asarray(self.src_ranks, np.int64)
-        dst_r = np.asarray(self.dst_ranks, np.int64)
-        dst_pos = np.array([p.dst_pos for p in self.pattern], np.int64)
-        self.dst_rank = dst_r[dst_pos[g.piece]]
-        self.is_local = (src_r[g.holders] == self.dst_rank[:, None]).any(1)
+        key = (id(g), self.dst_ranks)
+        hit = self.shared.get(key) if self.shared is not None else None
+        if hit is None:
+            dst_r = np.asarray(self.dst_ranks, np.int64)
+            dst_pos = np.array([p.dst_pos for p in self.pattern], np.int64)
+            hit = (dst_r, dst_pos, dst_r[dst_pos[g.piece]])
+            if self.shared is not None:
+                self.shared[key] = hit
+        dst_r, dst_pos, self.dst_rank = hit
+        if set(self.src_ranks).isdisjoint(self.dst_ranks):  # trainer and rollout on other ranks: nothing local
+            self.is_local = np.zeros(g.piece.size, bool)
+        else:
+            self.is_local = (src_r[g.holders] == self.dst_rank[:, None]).any(1)
         self._src_r, self._dst_r, self._dst_pos = src_r, dst_r, dst_pos
         self._src_sender = src_r[g.sender]
         if self.ranks_per_node and g.holders.shape[1] > 1 and g.piece.size:
@@ -256,7 +284,8 @@ class _Group:
             cls = self._classes()
             rot = (cls.v + t) % cls.c
             sent = np.where(cls.source, np.where(rot == 0, cls.w, 0), cls.w * np.clip(cls.c - 2 * rot - 1, 0, 2))
-            r, b = _sum_by(cls.rank, sent)
+            some = sent > 0  # the ranks that send (a leaf forwards nothing: not a sender of this tree)
+            r, b = _sum_by(cls.rank[some], sent[some])
             return np.asarray(r, np.int64), np.asarray(b, np.int64), int(sent[cls.source].sum())
         remote = ~self.is_local
         tree = self.tree_at(t)
@@ -402,35 +431,41 @@ def _no_gc():
 def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     check_compatible(src, dst)
     demands = dst.demands()
-    grids: dict = {}  # (shape, spec, mesh axes) → (small id, grid)
-    geoms: dict = {}
-    groups: dict = {}
+    grids: dict = {}  # (mesh axes, shape, spec dims) → (source grid, its geometries)
+    placed: dict = {}  # (shape, spec dims, mesh, itemsize) → (the grid's entry, {(pattern, param mesh) → group})
+    groups: list[_Group] = []
+    shared: dict = {}
     placements, params = src._p, dst.params
+    param_mesh = {n: p.mesh for n, p in params.items()}
     rpn = links.ranks_per_node if links is not None else 0
     for tensor in sorted(demands):
         pl = placements[tensor]
-        gkey = (pl.shape, pl.spec, pl.mesh.axes)
-        hit = grids.get(gkey)
+        # ints and flat tuples only (meshes by identity — both layouts hold them alive): hashing the spec object,
+        # nested tuples or 1,024-rank meshes per tensor cost most of a DeepSeek-V3 plan
+        pkey = (pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize)
+        hit = placed.get(pkey)
         if hit is None:
-            hit = grids[gkey] = (len(grids), _src_grid(pl))
-        gid, grid = hit
-        itemsize, src_mesh = pl.itemsize, id(pl.mesh)
+            gkey = (pl.mesh.axes, pl.shape, pl.spec.dims)
+            grid = grids.get(gkey)
+            if grid is None:
+                grid = grids[gkey] = (_src_grid(pl), {})
+            hit = placed[pkey] = (grid, {}, pl)
+        grid, by_demand, first = hit
         for demand in demands[tensor]:
-            param = params[demand.param]
-            # ints only (meshes by identity — both layouts hold them alive): hashing nested tuples or
-            # 1,024-rank meshes per demand cost most of a DeepSeek-V3 plan
-            k = (gid, id(demand.pattern), itemsize, src_mesh, id(param.mesh))
-            grp = groups.get(k)
+            mesh = param_mesh[demand.param]
+            k = (id(demand.pattern), id(mesh))
+            grp = by_demand.get(k)
             if grp is None:
-                geo = geoms.get(k[:2])
+                geo = grid[1].get(k[0])
                 if geo is None:
-                    geo = geoms[k[:2]] = _geometry(grid, demand.pattern)
-                grp = groups[k] = _Group(geo, demand.pattern, pl.nbytes, itemsize, pl.mesh.ranks, param.mesh.ranks,
-                                         fan_out, ranks_per_node=rpn)
+                    geo = grid[1][k[0]] = _geometry(grid[0], demand.pattern)
+                grp = by_demand[k] = _Group(geo, demand.pattern, first.nbytes, first.itemsize, first.mesh.ranks,
+                                            mesh.ranks, fan_out, ranks_per_node=rpn, shared=shared)
+                groups.append(grp)
             grp.members.append((tensor, demand))
     if fan_out:
-        _assign_trees(list(groups.values()))
-    return Plan(src, dst, list(groups.values()), fan_out)
+        _assign_trees(groups)
+    return Plan(src, dst, groups, fan_out)
 
 
 TREES = 8  # fan-out trees per group to choose from (each costs one pass over the group's entries)

@@ -341,3 +341,38 @@ def test_fan_out_is_a_tree_that_spreads_the_forwards():
 
     with pytest.raises(PlanError, match="before it received it"):
         verify(Fixed(plan.src, plan.dst, [], True))
+
+
+def _tree_sent(g, t):
+    """What one member under tree ``t`` sends per rank, summed from the built tree (the reference for
+    ``_Group.sent``, which counts it from the tree's shape without building it)."""
+    remote = ~g.is_local
+    tree = g.tree_at(t)
+    nb = g.geo.numel * g.itemsize
+    per: dict[int, int] = {}
+    for r, b in zip(tree.sender[remote].tolist(), nb[remote].tolist()):
+        per[r] = per.get(r, 0) + b
+    return per, int(nb[remote & tree.is_leader].sum())
+
+
+@given(layouts())
+def test_a_fan_out_groups_send_counts_equal_its_built_trees(lay):
+    src, dst = lay
+    plan = reshard_plan(src, dst, fan_out=True)
+    for g in plan.groups:
+        for t in range(g.rotations):
+            ranks, sent, egress = g.sent(t)
+            want, want_egress = _tree_sent(g, t)
+            assert dict(zip(ranks.tolist(), sent.tolist())) == {r: b for r, b in want.items() if b}
+            assert egress == want_egress
+
+
+def test_the_chunk_rules_boxes_at_every_position_equal_the_rules_own():
+    """``_rule_boxes`` computes a ChunkRule's intervals once for all positions; each box equals ``rule.box``."""
+    from hyperrl.sharding.layout import ChunkRule, _rule_boxes
+
+    mesh = Mesh.of(ranks=list(range(12)), a=2, b=3, c=2)
+    for dims, shape in [((("a",), ("b", "c")), (7, 13)), ((("c", "a"), ()), (5, 4)), (((), ("b",), ("a", "c")),
+                                                                                       (3, 9, 1)), (((),), (6,))]:
+        rule = ChunkRule(Spec(dims))
+        assert _rule_boxes(rule, shape, mesh) == tuple(rule.box(shape, mesh, c) for _, c in mesh.coords())
