@@ -16,7 +16,9 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
+from hyperrl.rollout.attention import use_gqa_sdpa
 from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError, transformers_capabilities
+from hyperrl.rollout.kv_cache import full_attention_only, preallocated_cache
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
 from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_trajectory
@@ -66,8 +68,9 @@ class TransformersEngine(TransactionalEngine):
     def __init__(self, model, *, device: str | torch.device = "cpu", version: int = 0, pad_id: int = 0,
                  shared: bool = False):
         self.model = model.to(device)
-        if not shared:
-            self.model.eval()
+        if not shared:  # the engine's own copy: grouped K/V never repeated per decoded token (the trainer's
+            self.model.eval()  # shared model keeps transformers' attention)
+            use_gqa_sdpa(self.model)
         self.device = torch.device(device)
         self.pad_id, self.shared = pad_id, shared
         # generate_requests: keyed sampling, abort, resume; a mixture of experts' routes recorded
@@ -75,6 +78,7 @@ class TransformersEngine(TransactionalEngine):
         self._routing = Routing(self.model) if is_moe(self.model) else None
         self._vision = vision_spec(self.model)  # a vision-language model: images beside the prompts
         self._version, self._failed = version, None
+        self._full_attention: bool | None = None  # known at the first generation
         self._undo: list = []  # (weight, undo) of the deltas applied in place by the open publication
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
@@ -298,7 +302,8 @@ class TransformersEngine(TransactionalEngine):
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
                 with record():
                     out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[..., ::n, :],
-                                     use_cache=True, logits_to_keep=1, **prefill_kw)
+                                     use_cache=True, logits_to_keep=1, past_key_values=self._cache(P + steps),
+                                     **prefill_kw)
                 past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)
                 if n > 1:
                     past.batch_repeat_interleave(n)
@@ -349,6 +354,13 @@ class TransformersEngine(TransactionalEngine):
             images = {k: v.repeat_interleave(n, 0) for k, v in images.items()}
         return self._trajectory(ids.cpu()[:, :P], plen, out_tok.cpu(), out_lp.cpu(), lengths.cpu(), groups, finish,
                                 routes, images)
+
+    def _cache(self, capacity: int):
+        """The decode's KV cache: written in place for the whole generation (:mod:`hyperrl.rollout.kv_cache`)
+        where every layer attends to the whole past; else transformers' own (None)."""
+        if self._full_attention is None:
+            self._full_attention = full_attention_only(self.model)
+        return preallocated_cache(capacity) if self._full_attention else None
 
     def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None, routes=None,
                     images=None) -> TensorDict:

@@ -177,3 +177,33 @@ def test_engines_stamp_versions_and_finish_reasons():
     assert b["finish_reason"].tolist() == [0 if int(t) == tok.eos_token_id else 1 for t in last]
     assert all(int(n) == 6 for n, f in zip(act.sum(-1), b["finish_reason"]) if int(f) == 1)
     validate(b, learner_version=3, max_staleness=0)
+
+
+def test_the_engines_kv_cache_and_grouped_attention_give_transformers_own_tokens_and_logprobs():
+    """The engine's decode (grouped K/V straight to SDPA, a KV cache written in place) against the same model
+    under transformers' own ``sdpa`` attention and ``DynamicCache``: the same sampled tokens and the same
+    log-probs bit for bit, over prompts of several lengths (left padding), a group's shared prefill, rows that
+    stop early (the cache shrinks) and a generation longer than the planned capacity (the buffers grow)."""
+    import copy
+
+    from hyperrl.models.tiny import tiny_qwen3
+    from hyperrl.rollout import SamplingParams, TransformersEngine
+    from hyperrl.rollout import hf as hf_mod
+
+    model = tiny_qwen3(40, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, stop_ids=(7,))
+    new = TransformersEngine(copy.deepcopy(model))
+    assert new.model.config._attn_implementation == "hyperrl_gqa_sdpa"
+    ref = TransformersEngine(copy.deepcopy(model))
+    for m in ref.model.modules():  # back to transformers' own attention and cache
+        if getattr(m, "config", None) is not None:
+            m.config._attn_implementation = "sdpa"
+    ref._cache = lambda capacity: None
+    a, b = new.generate(prompts, sp, n=3), ref.generate(prompts, sp, n=3)
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["rollout_logprobs"], b["rollout_logprobs"])
+    assert len(set(a["action_mask"].sum(-1).tolist())) > 1  # some rows stopped early
+    small = TransformersEngine(copy.deepcopy(model))
+    small._cache = lambda capacity: hf_mod.preallocated_cache(4)  # smaller than the prompt + 12 tokens: grows
+    c = small.generate(prompts, sp, n=3)
+    assert torch.equal(a["tokens"], c["tokens"]) and torch.equal(a["rollout_logprobs"], c["rollout_logprobs"])
