@@ -301,9 +301,10 @@ class TransformersEngine(TransactionalEngine):
             # real vocabularies)
             if t == 0:  # prefill each prompt once; its n samples share the KV cache rows
                 with record():
+                    cache = self._cache(P + steps)
                     out = self.model(input_ids=ids[::n], attention_mask=attn[::n], position_ids=pos[..., ::n, :],
-                                     use_cache=True, logits_to_keep=1, past_key_values=self._cache(P + steps),
-                                     **prefill_kw)
+                                     use_cache=True, logits_to_keep=1,
+                                     **({"past_key_values": cache} if cache is not None else {}), **prefill_kw)
                 past, logits = out.past_key_values, out.logits[:, -1].repeat_interleave(n, 0)
                 if n > 1:
                     past.batch_repeat_interleave(n)

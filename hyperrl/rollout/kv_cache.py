@@ -85,8 +85,12 @@ class PreallocatedLayer(_dynamic_layer()):
 
 def full_attention_only(model) -> bool:
     """Whether every layer of ``model``'s decoder attends to the whole past (no sliding window, no linear
-    attention) — the layers :class:`PreallocatedLayer` stands in for."""
-    cfg = model.config.get_text_config(decoder=True)
+    attention) — the layers :class:`PreallocatedLayer` stands in for. False for a model without a transformers
+    config (its own cache, if any, is left to it)."""
+    text_config = getattr(getattr(model, "config", None), "get_text_config", None)
+    if text_config is None:
+        return False
+    cfg = text_config(decoder=True)
     types = getattr(cfg, "layer_types", None)
     return getattr(cfg, "sliding_window", None) is None and (types is None or set(types) == {"full_attention"})
 
