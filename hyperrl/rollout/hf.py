@@ -78,7 +78,7 @@ class TransformersEngine(TransactionalEngine):
         self._routing = Routing(self.model) if is_moe(self.model) else None
         self._vision = vision_spec(self.model)  # a vision-language model: images beside the prompts
         self._version, self._failed = version, None
-        self._full_attention: bool | None = None  # known at the first generation
+        self._full_attention = full_attention_only(self.model)  # the in-place KV cache fits its layers
         self._undo: list = []  # (weight, undo) of the deltas applied in place by the open publication
         # tied weights appear under several state-dict names; a publisher may send one of them
         canon: dict[int, str] = {}
@@ -359,8 +359,6 @@ class TransformersEngine(TransactionalEngine):
     def _cache(self, capacity: int):
         """The decode's KV cache: written in place for the whole generation (:mod:`hyperrl.rollout.kv_cache`)
         where every layer attends to the whole past; else transformers' own (None)."""
-        if self._full_attention is None:
-            self._full_attention = full_attention_only(self.model)
         return preallocated_cache(capacity) if self._full_attention else None
 
     def _trajectory(self, left_ids, plen, out_tok, out_lp, lengths, groups, finish=None, routes=None,

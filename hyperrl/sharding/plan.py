@@ -261,10 +261,7 @@ class _Group:
 
     def member_counts(self) -> list[tuple[_Tree, int]]:
         """Each tree in use with the number of members using it."""
-        if not self.offsets:
-            return [(self.tree_at(0), len(self.members))]
-        counts = np.bincount(np.asarray(self.offsets, np.int64), minlength=self.rotations)
-        return [(self.tree_at(int(t)), int(k)) for t, k in enumerate(counts) if k]
+        return [(self.tree_at(t), k) for t, k in self.offset_counts()]
 
     def offset_counts(self) -> list[tuple[int, int]]:
         """``(tree, members using it)`` for each tree in use."""
@@ -468,7 +465,7 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     return Plan(src, dst, groups, fan_out)
 
 
-TREES = 8  # fan-out trees per group to choose from (each costs one pass over the group's entries)
+TREES = 8  # fan-out trees per group to choose from (each costs one pass over the group's classes: _Group.sent)
 
 
 def _assign_trees(groups: list[_Group]) -> None:
