@@ -134,10 +134,32 @@ def _raised(e: BaseException) -> Outcome:
     return Outcome(failure=f"raised {type(e).__name__}: {e}", kind=kind, error=e)
 
 
-def _done(o: Outcome) -> Future:
-    f: Future = Future()
-    f.set_result(o)
-    return f
+class Finished:
+    """A call already run (inline, or retried on the caller's thread): the part of ``concurrent.futures.Future``
+    the caller uses — ``result``, ``done``, ``add_done_callback`` (called at once) — without its condition
+    variable. A finished ``Future`` costs two locked ``set_result`` / ``result`` rounds a call: ≈ 18 ms a step of
+    the default job (512 rows × 2 per-row rewards), a sixth of its step."""
+
+    __slots__ = ("_outcome",)
+
+    def __init__(self, outcome: Outcome):
+        self._outcome = outcome
+
+    def result(self, timeout: float | None = None) -> Outcome:
+        """The outcome (never waits)."""
+        return self._outcome
+
+    def done(self) -> bool:
+        """Always: the call has run."""
+        return True
+
+    def add_done_callback(self, fn) -> None:
+        """``fn(self)`` now, as a finished ``Future`` does."""
+        fn(self)
+
+
+def _done(o: Outcome) -> Finished:
+    return Finished(o)
 
 
 class _Deadline(BaseException):  # not an Exception: the user's `except Exception` cannot swallow it

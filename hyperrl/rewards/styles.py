@@ -80,6 +80,11 @@ def load_function(ref: str, where: str) -> Callable:
     return fn
 
 
+def _own(fn) -> bool:
+    """``fn`` is one of hyperrl's own rewards (defined in a ``hyperrl.`` module, a factory's closure included)."""
+    return (getattr(fn, "__module__", None) or "").startswith("hyperrl.")
+
+
 @dataclass(frozen=True)
 class Pending:
     """Scores under way (:meth:`RewardSet.submit`): per reward, its index, the rows it scores, its calls and their
@@ -133,8 +138,9 @@ class RewardSet:
             run.close()
 
     def submit(self, prompts: list, texts: list[str], ids: list[list[int]], samples: list) -> Pending:
-        """Start every reward's calls on these rows (an inline reward runs now); :meth:`collect` the result. Each
-        reward gets copies of the prompts and samples: one that mutates its arguments cannot change the dataset."""
+        """Start every reward's calls on these rows (an inline reward runs now); :meth:`collect` the result. A
+        user's reward gets copies of the prompts and samples: one that mutates its arguments cannot change the
+        dataset (hyperrl's own rewards only read theirs: no copy — a step of the default job deep-copied 1,024)."""
         import copy
 
         parts = []
@@ -142,7 +148,9 @@ class RewardSet:
             rows = [i for i, s in enumerate(samples) if r.data_sources is None or source_of(s) in r.data_sources]
             if not rows:
                 continue
-            ps, ss = copy.deepcopy([prompts[i] for i in rows]), copy.deepcopy([samples[i] for i in rows])
+            ps, ss = [prompts[i] for i in rows], [samples[i] for i in rows]
+            if not _own(r.fn):
+                ps, ss = copy.deepcopy(ps), copy.deepcopy(ss)
             calls = reward_style(r.style).make_calls(r, ps, [texts[i] for i in rows], [ids[i] for i in rows], ss)
             parts.append((k, rows, calls, [submit(run, c, r.retries) for c in calls]))
         out = Pending(len(texts), tuple(parts))
