@@ -30,8 +30,8 @@ import torch
 from hyperrl.errors import HyperRLError
 
 __all__ = ["pack_vision", "row_patches", "model_inputs", "VisionError", "VisionSpec", "vision_spec",
-           "expand_placeholders", "rope_positions", "forward_inputs", "suppress_outputs", "vision_identity",
-           "VISION_SPECIAL_TOKENS", "IMAGE_TEXT", "image_token_id"]
+           "expand_placeholders", "rope_positions", "forward_inputs", "suppress_outputs", "output_mask",
+           "vision_identity", "VISION_SPECIAL_TOKENS", "IMAGE_TEXT", "image_token_id"]
 
 # the Qwen-VL family's vision special tokens, in the order a tokenizer built for it adds them
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -189,6 +189,14 @@ def forward_inputs(model, spec: VisionSpec, ids: torch.Tensor, attention_mask: t
 
 def _mask_outputs(ids: torch.Tensor, value: float, module, args, output):
     return output.index_fill(-1, ids.to(output.device), value)
+
+
+def output_mask(hook) -> tuple[torch.Tensor, float] | None:
+    """``(ids, value)`` when ``hook`` (a module's forward hook) is one :func:`suppress_outputs` registered, else None
+    — what a forward that skips the head (the fused head) applies itself."""
+    if isinstance(hook, functools.partial) and hook.func is _mask_outputs:
+        return hook.args[0], float(hook.args[1])
+    return None
 
 
 def suppress_outputs(model, ids: tuple[int, ...], value: float = -1e4):

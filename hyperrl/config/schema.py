@@ -343,6 +343,12 @@ class OptimConfig(_Frozen):
                                     "padded tokens (rows x longest row): rows grouped by length, a prompt's samples "
                                     "together, each micro-batch cut to its longest row (0 = whole mini-batch)")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
+    fused_head: Literal["auto", "on", "off"] = Field(
+        "auto", description="the LM head fused with the log-prob and entropy in the trainer's, reference's and "
+        "teacher's forwards: no [B, T, V] logits in either pass, each chunk's logits made again in backward. on: "
+        "wherever the model family allows (its logits its head's output alone: hyperrl.models.head."
+        "FUSED_HEAD_FAMILIES; others run unfused); auto: so, for vocabularies of at least 8,192 tokens, where the "
+        "logits outweigh the rest of the forward (a smaller one keeps the unfused path's bits); off: never")
     pack_tokens: int = Field(0, ge=0, description="padding-free trainer forwards: each micro-batch's rows packed "
                              "into sequences of at most this many tokens (position ids restart per row, no padding "
                              "computed; replaces the shared-prefix forward; one process only); 0 = off")

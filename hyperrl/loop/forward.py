@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl import transforms as T
+from hyperrl.models.head import head_skipped, head_weights
 from hyperrl.multimodal import VisionError, forward_inputs, row_patches, vision_identity, vision_spec
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
@@ -59,6 +60,24 @@ def _call(replay: RouteReplay | None, src: torch.Tensor, n: int):
     return contextlib.nullcontext() if replay is None else replay.call(src, n)
 
 
+def _head_out(model, fused: bool, **kw):
+    """``model(**kw)``; ``fused``: its head skipped — ``.logits`` are the hidden states the head reads."""
+    if not fused:
+        return model(**kw)
+    with head_skipped(model):
+        return model(**kw)
+
+
+def _lp_ent(model, x: torch.Tensor, targets: torch.Tensor, temperature: float, fused: bool):
+    """Token log-probs and entropies of ``targets`` from ``x``: the logits ``[..., V]``, or — ``fused`` — the hidden
+    states ``[..., H]`` through the head chunk by chunk (:func:`hyperrl.transforms.head_logprobs_and_entropy`)."""
+    if not fused:
+        return T.logprobs_and_entropy(x, targets, temperature)
+    hw = head_weights(model)
+    return T.head_logprobs_and_entropy(x, hw.weight, targets, temperature, bias=hw.bias, compute_dtype=hw.dtype,
+                                       masks=hw.masks)
+
+
 def _vision_inputs(model, batch: TensorDict, ids: torch.Tensor, attn: torch.Tensor, rows=None) -> dict:
     """A vision-language model's extra inputs for ``ids [B', T']`` (``batch``'s rows ``rows``, all when None): the
     rows' images and M-RoPE ``position_ids [3, B', T']`` (:func:`hyperrl.multimodal.forward_inputs` — the rollout
@@ -87,11 +106,13 @@ def _first_action(act: torch.Tensor) -> int:
     return max(int(act.int().argmax(-1)[act.any(-1)].min()), 1)
 
 
-def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, replay: RouteReplay | None = None):
+def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, replay: RouteReplay | None = None, *,
+                               fused: bool = False):
     """``log π(tokens[b, t] | tokens[b, :t])`` and the entropy there, ``[B, T]`` each (0 before the
     first action position of the batch, ``a``). Logits are computed only on the action window —
     positions ``a − 1 … T − 2`` (``logits_to_keep``), not at every prompt position: at a real
-    vocabulary the ``[B, T, V]`` prompt logits dominate a forward's memory."""
+    vocabulary the ``[B, T, V]`` prompt logits dominate a forward's memory. ``fused``: not even there — the head
+    fused with the log-prob (:func:`hyperrl.models.head.fusable_head` must hold; every forward here takes it)."""
     tokens = batch["tokens"]  # the last token predicts nothing: run T − 1 positions
     act = batch["action_mask"]
     if tokens.shape[1] < 2 or not bool(act[:, 1:].any()):
@@ -102,9 +123,10 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     src = torch.nn.functional.pad(torch.arange(B * W, device=tokens.device).view(B, W), (0, 1), value=-1)
     kw = _vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     with _call(replay, torch.where(batch["attention_mask"].bool(), src, -1), B * W):
-        logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                       logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
-    lp, ent = T.logprobs_and_entropy(logits, tokens[:, a:], temperature)
+        logits = _head_out(model, fused, input_ids=tokens[:, :-1],
+                           attention_mask=batch["attention_mask"][:, :-1].long(),
+                           logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
+    lp, ent = _lp_ent(model, logits, tokens[:, a:], temperature, fused)
     pad = torch.nn.functional.pad
     return pad(lp, (a, 0)), pad(ent, (a, 0))
 
@@ -139,7 +161,7 @@ def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.
 
 
 def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0,
-                                replay: RouteReplay | None = None):
+                                replay: RouteReplay | None = None, *, fused: bool = False):
     """As :func:`plain_logprobs_and_entropy` on action positions, padding-free (MindSpeed-RL's
     remove-padding): the rows' real tokens are concatenated into sequences of at most
     ``max_tokens`` (first-fit decreasing bins, :func:`hyperrl.transforms.micro_batches_by_token_budget`;
@@ -170,9 +192,9 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
         src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)
         src[r, c] = torch.arange(len(r), device=tokens.device)
         with _call(replay, src, len(r)):
-            logits = model(input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep,
-                           use_cache=False).logits
-        lp, ent = T.logprobs_and_entropy(logits, tokens[r[keep], c[keep] + 1][None], temperature)
+            logits = _head_out(model, fused, input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep,
+                               use_cache=False).logits
+        lp, ent = _lp_ent(model, logits, tokens[r[keep], c[keep] + 1][None], temperature, fused)
         lp_out = lp_out.index_put((r[keep], c[keep] + 1), lp[0])
         ent_out = ent_out.index_put((r[keep], c[keep] + 1), ent[0])
     return lp_out, ent_out
@@ -187,7 +209,7 @@ def _right_padded(attn: torch.Tensor, who: str, fix: str) -> torch.Tensor:
 
 
 def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature: float, group, *,
-                                          packed: bool = False):
+                                          packed: bool = False, fused: bool = False):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each rank of the context-parallel
     ``group`` (``cp`` ranks, the same ``batch`` on each) running a contiguous slice of every sequence
     (:mod:`hyperrl.distributed.context_parallel`: Ulysses attention over the whole sequence; ``model``
@@ -216,8 +238,8 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, r * n:(r + 1) * n]
     ctx = packed_segments(model, pad(seg, (0, Np - N), value=B)) if packed else contextlib.nullcontext()
     with ctx:
-        logits = model(input_ids=local, position_ids=lpos, use_cache=False).logits  # [B, n, V]: this slice's
-    lp, ent = T.logprobs_and_entropy(logits, targets, temperature)
+        logits = _head_out(model, fused, input_ids=local, position_ids=lpos, use_cache=False).logits  # [B, n, V]
+    lp, ent = _lp_ent(model, logits, targets, temperature, fused)
     lp, ent = gather_sequence(lp, group, N), gather_sequence(ent, group, N)
     if not packed:
         return pad(lp, (1, 0)), pad(ent, (1, 0))
@@ -246,7 +268,7 @@ def prefix_groups(batch: TensorDict):
 
 
 def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None, *,
-                                       min_rest: int = 0, replay: RouteReplay | None = None):
+                                       min_rest: int = 0, replay: RouteReplay | None = None, fused: bool = False):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each distinct prompt run once.
 
     Prompts ``[U, P]`` are left-padded so every row's continuation starts at cache slot ``P``;
@@ -274,8 +296,8 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     t = torch.arange(Tn, device=dev)[None, :]
     src = torch.where(t < p[:, None], inverse[:, None] * P + (P - p[:, None]) + t, -1)  # row b's prompt in its u
     with _call(replay, src, len(first) * P):
-        out = model(input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos, use_cache=S > 1,
-                    logits_to_keep=1, **kw)
+        out = _head_out(model, fused, input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos,
+                        use_cache=S > 1, logits_to_keep=1, **kw)
     logits = out.logits[:, -1].index_select(0, inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
@@ -294,10 +316,10 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
         if pre_pos.dim() == 3:
             cont_pos = cont_pos.expand(3, -1, -1)
         with _call(replay, src, B * (S - 1)):
-            rest = model(input_ids=cont[:, :-1], attention_mask=mask, position_ids=cont_pos,
-                         past_key_values=cache, use_cache=False).logits
+            rest = _head_out(model, fused, input_ids=cont[:, :-1], attention_mask=mask, position_ids=cont_pos,
+                             past_key_values=cache, use_cache=False).logits
         logits = torch.cat([logits, rest], 1)
-    lp, ent = T.logprobs_and_entropy(logits, cont, temperature)
+    lp, ent = _lp_ent(model, logits, cont, temperature, fused)
     cols = p[:, None] + s  # distinct per row; the buffer is wide enough for rows' padding tails
     zero = torch.zeros(B, Tn + s.shape[1], dtype=lp.dtype, device=dev)
     lp_full = zero.scatter(1, cols, torch.where(cont_valid, lp, 0.0))[:, :Tn]
@@ -334,7 +356,7 @@ def choose(batch: TensorDict, shared_prefix: bool = True):
 
 
 def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_prefix: bool = True, agree=None,
-                    replay: RouteReplay | None = None):
+                    replay: RouteReplay | None = None, fused: bool = False):
     """Token-aligned log-probs and entropies ``[B, T]``: the shared-prefix forward when it is cheaper
     (:func:`choose`), else the plain forward. ``agree((use, S)) → (use, S)`` makes the choice
     collective (data parallel: every rank then makes the same model calls — all use the
@@ -344,5 +366,5 @@ def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_pref
         use, S = agree(use, S)
     if use:  # an agreed `use` implies this rank preferred it too, so its groups exist
         return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups, min_rest=int(S > 1),
-                                                  replay=replay)
-    return plain_logprobs_and_entropy(model, batch, temperature, replay)
+                                                  replay=replay, fused=fused)
+    return plain_logprobs_and_entropy(model, batch, temperature, replay, fused=fused)

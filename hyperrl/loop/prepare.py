@@ -27,6 +27,7 @@ from hyperrl.loop.forward import (
     policy_logprobs,
 )
 from hyperrl.loop.learner import map_micro_batches
+from hyperrl.models.head import use_fused_head
 from hyperrl.models.moe import RouterTap, Routing, is_moe
 from hyperrl.multimodal import vision_spec
 from hyperrl.routing import RoutePlan
@@ -58,17 +59,18 @@ class Forwards:
         if routes is not None:
             routing, key, force = routes
             replay = RouteReplay(routing, batch, batch[key] if key is not None else None, force)
+        fused = use_fused_head(self.cfg.optim.fused_head, model)  # no [B, T, V] logits
         with self.amp():
             if self.parallel.cp > 1:  # each rank a slice of every sequence (routes refused at load)
                 out = context_parallel_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
                                                             self.parallel.cp_group,
-                                                            packed=bool(self.cfg.optim.pack_tokens))
+                                                            packed=bool(self.cfg.optim.pack_tokens), fused=fused)
             elif self.cfg.optim.pack_tokens:
                 out = packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                  self.cfg.optim.pack_tokens, replay)
+                                                  self.cfg.optim.pack_tokens, replay, fused=fused)
             else:
                 out = policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
-                                      agree=self.parallel.agree_forward(), replay=replay)
+                                      agree=self.parallel.agree_forward(), replay=replay, fused=fused)
         return out if replay is None else (*out, replay.captured.to(out[0].device))
 
     def log_softmax(self, model, batch: TensorDict) -> tuple[int, torch.Tensor]:

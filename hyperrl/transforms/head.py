@@ -1,0 +1,134 @@
+"""The LM head fused with the token log-prob and entropy: no ``[N, V]`` logits in either pass.
+
+``head_logprobs_and_entropy(hidden [..., H], weight [V, H], tokens [...], T)`` is
+``logprobs_and_entropy(hidden @ weightᵀ (+ bias), tokens, T)`` computed over chunks of rows: each chunk's
+logits ``[c, V]`` are made, reduced to its rows' log-prob, entropy, ``logsumexp`` and ``E_p[z]`` and dropped.
+Backward makes each chunk's logits again (one more ``c × H × V`` matmul) and turns them at once into the chunk's
+gradient of the hidden states and its share of the weight's (and bias's), accumulated in fp32:
+
+    z = (h Wᵀ + b) / T,  p = softmax(z),  lp = z_y − lse(z),  H = lse(z) − Σ p z
+    ∂L/∂z = g_lp (onehot_y − p) − g_H p (z − E_p z),   ∂L/∂h = (∂L/∂z / T) W,   ∂L/∂W = (∂L/∂z / T)ᵀ h
+
+(Liger-Kernel's fused linear cross-entropy and verl's ``use_fused_kernels`` make the same trade: time for the
+``[B, T, V]`` logits and their gradient — at Qwen3's 151,936 tokens, 8 k positions: 5 GB each in fp32.)
+
+Precision is the unfused path's: the matmul runs in ``compute_dtype`` (the autocast dtype the head would run in;
+fp32 for an fp32 head, ``model.lm_head_fp32``), the log-softmax in fp32, the gradients of the logits are rounded
+to ``compute_dtype`` before their matmuls as autograd would round them. With one chunk (a small vocabulary) the
+values and gradients are the unfused path's bit for bit; with several, the weight's gradient is summed over
+chunks in fp32 (or the weight's own dtype when wider).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyperrl.transforms.logprobs import CHUNK_ELEMENTS
+
+__all__ = ["head_logprobs_and_entropy"]
+
+
+def _rows(chunk: int | None, vocab: int) -> int:
+    return int(chunk) if chunk else max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float, masks) -> torch.Tensor:
+    """The chunk's ``z = (h Wᵀ + b) / T`` in fp32 (``h``, ``w``, ``b`` already in the compute dtype), each mask's
+    ids set to its value before the temperature."""
+    z = torch.nn.functional.linear(h, w, b)
+    for ids, value in masks:
+        z.index_fill_(-1, ids, value)
+    z = z.float() if z.dtype != torch.float32 else z
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _HeadLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, want_entropy, dtype, masks):
+        H, V = hidden.shape[-1], weight.shape[0]
+        h, tok = hidden.reshape(-1, H), tokens.reshape(-1)
+        n = h.shape[0]
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        lp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ez = torch.empty(n if want_entropy else 0, dtype=torch.float32, device=hidden.device)
+        rows = _rows(chunk, V)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for s in range(0, n, rows):
+                z = _logits(h[s:s + rows].to(dtype), w, b, temperature, masks)
+                m = torch.logsumexp(z, -1, keepdim=True)
+                lse[s:s + rows] = m[:, 0]
+                lp[s:s + rows] = (z.gather(-1, tok[s:s + rows, None]) - m)[:, 0]
+                if want_entropy:
+                    ez[s:s + rows] = torch.linalg.vecdot(torch.sub(z, m).exp_(), z)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ez)
+        ctx.args = (temperature, chunk, want_entropy, dtype, masks)
+        ent = (lse - ez) if want_entropy else ez
+        return lp.view(tokens.shape), ent.view(tokens.shape) if want_entropy else ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, tokens, lse, ez = ctx.saved_tensors
+        T, chunk, want_entropy, dtype, masks = ctx.args
+        H, V = hidden.shape[-1], weight.shape[0]
+        h, tok = hidden.reshape(-1, H), tokens.reshape(-1)
+        g_lp = torch.zeros(tok.shape, device=h.device) if g_lp is None else g_lp.reshape(-1)
+        use_ent = want_entropy and g_ent is not None
+        g_ent = g_ent.reshape(-1) if use_ent else None
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        g_h = torch.empty_like(h) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight's gradient summed over chunks in this
+        g_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
+        g_b = torch.zeros(V, dtype=acc, device=h.device) if need_b else None
+        rows = _rows(chunk, V)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            for s in range(0, h.shape[0], rows):
+                hc = h[s:s + rows].to(dtype)
+                z = _logits(hc, w, b, T, masks)
+                p = torch.sub(z, lse[s:s + rows, None]).exp_()
+                gl = g_lp[s:s + rows, None]
+                if use_ent:  # z ← g_H (z − E z) + g_lp ; ∂L/∂z = −p z + g_lp onehot
+                    z.sub_(ez[s:s + rows, None]).mul_(g_ent[s:s + rows, None]).add_(gl)
+                    gz = p.mul_(z).neg_()
+                else:
+                    gz = p.mul_(-gl)
+                gz.scatter_add_(-1, tok[s:s + rows, None], gl)
+                gz = gz.div_(T).to(dtype)  # the logits' gradient, in the logits' dtype (as autograd rounds it)
+                for ids, _ in masks:  # a masked logit is a constant: nothing flows back through it
+                    gz.index_fill_(-1, ids, 0)
+                if need_h:
+                    g_h[s:s + rows] = (gz @ w).to(h.dtype)
+                if need_w:
+                    g_w.add_((gz.t() @ hc).to(acc))
+                if need_b:
+                    g_b.add_(gz.to(acc).sum(0))
+        return (None if g_h is None else g_h.view_as(hidden), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
+
+
+def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
+                              temperature: float = 1.0, *, bias: torch.Tensor | None = None,
+                              compute_dtype: torch.dtype | None = None, want_entropy: bool = True,
+                              chunk_size: int | None = None, masks=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax((hidden Wᵀ + b) / T)[tokens]`` and the entropy there, fp32 ``[...]`` each, never
+    materialising the ``[..., V]`` logits (module doc). ``hidden [..., H]``, ``weight [V, H]`` (the head's; a tied
+    embedding's), ``tokens [...]`` the ids each position's distribution produced; ``compute_dtype``: the matmul's
+    (default: the autocast dtype when autocast is on, else ``hidden``'s); ``chunk_size``: rows per chunk (default
+    ≈ 32 M logits); ``want_entropy=False``: the entropy is an empty tensor and its work is skipped; ``masks``:
+    ``(ids, value)`` pairs — those logits set to ``value`` before the temperature (a head's output mask,
+    :func:`hyperrl.multimodal.suppress_outputs`), constants for the gradient."""
+    if hidden.shape[:-1] != tokens.shape:
+        raise ValueError(f"hidden {list(hidden.shape)} must be tokens {list(tokens.shape)} + [H]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {list(weight.shape)} must be [V, H={hidden.shape[-1]}]")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias {list(bias.shape)} must be [V={weight.shape[0]}]")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0 (greedy decoding has no log-probs to train on)")
+    if compute_dtype is None:
+        dev = hidden.device.type
+        compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    masks = tuple((torch.as_tensor(ids, dtype=torch.long, device=hidden.device), float(v)) for ids, v in masks)
+    return _HeadLogprobEntropy.apply(hidden, weight, bias, tokens, float(temperature), chunk_size, want_entropy,
+                                     compute_dtype, masks)
