@@ -123,12 +123,14 @@ def _grad_worker(rank, world, out_dir, extra):
 
 
 @pytest.mark.parametrize("cp, extra", [(4, []), (2, []), (2, ["--optim.pack_tokens=4096"]),
-                                       (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256"])],
-                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed", "cp4-reference-micro"])
+                                       (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256"]),
+                                       (2, ["--optim.fused_head=on", "--algo.kl.coef=0.01"])],
+                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed", "cp4-reference-micro", "cp2xdp2-fused-head"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
-    rank — plain, packed, and with a reference model's KL and micro-batches."""
+    rank — plain, packed, with a reference model's KL and micro-batches, and with the fused LM head (whose
+    one-process gradient equals the unfused one's: tests/loop/test_fused_head.py)."""
     res = run_gloo(_grad_worker, 4, str(tmp_path / "cp"), ["--run.cp=" + str(cp), *extra], timeout=600)
     tr = _trainer(str(tmp_path / "one"), extra)
     one = record_grads(tr)

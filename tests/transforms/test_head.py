@@ -109,7 +109,8 @@ def test_no_logits_sized_tensor_is_kept_for_backward():
     tok = torch.randint(0, V, (1, N))
     for fused, bound in ((True, max(N * H, V * H)), (False, None)):
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t.numel()) or t,
+                                                      lambda t: t):
             lp, ent = (T.head_logprobs_and_entropy(h, w, tok, chunk_size=16) if fused
                        else _unfused(h, w, None, tok, 1.0))
         (lp.sum() + ent.sum()).backward()
