@@ -20,6 +20,7 @@ load balancing) and ``preference`` (DPO and kin, in place of ``policy``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,11 +122,8 @@ def distill_full_vocab(ctx: LossContext, part: TensorDict, out: PolicyOut, norm:
                        jsd_beta: float = 1.0) -> T.LossOutput:
     """On-policy GKD: ``loss_distill = coef · agg(JSD_β(π_s(·|s_t), π_t(·|s_t)))`` over the action tokens (β = 1:
     the reverse KL), the teacher's whole next-token distribution from a no-grad forward of the same micro-batch."""
-    f = ctx.forwards
-    a, s = f.log_softmax(ctx.policy, part)
-    with torch.no_grad():
-        _, t = f.log_softmax(ctx.teachers[None], part)
-    kl = T.full_vocab_jsd(s, t, jsd_beta)  # [b, T − a]
+    a, kl = ctx.forwards.full_vocab_divergence(ctx.policy, ctx.teachers[None], part,
+                                               functools.partial(T.full_vocab_jsd, beta=jsd_beta))  # [b, T − a]
     m = part["action_mask"][:, a:]
     loss = coef * T.aggregate(kl, m, ctx.pipeline.agg, num_tokens=norm.num_tokens, num_seqs=norm.num_seqs,
                               length_const=norm.length_const)

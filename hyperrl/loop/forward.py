@@ -28,7 +28,8 @@ from hyperrl.models.head import head_skipped, head_weights
 from hyperrl.multimodal import VisionError, forward_inputs, row_patches, vision_identity, vision_spec
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
-           "context_parallel_logprobs_and_entropy", "policy_logprobs", "prefix_groups", "choose", "RouteReplay"]
+           "context_parallel_logprobs_and_entropy", "policy_logprobs", "prefix_groups", "choose", "RouteReplay",
+           "full_vocab_divergence"]
 
 
 class RouteReplay:
@@ -131,16 +132,35 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     return pad(lp, (a, 0)), pad(ent, (a, 0))
 
 
-def plain_log_softmax(model, batch: TensorDict, temperature: float) -> tuple[int, torch.Tensor]:
+def plain_log_softmax(model, batch: TensorDict, temperature: float, *, fused: bool = False
+                      ) -> tuple[int, torch.Tensor]:
     """The next-token log-distribution at every position from the batch's first action position ``a`` on:
     ``(a, logp [B, T − a, V])`` in fp32, ``logp[:, j]`` the distribution token ``a + j`` was drawn from (at
-    ``temperature``) — one plain forward (full-vocabulary distillation)."""
+    ``temperature``) — one plain forward (full-vocabulary distillation). ``fused``: ``(a, hidden [B, T − a, H])``
+    instead, the states the head reads (:func:`hyperrl.transforms.head_divergence` takes them with the head)."""
     tokens, act = batch["tokens"], batch["action_mask"]
     a = _first_action(act) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
     kw = _vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
-    logits = model(input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                   logits_to_keep=tokens.shape[1] - a, **kw).logits
-    return a, torch.log_softmax(logits.float() / temperature, -1)
+    logits = _head_out(model, fused, input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
+                       logits_to_keep=tokens.shape[1] - a, **kw).logits
+    return a, logits if fused else torch.log_softmax(logits.float() / temperature, -1)
+
+
+def full_vocab_divergence(student, teacher, batch: TensorDict, temperature: float, divergence, *,
+                          fused: bool = False) -> tuple[int, torch.Tensor]:
+    """``(a, divergence(log π_s, log π_t) [B, T − a])`` between the student's and the teacher's whole next-token
+    distributions from the batch's first action position ``a`` on (the teacher without autograd) — ``fused``: from
+    the two models' hidden states and heads chunk by chunk (:func:`hyperrl.transforms.head_divergence`), no
+    ``[B, T − a, V]`` distribution on either side."""
+    a, s = plain_log_softmax(student, batch, temperature, fused=fused)
+    with torch.no_grad():
+        _, t = plain_log_softmax(teacher, batch, temperature, fused=fused)
+    if not fused:
+        return a, divergence(s, t)
+    hs, ht = head_weights(student), head_weights(teacher)
+    return a, T.head_divergence(s, hs.weight, t, ht.weight, divergence, temperature, bias=hs.bias,
+                                teacher_bias=ht.bias, compute_dtype=hs.dtype, teacher_dtype=ht.dtype, masks=hs.masks,
+                                teacher_masks=ht.masks)
 
 
 def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.Tensor:

@@ -21,6 +21,7 @@ from hyperrl.device import compute_context, torch_dtype
 from hyperrl.loop.forward import (
     RouteReplay,
     context_parallel_logprobs_and_entropy,
+    full_vocab_divergence,
     packed_logprobs_and_entropy,
     plain_log_softmax,
     plain_sum_pi_squared,
@@ -77,6 +78,16 @@ class Forwards:
         """``(a, log π(·|s) [B, T − a, V])`` of ``model`` from the batch's first action position (fp32)."""
         with self.amp():
             return plain_log_softmax(model, batch, self.cfg.rollout.temperature)
+
+    def full_vocab_divergence(self, student, teacher, batch: TensorDict, divergence) -> tuple[int, torch.Tensor]:
+        """``(a, divergence(log π_s, log π_t) [B, T − a])`` over the whole vocabulary from the batch's first action
+        position (:func:`hyperrl.loop.forward.full_vocab_divergence`) — with the fused head when both models
+        take it (``optim.fused_head``), chunk by chunk."""
+        mode = self.cfg.optim.fused_head
+        fused = use_fused_head(mode, student) and use_fused_head(mode, teacher)
+        with self.amp():
+            return full_vocab_divergence(student, teacher, batch, self.cfg.rollout.temperature, divergence,
+                                         fused=fused)
 
     def sum_pi_squared(self, model, batch: TensorDict) -> torch.Tensor:
         """``Σ_v π_v²`` of ``model``'s distribution at every token ``[B, T]`` (at the sampling temperature)."""

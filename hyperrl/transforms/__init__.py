@@ -60,7 +60,7 @@ from hyperrl.transforms.distill import (
 )
 from hyperrl.transforms.filters import FILTERS, dynamic_sampling_filter, informative_groups, register_filter
 from hyperrl.transforms.groups import GroupStats, dense_group_index, group_stats
-from hyperrl.transforms.head import head_logprobs_and_entropy
+from hyperrl.transforms.head import head_divergence, head_logprobs_and_entropy
 from hyperrl.transforms.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -147,7 +147,7 @@ __all__ = [
     "adaptive_kl_update",
     # logprobs
     "token_logprobs", "entropy", "logprobs_and_entropy", "sequence_logprobs", "naive_token_logprobs",
-    "head_logprobs_and_entropy",
+    "head_logprobs_and_entropy", "head_divergence",
     # correction
     "Correction", "mismatch_log_ratio", "importance_weights", "truncated_is", "masked_is", "rejection_mask",
     "mismatch_metrics", "m2po_mask", "m2po_threshold", "m2po_global_mask",

@@ -17,6 +17,10 @@ fp32 for an fp32 head, ``model.lm_head_fp32``), the log-softmax in fp32, the gra
 to ``compute_dtype`` before their matmuls as autograd would round them. With one chunk (a small vocabulary) the
 values and gradients are the unfused path's bit for bit; with several, the weight's gradient is summed over
 chunks in fp32 (or the weight's own dtype when wider).
+
+:func:`head_divergence` does the same for a divergence between two whole next-token distributions (full-vocabulary
+distillation: the student's head and the teacher's, each chunk's two log-softmaxes made, compared and dropped;
+backward differentiates the divergence chunk by chunk, through the student only).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from hyperrl.transforms.logprobs import CHUNK_ELEMENTS
 
-__all__ = ["head_logprobs_and_entropy"]
+__all__ = ["head_logprobs_and_entropy", "head_divergence"]
 
 
 def _rows(chunk: int | None, vocab: int) -> int:
@@ -132,3 +136,95 @@ def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, tokens
     masks = tuple((torch.as_tensor(ids, dtype=torch.long, device=hidden.device), float(v)) for ids, v in masks)
     return _HeadLogprobEntropy.apply(hidden, weight, bias, tokens, float(temperature), chunk_size, want_entropy,
                                      compute_dtype, masks)
+
+
+class _HeadDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher, temperature, chunk, dtype, masks, divergence):
+        H, V = hidden.shape[-1], weight.shape[0]
+        h = hidden.reshape(-1, H)
+        th, tw, tb, tdtype, tmasks = teacher
+        th = th.reshape(h.shape[0], -1)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        tw, tb = tw.to(tdtype), None if tb is None else tb.to(tdtype)
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        rows = _rows(chunk, V)
+        with torch.autocast(device_type=h.device.type, enabled=False), torch.no_grad():
+            for s in range(0, h.shape[0], rows):
+                zs = _logits(h[s:s + rows].to(dtype), w, b, temperature, masks).log_softmax(-1)
+                zt = _logits(th[s:s + rows].to(tdtype), tw, tb, temperature, tmasks).log_softmax(-1)
+                out[s:s + rows] = divergence(zs, zt)
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.teacher, ctx.args = (th, tw, tb, tdtype, tmasks), (temperature, chunk, dtype, masks, divergence)
+        return out.view(hidden.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, bias = ctx.saved_tensors
+        th, tw, tb, tdtype, tmasks = ctx.teacher
+        T, chunk, dtype, masks, divergence = ctx.args
+        H, V = hidden.shape[-1], weight.shape[0]
+        h, g = hidden.reshape(-1, H), g.reshape(-1)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        g_h = torch.empty_like(h) if need_h else None
+        g_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
+        g_b = torch.zeros(V, dtype=acc, device=h.device) if need_b else None
+        rows = _rows(chunk, V)
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            for s in range(0, h.shape[0], rows):
+                hc = h[s:s + rows].to(dtype)
+                with torch.no_grad():
+                    zt = _logits(th[s:s + rows].to(tdtype), tw, tb, T, tmasks).log_softmax(-1)
+                    z = _logits(hc, w, b, T, masks)
+                z.requires_grad_()
+                with torch.enable_grad():  # the divergence's own gradient, one chunk at a time
+                    gz, = torch.autograd.grad(divergence(z.log_softmax(-1), zt), z, g[s:s + rows])
+                gz = gz.div_(T).to(dtype)
+                for ids, _ in masks:
+                    gz.index_fill_(-1, ids, 0)
+                if need_h:
+                    g_h[s:s + rows] = (gz @ w).to(h.dtype)
+                if need_w:
+                    g_w.add_((gz.t() @ hc).to(acc))
+                if need_b:
+                    g_b.add_(gz.to(acc).sum(0))
+        return (None if g_h is None else g_h.view_as(hidden), None if g_w is None else g_w.to(weight.dtype),
+                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
+
+
+def head_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                    teacher_weight: torch.Tensor, divergence, temperature: float = 1.0, *,
+                    bias: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
+                    compute_dtype: torch.dtype | None = None, teacher_dtype: torch.dtype | None = None,
+                    masks=(), teacher_masks=(), chunk_size: int | None = None) -> torch.Tensor:
+    """``divergence(log softmax(z_s), log softmax(z_t))`` per position ``[...]`` fp32, ``z = (h Wᵀ + b) / T`` of the
+    student (``hidden [..., H]``, ``weight [V, H]``) and of the teacher (``teacher_hidden [..., H_t]``,
+    ``teacher_weight [V, H_t]``: one vocabulary), never materialising either ``[..., V]`` distribution (module doc).
+    ``divergence(s [c, V], t [c, V]) → [c]``: e.g. ``lambda s, t: full_vocab_jsd(s, t, β)``; its gradient flows
+    into the student's hidden states and head only. ``compute_dtype`` / ``teacher_dtype``, ``masks`` /
+    ``teacher_masks``, ``chunk_size``: as :func:`head_logprobs_and_entropy`'s, for each side."""
+    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"teacher_hidden {list(teacher_hidden.shape)} must be hidden {list(hidden.shape[:-1])} + "
+                         "[H_t] (the same positions)")
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher vocabulary {teacher_weight.shape[0]} differs from the student's {weight.shape[0]} "
+                         "(full-vocabulary distillation needs one vocabulary)")
+    for name, h, w in (("weight", hidden, weight), ("teacher_weight", teacher_hidden, teacher_weight)):
+        if w.dim() != 2 or w.shape[1] != h.shape[-1]:
+            raise ValueError(f"{name} {list(w.shape)} must be [V, H={h.shape[-1]}]")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    dev = hidden.device.type
+    auto = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    compute_dtype = compute_dtype or auto or hidden.dtype
+    teacher_dtype = teacher_dtype or auto or teacher_hidden.dtype
+
+    def _m(ms):
+        return tuple((torch.as_tensor(i, dtype=torch.long, device=hidden.device), float(v)) for i, v in ms)
+
+    teacher = (teacher_hidden.detach(), teacher_weight.detach(),
+               None if teacher_bias is None else teacher_bias.detach(), teacher_dtype, _m(teacher_masks))
+    return _HeadDivergence.apply(hidden, weight, bias, teacher, float(temperature), chunk_size, compute_dtype,
+                                 _m(masks), divergence)

@@ -240,13 +240,16 @@ def test_jsd_beta_without_the_full_vocabulary_term_is_refused(tmp_path):
                            "--algo.distill.jsd_beta=0.5"])
 
 
-def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path):
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_full_vocab_loss_is_the_reverse_kl_at_the_action_positions(tmp_path, fused):
     """loss_distill = coef · token-mean of KL(π_s(·|s_t) ‖ π_t(·|s_t)) over the action tokens (computed by hand
     from the two models' logits here); 0 for a teacher equal to the student; the advantages are the task's
-    scaled by task_coef (no sampled distillation term, no teacher_logprobs)."""
+    scaled by task_coef (no sampled distillation term, no teacher_logprobs). ``fused``: optim.fused_head — the
+    two heads chunk by chunk (hyperrl.transforms.head_divergence), no [B, T, V] distribution."""
     from hyperrl.loop.collect import Timer
 
     teacher = _teacher(tmp_path / "t", seed=7, sharp=2.0)
+    FAST = [*globals()["FAST"], f"--optim.fused_head={fused}"]
     tr = build_trainer(load_config(None, [f"--run.out_dir={tmp_path / 'run'}", *FAST, "--algo.distill.coef=2.0",
                                           "--algo.distill.task_coef=0.5", "--algo.distill.full_vocab=true",
                                           f"--algo.distill.teacher={teacher}"]))

@@ -130,3 +130,40 @@ def test_bad_shapes_are_named():
         T.head_logprobs_and_entropy(h, w, torch.zeros(2, 3, dtype=torch.long), bias=torch.randn(9))
     with pytest.raises(ValueError, match="temperature=0.0"):
         T.head_logprobs_and_entropy(h, w, torch.zeros(2, 3, dtype=torch.long), 0.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(N=st.integers(1, 8), H=st.integers(1, 8), Ht=st.integers(1, 8), V=st.integers(3, 30),
+       beta=st.sampled_from([0.0, 0.3, 1.0]), temp=st.sampled_from([0.5, 1.0, 1.7]),
+       chunk=st.one_of(st.none(), st.integers(1, 5)), mask=st.booleans(), seed=st.integers(0, 1000))
+def test_head_divergence_equals_the_whole_distributions(N, H, Ht, V, beta, temp, chunk, mask, seed):
+    """Full-vocabulary distillation's JSD_β from the two heads chunk by chunk = the same divergence of the two whole
+    log-softmaxes; the gradient reaches the student's hidden states and head only."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(1, N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
+    th = torch.randn(1, N, Ht, dtype=torch.float64, generator=g, requires_grad=True)
+    tw = torch.randn(V, Ht, dtype=torch.float64, generator=g)
+    masks = (([V - 1], -1e4),) if mask else ()
+    gg = torch.randn(1, N, dtype=torch.float64, generator=g)
+
+    def div(s, t):
+        return T.full_vocab_jsd(s, t, beta)
+
+    got = T.head_divergence(h, w, th, tw, div, temp, chunk_size=chunk, masks=masks, teacher_masks=masks)
+    zs, zt = torch.nn.functional.linear(h, w), torch.nn.functional.linear(th, tw)
+    for ids, v in masks:
+        zs, zt = zs.index_fill(-1, torch.tensor(ids), v), zt.index_fill(-1, torch.tensor(ids), v)
+    want = div(torch.log_softmax(zs.float() / temp, -1), torch.log_softmax(zt.float() / temp, -1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    a = torch.autograd.grad((got * gg).sum(), [h, w])
+    b = torch.autograd.grad((want * gg).sum(), [h, w])
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert th.grad is None
+
+
+def test_head_divergence_refuses_two_vocabularies():
+    with pytest.raises(ValueError, match="teacher vocabulary 12 differs from the student's 10"):
+        T.head_divergence(torch.randn(2, 4), torch.randn(10, 4), torch.randn(2, 3), torch.randn(12, 3),
+                          lambda s, t: (s - t).sum(-1))
