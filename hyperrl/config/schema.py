@@ -343,6 +343,10 @@ class OptimConfig(_Frozen):
                                     "padded tokens (rows x longest row): rows grouped by length, a prompt's samples "
                                     "together, each micro-batch cut to its longest row (0 = whole mini-batch)")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
+    balance_rows: bool = Field(True, description="data-parallel ranks: the step's rows gathered and split again "
+                               "so each rank trains about the same number of tokens (Karmarkar-Karp over row "
+                               "lengths; verl's balance_batch) — ranks finish together; the gradient is unchanged "
+                               "(global token normaliser); one process: nothing to do")
     fused_head: Literal["auto", "on", "off"] = Field(
         "auto", description="the LM head fused with the log-prob and entropy in the trainer's, reference's and "
         "teacher's forwards: no [B, T, V] logits in either pass, each chunk's logits made again in backward. on: "

@@ -135,6 +135,11 @@ class LocalParallel:
         """Every rank's ``obj``, in rank order."""
         return [obj]
 
+    def balance_rows(self, batch, pad_id: int = 0):
+        """``(rows, metrics)``: the step's rows over the data-parallel ranks balanced by tokens — one process: the
+        batch as it is, no metrics."""
+        return batch, {}
+
     def barrier(self) -> None:
         pass
 
@@ -208,6 +213,40 @@ class TorchParallel(LocalParallel):
         parts = [torch.zeros(most) for _ in range(self.data_world)]
         self._dist.all_gather(parts, padded, group=self._dp_group)
         return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)]).to(values.device)
+
+    def balance_rows(self, batch, pad_id: int = 0):
+        """The step's groups of every data-parallel rank gathered and split again so each rank's tokens are about
+        equal — Karmarkar–Karp over the groups' token counts (:func:`hyperrl.transforms.balanced_partition`;
+        verl's ``balance_batch``), each rank computing the same split — so the ranks finish their forwards and
+        backwards together. A group (``group_id``: a prompt's samples, a preference pair) stays whole: its rows share
+        a prompt forward and some losses read them together; on arrival ``group_id`` numbers the step's groups over
+        all ranks. The gradient is unchanged (every loss is normalised by the global token count); only which rank
+        computes which row. Returns ``(rows, metrics)``: ``balance_tokens_before`` / ``_after``, the most tokens a
+        rank holds ÷ the mean. A split leaving a rank without rows keeps the batch as it is (fewer groups than
+        ranks)."""
+        from hyperrl.trajectory import cat_batches, trim_padding
+
+        if self.data_world == 1:
+            return batch, {}
+        parts = [None] * self.data_world
+        self._dist.all_gather_object(parts, batch.cpu(), group=self._dp_group)
+        units = []  # each rank's groups numbered one after another: unit ids over the step
+        for p in parts:
+            ids = torch.unique(p["group_id"], return_inverse=True)[1] if p.batch_size[0] else p["group_id"]
+            units.append(ids + sum(int(u.max()) + 1 for u in units if len(u)))
+        every = cat_batches(parts, pad_id).set("group_id", torch.cat(units))
+        tokens = every["attention_mask"].sum(-1)
+        n = int(every["group_id"].max()) + 1
+        loads_of = torch.zeros(n, dtype=torch.long).index_add_(0, every["group_id"], tokens.long()).tolist()
+        bins = sorted(T.balanced_partition(loads_of, self.data_world), key=lambda b: b[0] if b else n)
+        if any(not b for b in bins):
+            return batch, {}
+        loads = [sum(loads_of[u] for u in b) for b in bins]
+        mean = sum(loads) / len(loads)
+        rows = torch.isin(every["group_id"], torch.tensor(bins[self.data_rank])).nonzero().flatten()
+        mine = trim_padding(every[rows]).to(batch.device)
+        per_rank = [float(p["attention_mask"].sum()) for p in parts]
+        return mine, {"balance_tokens_before": max(per_rank) / mean, "balance_tokens_after": max(loads) / mean}
 
     def agree_forward(self):
         def agree(use: bool, S: int) -> tuple[bool, int]:

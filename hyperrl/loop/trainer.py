@@ -162,15 +162,19 @@ class Trainer:
         return sum_terms(term(ctx, part, out, norm) for term in self.pipeline.terms)
 
     def update(self, batch: TensorDict) -> dict:
-        """The learner's pass over ``batch``; then the KL controller's update from the measured KL."""
+        """The learner's pass over ``batch`` — its rows first balanced by tokens over the data-parallel ranks
+        (``optim.balance_rows``) —; then the KL controller's update from the measured KL."""
         o = self.cfg.optim
+        n, balance = batch.batch_size[0], {}
+        if o.balance_rows:
+            batch, balance = self.parallel.balance_rows(batch, self.tok.pad_token_id or 0)
         m = self.learner.update(batch, self.loss, epochs=self.cfg.algo.ppo_epochs, mini_batches=o.mini_batches,
                                 seed=self.cfg.run.seed + self.step_idx, micro_batch_tokens=o.micro_batch_tokens,
                                 length_const=self.cfg.rollout.max_new_tokens)
         if "kl" in m:
-            self.kl_state = self.kl_controller.update(self.kl_state, m["kl"], batch.batch_size[0])
+            self.kl_state = self.kl_controller.update(self.kl_state, m["kl"], n)
             m["kl_coef"] = self.kl_state.beta
-        return m
+        return {**m, **balance}
 
     def publish(self) -> None:
         """Publish the policy as version V+1 (all-or-nothing) while the collector is paused: a
