@@ -6,10 +6,10 @@ whose responses range 64–4,096 tokens, balanced and not.
 and a long-tailed response of ``64 · 2^(6 u³)`` tokens (u uniform; 64 … 4,096, most short), each rank drawing its
 own. Each rank reports the tokens it trained and the CPU seconds its process spent in the update, the rows'
 exchange included (``time.process_time``: computing, not waiting in a collective); the table gives the slowest
-rank ÷ the mean of each, with ``optim.balance_rows`` off and on, side by side in one run (``--repeats`` runs each,
-alternating; the best by wall time). Appends to RESULTS.md.
+rank ÷ the mean of each, with ``optim.balance_rows`` off and on, side by side for each of ``--seeds``. Appends to
+RESULTS.md.
 
-    python benchmarks/balance.py --ranks 2 --rows 16 --group 4
+    python benchmarks/balance.py --ranks 2 --rows 32 --group 4 --seeds 0 1 2 3
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ torch.distributed.barrier()
 c0, t0 = time.process_time(), time.perf_counter()
 m = tr.update(batch)  # the rows balanced first (optim.balance_rows), then forward, backward, AdamW
 cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-print(json.dumps({"rank": rank, "tokens": trained["tokens"], "cpu_s": cpu, "wall_s": wall,
-                  "before": m.get("balance_tokens_before"), "after": m.get("balance_tokens_after")}))
+with open(f"{out}.rank{rank}.json", "w") as f:  # one file a rank: the ranks' stdout lines interleave
+    json.dump({"rank": rank, "tokens": trained["tokens"], "cpu_s": cpu, "wall_s": wall}, f)
 """
 
 
@@ -83,8 +83,7 @@ def _run(ranks: int, rows: int, balance: bool, seed: int, group: int, out: str) 
     os.unlink(f.name)
     if r.returncode:
         raise RuntimeError(r.stderr[-4000:])
-    return sorted((json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")),
-                  key=lambda x: x["rank"])
+    return [json.loads(Path(f"{out}.rank{k}.json").read_text()) for k in range(ranks)]
 
 
 def _ratio(values: list[float]) -> float:
@@ -94,32 +93,29 @@ def _ratio(values: list[float]) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--rows", type=int, default=16, help="rows per rank")
+    ap.add_argument("--rows", type=int, default=32, help="rows per rank")
     ap.add_argument("--group", type=int, default=4, help="rows per prompt group (a group moves whole)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     args = ap.parse_args()
-    best: dict[bool, list[dict]] = {}
+    rows, worst = [], {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
-        for k in range(args.repeats):
+        for seed in args.seeds:
             for balance in (False, True):
-                res = _run(args.ranks, args.rows, balance, args.seed, args.group, f"{tmp}/{balance}{k}")
-                if balance not in best or max(r["wall_s"] for r in res) < max(r["wall_s"] for r in best[balance]):
-                    best[balance] = res
-    rows = []
-    for balance in (False, True):
-        res = best[balance]
-        rows.append(["on" if balance else "off", " / ".join(str(r["tokens"]) for r in res),
-                     f"{_ratio([r['tokens'] for r in res]):.2f}",
-                     " / ".join(f"{r['cpu_s']:.1f}" for r in res), f"{_ratio([r['cpu_s'] for r in res]):.2f}",
-                     f"{max(r['wall_s'] for r in res):.1f}"])
+                res = _run(args.ranks, args.rows, balance, seed, args.group, f"{tmp}/{seed}{balance}")
+                tok, cpu = _ratio([r["tokens"] for r in res]), _ratio([r["cpu_s"] for r in res])
+                worst[balance].append((tok, cpu))
+                rows.append([seed, "on" if balance else "off", " / ".join(str(r["tokens"]) for r in res), f"{tok:.2f}",
+                             " / ".join(f"{r['cpu_s']:.1f}" for r in res), f"{cpu:.2f}",
+                             f"{max(r['wall_s'] for r in res):.1f}"])
+    mean = {b: [sum(x[i] for x in v) / len(v) for i in (0, 1)] for b, v in worst.items()}
     body = (f"One update of a random tiny Qwen3 (the default's dims) on {args.ranks} gloo ranks (FSDP2), each with "
             f"{args.rows} rows ({args.group} a group) of an 8-token prompt + a long-tailed response of 64–4,096 "
-            f"tokens (seed {args.seed}); "
-            "tokens and CPU seconds (time.process_time: computing, not waiting) per rank, slowest ÷ mean; best of "
-            f"{args.repeats} by wall time\n\n"
-            + table(["optim.balance_rows", "tokens per rank", "tokens slowest/mean", "CPU s per rank",
-                     "CPU slowest/mean", "update wall s"], rows))
+            "tokens (each seed, each rank its own draw); tokens and CPU seconds (time.process_time: computing, not "
+            "waiting) per rank, slowest ÷ mean; off and on side by side per seed\n\n"
+            + table(["seed", "optim.balance_rows", "tokens per rank", "tokens slowest/mean", "CPU s per rank",
+                     "CPU slowest/mean", "update wall s"], rows)
+            + f"\n\nMean over the seeds — tokens slowest/mean: off {mean[False][0]:.2f}, on {mean[True][0]:.2f}; CPU "
+            f"slowest/mean: off {mean[False][1]:.2f}, on {mean[True][1]:.2f}.")
     print(body)
     append_results("token-balanced rows across data-parallel ranks (benchmarks/balance.py)", body)
 

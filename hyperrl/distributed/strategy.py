@@ -135,9 +135,9 @@ class LocalParallel:
         """Every rank's ``obj``, in rank order."""
         return [obj]
 
-    def balance_rows(self, batch, pad_id: int = 0):
-        """``(rows, metrics)``: the step's rows over the data-parallel ranks balanced by tokens — one process: the
-        batch as it is, no metrics."""
+    def balance_rows(self, batch, pad_id: int = 0, hidden: int = 0):
+        """``(rows, metrics)``: the step's rows over the data-parallel ranks balanced by their work — one process:
+        the batch as it is, no metrics."""
         return batch, {}
 
     def barrier(self) -> None:
@@ -214,16 +214,18 @@ class TorchParallel(LocalParallel):
         self._dist.all_gather(parts, padded, group=self._dp_group)
         return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)]).to(values.device)
 
-    def balance_rows(self, batch, pad_id: int = 0):
-        """The step's groups of every data-parallel rank gathered and split again so each rank's tokens are about
-        equal — Karmarkar–Karp over the groups' token counts (:func:`hyperrl.transforms.balanced_partition`;
-        verl's ``balance_batch``), each rank computing the same split — so the ranks finish their forwards and
-        backwards together. A group (``group_id``: a prompt's samples, a preference pair) stays whole: its rows share
-        a prompt forward and some losses read them together; on arrival ``group_id`` numbers the step's groups over
-        all ranks. The gradient is unchanged (every loss is normalised by the global token count); only which rank
-        computes which row. Returns ``(rows, metrics)``: ``balance_tokens_before`` / ``_after``, the most tokens a
-        rank holds ÷ the mean. A split leaving a rank without rows keeps the batch as it is (fewer groups than
-        ranks)."""
+    def balance_rows(self, batch, pad_id: int = 0, hidden: int = 0):
+        """The step's groups of every data-parallel rank gathered and split again so each rank's work is about
+        equal — Karmarkar–Karp over the groups' work (:func:`hyperrl.transforms.balanced_partition`; verl's
+        ``balance_batch``), each rank computing the same split — so the ranks finish their forwards and backwards
+        together. A row of ``L`` tokens works ``L + L² / (6·hidden)``: its linear layers ≈ ``24·L·d²`` FLOPs a
+        layer, its attention ≈ ``4·L²·d`` (at hidden 128, a 4,096-token row's attention is 5× its matmuls);
+        ``hidden = 0``: tokens alone. A group (``group_id``: a prompt's samples, a preference pair) stays whole: its
+        rows share a prompt forward and some losses read them together; on arrival ``group_id`` numbers the step's
+        groups over all ranks. The gradient is unchanged (every loss is normalised by the global token count); only
+        which rank computes which row. Returns ``(rows, metrics)``: ``balance_tokens_before`` / ``_after``, the most
+        tokens a rank holds ÷ the mean (and ``balance_work_*``, of the work). A split leaving a rank without rows
+        keeps the batch as it is (fewer groups than ranks)."""
         from hyperrl.trajectory import cat_batches, trim_padding
 
         if self.data_world == 1:
@@ -235,18 +237,27 @@ class TorchParallel(LocalParallel):
             ids = torch.unique(p["group_id"], return_inverse=True)[1] if p.batch_size[0] else p["group_id"]
             units.append(ids + sum(int(u.max()) + 1 for u in units if len(u)))
         every = cat_batches(parts, pad_id).set("group_id", torch.cat(units))
-        tokens = every["attention_mask"].sum(-1)
+        tokens = every["attention_mask"].sum(-1).long()
+        work = tokens * (6 * hidden) + tokens ** 2 if hidden else tokens  # ∝ L + L² / (6·hidden), in integers
         n = int(every["group_id"].max()) + 1
-        loads_of = torch.zeros(n, dtype=torch.long).index_add_(0, every["group_id"], tokens.long()).tolist()
-        bins = sorted(T.balanced_partition(loads_of, self.data_world), key=lambda b: b[0] if b else n)
+        per_unit = torch.zeros(n, dtype=torch.long).index_add_(0, every["group_id"], work).tolist()
+        bins = sorted(T.balanced_partition(per_unit, self.data_world), key=lambda b: b[0] if b else n)
         if any(not b for b in bins):
             return batch, {}
-        loads = [sum(loads_of[u] for u in b) for b in bins]
-        mean = sum(loads) / len(loads)
         rows = torch.isin(every["group_id"], torch.tensor(bins[self.data_rank])).nonzero().flatten()
         mine = trim_padding(every[rows]).to(batch.device)
-        per_rank = [float(p["attention_mask"].sum()) for p in parts]
-        return mine, {"balance_tokens_before": max(per_rank) / mean, "balance_tokens_after": max(loads) / mean}
+        rank_of = torch.cat([torch.full((p.batch_size[0],), r) for r, p in enumerate(parts)])
+        unit_rank = torch.zeros(n, dtype=torch.long)
+        for r, b in enumerate(bins):
+            unit_rank[torch.tensor(b)] = r
+        metrics = {}
+        for name, v in (("tokens", tokens), ("work", work)):
+            before = torch.zeros(len(parts), dtype=torch.long).index_add_(0, rank_of, v)
+            after = torch.zeros(len(parts), dtype=torch.long).index_add_(0, unit_rank[every["group_id"]], v)
+            mean = float(v.sum()) / len(parts)
+            metrics[f"balance_{name}_before"], metrics[f"balance_{name}_after"] = (float(before.max()) / mean,
+                                                                                   float(after.max()) / mean)
+        return mine, metrics
 
     def agree_forward(self):
         def agree(use: bool, S: int) -> tuple[bool, int]:

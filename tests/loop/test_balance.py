@@ -40,7 +40,7 @@ def _worker(rank, world, out_dir, balance):
                                           "--rollout.prompts_per_step=2", "--rollout.n=3",
                                           f"--optim.balance_rows={balance}", "--optim.micro_batch_tokens=256"]))
     seen = record_grads(tr)
-    rows = tr.parallel.balance_rows(_batch(rank))[0] if balance else None
+    rows = tr.parallel.balance_rows(_batch(rank), 0, tr.policy.config.hidden_size)[0] if balance else None
     batch, _ = tr.prepare(_batch(rank))
     m = tr.update(batch)
     return {"grads": {k: v.numpy() for k, v in seen.items()}, "m": {k: v for k, v in m.items() if "balance" in k},
@@ -70,6 +70,7 @@ def test_balanced_rows_train_the_same_gradient(tmp_path):
     m = on[0]["m"]
     assert m["balance_tokens_before"] == pytest.approx(420 / (total / 2))
     assert m["balance_tokens_after"] <= 1.1 and on[0]["m"] == on[1]["m"]
+    assert m["balance_work_after"] < m["balance_work_before"]  # the work (attention's L² counted) evens out too
     assert max(on[0]["tokens"], on[1]["tokens"]) / (total / 2) == pytest.approx(m["balance_tokens_after"])
     assert "balance_tokens_before" not in off[0]["m"]
     # the gradient is the unbalanced run's (the global token normaliser), on both ranks
