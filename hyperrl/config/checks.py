@@ -210,10 +210,6 @@ def check_combinations(cfg: TrainConfig) -> None:
     if a.proximal == "interpolate" and a.gate_threshold is not None:
         raise ConfigError("algo.proximal=interpolate skips the proximal forward the bit-exact gate "
                           "(algo.gate_threshold) compares; use proximal: recompute with the gate")
-    if cfg.optim.pack_tokens and world > 1 and cfg.run.cp == 1:
-        raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: the packed forward makes a data-dependent "
-                          f"number of model calls, which {world} FSDP ranks cannot keep in step; set "
-                          "optim.pack_tokens=0 (or run one process; under run.cp each micro-batch is one packed call)")
     if m.lm_head_fp32 and (not caps.fp32_head or cfg.run.tp > 1):
         where = "tensor parallelism" if caps.tp > 1 or cfg.run.tp > 1 else f"rollout.engine={eng.name}"
         raise ConfigError(f"model.lm_head_fp32 with {where}: the fp32 head is built for the transformers engine and "

@@ -355,7 +355,8 @@ class OptimConfig(_Frozen):
         "logits outweigh the rest of the forward (a smaller one keeps the unfused path's bits); off: never")
     pack_tokens: int = Field(0, ge=0, description="padding-free trainer forwards: each micro-batch's rows packed "
                              "into sequences of at most this many tokens (position ids restart per row, no padding "
-                             "computed; replaces the shared-prefix forward; one process only); 0 = off")
+                             "computed; replaces the shared-prefix forward; under torchrun every rank makes the "
+                             "most calls any rank makes); 0 = off")
     schedule: str = Field("constant", description="lr schedule (hyperrl.transforms.LR_SCHEDULES)")
     warmup_steps: int = Field(0, ge=0, description="linear warmup, in optimizer steps")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="where linear/cosine end, as a fraction of lr")

@@ -97,6 +97,10 @@ class LocalParallel:
         """A function ``(use_shared, S) -> (use_shared, S)`` agreeing the forward path, or None."""
         return None
 
+    def agree_calls(self):
+        """A function ``n -> the most model calls any rank makes`` (each rank then makes that many), or None."""
+        return None
+
     def replicate(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` with the same parameters and buffers on every rank (rank 0's)."""
         return module
@@ -258,6 +262,12 @@ class TorchParallel(LocalParallel):
             metrics[f"balance_{name}_before"], metrics[f"balance_{name}_after"] = (float(before.max()) / mean,
                                                                                    float(after.max()) / mean)
         return mine, metrics
+
+    def agree_calls(self):
+        def agree(n: int) -> int:
+            return int(self._reduce([n], self._dist.ReduceOp.MAX)[0])
+
+        return agree
 
     def agree_forward(self):
         def agree(use: bool, S: int) -> tuple[bool, int]:

@@ -181,7 +181,7 @@ def plain_sum_pi_squared(model, batch: TensorDict, temperature: float) -> torch.
 
 
 def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, max_tokens: int = 0,
-                                replay: RouteReplay | None = None, *, fused: bool = False):
+                                replay: RouteReplay | None = None, *, fused: bool = False, agree=None):
     """As :func:`plain_logprobs_and_entropy` on action positions, padding-free (MindSpeed-RL's
     remove-padding): the rows' real tokens are concatenated into sequences of at most
     ``max_tokens`` (first-fit decreasing bins, :func:`hyperrl.transforms.micro_batches_by_token_budget`;
@@ -193,7 +193,11 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
 
     Cost: ``Σ_b len_b`` tokens through the linear layers (vs ``B · T`` padded); attention is
     computed over each packed sequence's full square by SDPA on CPU (the mask does not skip
-    blocks), which a flash-attention varlen kernel would not."""
+    blocks), which a flash-attention varlen kernel would not.
+
+    ``agree(n) → N``: data-parallel ranks (FSDP, expert parallelism) must make the same number of model calls, and
+    the number of packed sequences depends on the data — each rank makes the most any rank makes, the extra ones on
+    one token whose output is added times 0 (its backward keeps the collectives in step)."""
     tokens, attn, act = batch["tokens"], batch["attention_mask"].bool(), batch["action_mask"].bool()
     B, Tn = tokens.shape
     _text_only(batch, model, "the packed forward (optim.pack_tokens)", "set optim.pack_tokens=0")
@@ -203,12 +207,18 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
     lp_out = torch.zeros(B, Tn, dtype=torch.float32, device=tokens.device)
     ent_out = torch.zeros_like(lp_out)
     budget = max(max_tokens or int(lengths.sum()), int(lengths.max()), 1)
+    calls = []
     for rows in T.micro_batches_by_token_budget(lengths, budget):
         sel = torch.isin(rows_, torch.tensor(rows, device=tokens.device))
         r, c = rows_[sel], cols_[sel]
         keep = nxt[r, c].nonzero(as_tuple=True)[0]
-        if not len(keep):
-            continue
+        if len(keep):
+            calls.append((r, c, keep))
+    for _ in range((agree(len(calls)) if agree is not None else len(calls)) - len(calls)):  # another rank's more
+        idle = _head_out(model, fused, input_ids=tokens[rows_[:1], cols_[:1]][None], position_ids=cols_[:1][None] * 0,
+                         use_cache=False).logits
+        lp_out = lp_out + 0.0 * idle.float().sum()
+    for r, c, keep in calls:
         src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)
         src[r, c] = torch.arange(len(r), device=tokens.device)
         with _call(replay, src, len(r)):

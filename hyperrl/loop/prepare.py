@@ -68,7 +68,8 @@ class Forwards:
                                                             packed=bool(self.cfg.optim.pack_tokens), fused=fused)
             elif self.cfg.optim.pack_tokens:
                 out = packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                  self.cfg.optim.pack_tokens, replay, fused=fused)
+                                                  self.cfg.optim.pack_tokens, replay, fused=fused,
+                                                  agree=self.parallel.agree_calls())
             else:
                 out = policy_logprobs(model, batch, self.cfg.rollout.temperature, shared_prefix=shared,
                                       agree=self.parallel.agree_forward(), replay=replay, fused=fused)

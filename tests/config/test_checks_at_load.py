@@ -43,8 +43,7 @@ def test_a_late_check_fails_at_load_naming_the_key(overrides, key, tmp_path):
 
 def test_the_world_size_checks_read_torchrun_s_environment_at_load(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun sets it before any process group exists
-    with pytest.raises(ConfigError, match=r"optim\.pack_tokens=64: .* 2 FSDP ranks"):
-        load_config(None, ["--optim.pack_tokens=64"])
+    load_config(None, ["--optim.pack_tokens=64"])  # packing under torchrun: the ranks agree their model calls
     with pytest.raises(ConfigError, match=r"async\.max_staleness: one learner process"):
         load_config(None, ["--async.max_staleness=1"])
     with pytest.raises(ConfigError, match=r"run\.tp=2: a critic"):
