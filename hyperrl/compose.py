@@ -21,6 +21,7 @@ from hyperrl.config.built import check_built
 from hyperrl.data.tasks import TASKS, make_task
 from hyperrl.device import pick_device, torch_dtype
 from hyperrl.distributed import ParallelDims, make_parallel
+from hyperrl.distributed.offload import HostAdamW
 from hyperrl.distributed.parallelize import Models, parallelize_models
 from hyperrl.envs import ENVIRONMENTS, EnvCapabilities
 from hyperrl.loop.checkpointer import Checkpointer
@@ -161,10 +162,11 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
     """The trainer's collaborators — learner, publisher, checkpointer, KL controller, generator,
     scorer, evaluator, collector — and the trainer over them."""
     o, a, r = cfg.optim, cfg.algo, cfg.rollout
-    parts = {"policy": Optimized(policy, torch.optim.AdamW(trainable_parameters(policy), lr=o.lr, betas=o.betas,
-                                                           weight_decay=o.weight_decay), o.lr)}
+    adamw = HostAdamW if o.offload == "cpu" else torch.optim.AdamW  # optim.offload: the state in host memory
+    parts = {"policy": Optimized(policy, adamw(trainable_parameters(policy), lr=o.lr, betas=o.betas,
+                                               weight_decay=o.weight_decay), o.lr)}
     if critic is not None:
-        parts["critic"] = Optimized(critic, torch.optim.AdamW(critic.parameters(), lr=a.critic.lr), a.critic.lr)
+        parts["critic"] = Optimized(critic, adamw(critic.parameters(), lr=a.critic.lr), a.critic.lr)
     learner = Learner(parts, grad_clip=o.grad_clip, schedule=o.schedule, warmup=o.warmup_steps,
                       min_lr_ratio=o.min_lr_ratio, total_steps=cfg.run.steps * o.mini_batches * a.ppo_epochs,
                       parallel=parallel)

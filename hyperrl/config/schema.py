@@ -343,6 +343,11 @@ class OptimConfig(_Frozen):
                                     "padded tokens (rows x longest row): rows grouped by length, a prompt's samples "
                                     "together, each micro-batch cut to its longest row (0 = whole mini-batch)")
     shared_prefix: bool = Field(True, description="run each distinct prompt once per forward when cheaper")
+    offload: Literal["none", "cpu"] = Field("none", description="cpu: AdamW's moments and an fp32 master copy of "
+                                           "the trained parameters kept and stepped in host memory "
+                                           "(hyperrl.distributed.offload.HostAdamW) — three fp32 copies of the model "
+                                           "off the accelerator; each step copies the gradients to the host and the "
+                                           "new weights back")
     balance_rows: bool = Field(True, description="data-parallel ranks: the step's rows gathered and split again "
                                "so each rank trains about the same number of tokens (Karmarkar-Karp over row "
                                "lengths; verl's balance_batch) — ranks finish together; the gradient is unchanged "
