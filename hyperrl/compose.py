@@ -17,12 +17,12 @@ import torch
 from hyperrl.agents.mcp import Toolbox
 from hyperrl.algorithms import term
 from hyperrl.config import ConfigError, TrainConfig, validate_config
-from hyperrl.config.built import check_built
+from hyperrl.config.built import check_built, check_teachers
 from hyperrl.data.tasks import TASKS, make_task
 from hyperrl.device import pick_device, torch_dtype
 from hyperrl.distributed import ParallelDims, make_parallel
 from hyperrl.distributed.offload import HostAdamW
-from hyperrl.distributed.parallelize import Models, parallelize_models
+from hyperrl.distributed.parallelize import Models, parallelize_models, parallelize_teachers
 from hyperrl.envs import ENVIRONMENTS, EnvCapabilities
 from hyperrl.loop.checkpointer import Checkpointer
 from hyperrl.loop.collect import SyncCollector
@@ -190,6 +190,9 @@ def _assemble(cfg, trainer, pipeline, tok, task, vision, policy, engine, referen
         teachers = build_teachers(cfg, tok, next(policy.parameters()).device)
     except ValueError as e:  # a teacher whose tokenizer is not the student's
         raise ConfigError(str(e)) from None
+    dims = ParallelDims.from_config(cfg.run)
+    check_teachers(teachers, dims)
+    teachers = parallelize_teachers(teachers, dims, parallel)  # run.cp: sliced as the policy is
     preparer = Preparer(forwards, policy, pipeline, cfg, reference=reference, critic=critic, teachers=teachers,
                         generator=generator, scorer=scorer)
     if a.preference is not None:  # pairs from the preference task, not rollouts

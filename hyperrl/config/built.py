@@ -8,7 +8,7 @@ from __future__ import annotations
 from hyperrl.config.schema import ConfigError, TrainConfig
 from hyperrl.routing import is_moe
 
-__all__ = ["check_built"]
+__all__ = ["check_built", "check_teachers"]
 
 
 def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = False) -> None:
@@ -41,10 +41,19 @@ def _check_expert_parallel(cfg: TrainConfig, policy, critic: bool, ep: int) -> N
                           f"with {', '.join(why)}; set run.ep=1")
 
 
-def _check_context_parallel(policy, cp: int) -> None:
+def check_teachers(teachers: dict, dims) -> None:
+    """Distillation teachers under ``run.cp > 1``: each runs its forwards sliced over the cp ranks as the policy
+    does, so each must take Ulysses attention too (:func:`_check_context_parallel`, naming the teacher)."""
+    if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
+        for key, teacher in teachers.items():
+            name = "algo.distill.teacher" if key is None else f"algo.distill.teachers.{key}"
+            _check_context_parallel(teacher, dims.cp, f"the teacher ({name}), {type(teacher).__name__},")
+
+
+def _check_context_parallel(policy, cp: int, who: str | None = None) -> None:
     """``run.cp > 1``: Ulysses attention needs transformers' attention interface, a dense policy and heads that
     ``cp`` divides."""
-    name = type(policy).__name__
+    name = who or type(policy).__name__
     if not getattr(policy, "_supports_attention_backend", False):
         raise ConfigError(f"run.cp={cp}: {name} has no context-parallel plan (its attention does not use "
                           "transformers' attention interface, which Ulysses attention plugs into); set run.cp=1")

@@ -335,8 +335,7 @@ def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
     why = [w for w, bad in (("a mixture of experts (model.experts)", m.checkpoint is None and m.experts),
                             ("algo.routing_replay", cfg.algo.routing_replay != "none"),
                             ("a critic (values)", "values" in needs),
-                            ("model.gradient_checkpointing", m.gradient_checkpointing),
-                            ("a distillation teacher (algo.distill)", cfg.algo.distill is not None)) if bad]
+                            ) if bad]
     if why:
         raise ConfigError(f"{said}: context parallelism trains a dense policy without {', '.join(why)} yet; set "
                           "run.cp=1 or drop them")

@@ -22,7 +22,7 @@ from hyperrl.registry import Registry
 
 __all__ = ["Models", "parallelize_models", "decoder_layers", "parallelize", "parallelize_qwen3", "QWEN3_TP_PLAN",
            "PARALLELIZE_PLANS", "register_parallelize_plan", "TP_PARTIAL_GRADS", "tp_partial_params",
-           "fully_shard_model", "tensor_parallel_model"]
+           "fully_shard_model", "tensor_parallel_model", "parallelize_teachers"]
 
 # model_type → the family's TP × FSDP2 function ``fn(model, mesh, *, mp_policy)``; a new family is one
 # registered function
@@ -175,6 +175,18 @@ def parallelize_models(models: Models, dims, parallel, *, device: torch.device, 
         if critic is not None:
             critic = fully_shard_model(critic, critic.backbone.layers, dims, device, dtype)
     return replace(models, policy=policy, critic=critic)
+
+
+def parallelize_teachers(teachers: dict, dims, parallel) -> dict:
+    """Distillation teachers (no-grad, whole frozen copies on every rank) under ``cp > 1``: Ulysses attention swapped
+    in, so each rank runs its slice of every sequence as the policy does (their log-probs gathered the same way).
+    Checked first (:func:`hyperrl.config.built.check_teachers`)."""
+    if dims.cp > 1 and dims.tp == 1 and dims.ep == 1 and dims.world > 1:
+        from hyperrl.distributed.context_parallel import context_parallel
+
+        for teacher in teachers.values():
+            context_parallel(teacher, parallel.cp_group)
+    return teachers
 
 
 def _expert_parallel(policy, dims, parallel, device, dtype):

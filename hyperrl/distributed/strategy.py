@@ -139,9 +139,9 @@ class LocalParallel:
         """Every rank's ``obj``, in rank order."""
         return [obj]
 
-    def balance_rows(self, batch, pad_id: int = 0, hidden: int = 0):
-        """``(rows, metrics)``: the step's rows over the data-parallel ranks balanced by their work — one process:
-        the batch as it is, no metrics."""
+    def balance_rows(self, batch, pad_id: int = 0, model=None):
+        """``(rows, metrics)``: the step's rows over the data-parallel ranks balanced by their work (``model``: the
+        policy, whose width weighs attention against the matmuls) — one process: the batch as it is, no metrics."""
         return batch, {}
 
     def barrier(self) -> None:
@@ -218,18 +218,18 @@ class TorchParallel(LocalParallel):
         self._dist.all_gather(parts, padded, group=self._dp_group)
         return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)]).to(values.device)
 
-    def balance_rows(self, batch, pad_id: int = 0, hidden: int = 0):
+    def balance_rows(self, batch, pad_id: int = 0, model=None):
         """The step's groups of every data-parallel rank gathered and split again so each rank's work is about
         equal — Karmarkar–Karp over the groups' work (:func:`hyperrl.transforms.balanced_partition`; verl's
         ``balance_batch``), each rank computing the same split — so the ranks finish their forwards and backwards
-        together. A row of ``L`` tokens works ``L + L² / (6·hidden)``: its linear layers ≈ ``24·L·d²`` FLOPs a
-        layer, its attention ≈ ``4·L²·d`` (at hidden 128, a 4,096-token row's attention is 5× its matmuls);
-        ``hidden = 0``: tokens alone. A group (``group_id``: a prompt's samples, a preference pair) stays whole: its
-        rows share a prompt forward and some losses read them together; on arrival ``group_id`` numbers the step's
-        groups over all ranks. The gradient is unchanged (every loss is normalised by the global token count); only
-        which rank computes which row. Returns ``(rows, metrics)``: ``balance_tokens_before`` / ``_after``, the most
-        tokens a rank holds ÷ the mean (and ``balance_work_*``, of the work). A split leaving a rank without rows
-        keeps the batch as it is (fewer groups than ranks)."""
+        together. A row of ``L`` tokens works ``L + L² / (6·d)``: its linear layers ≈ ``24·L·d²`` FLOPs a layer,
+        its attention ≈ ``4·L²·d`` (at d = 128 a 4,096-token row's attention is 5× its matmuls; ``d`` the
+        ``model``'s ``config.hidden_size``; without one: tokens alone). A group (``group_id``: a prompt's samples, a
+        preference pair) stays whole: its rows share a prompt forward and some losses read them together; on arrival
+        ``group_id`` numbers the step's groups over all ranks. The gradient is unchanged (every loss is normalised
+        by the global token count); only which rank computes which row. Returns ``(rows, metrics)``:
+        ``balance_tokens_before`` / ``_after``, the most tokens a rank holds ÷ the mean (and ``balance_work_*``, of
+        the work). A split leaving a rank without rows keeps the batch as it is (fewer groups than ranks)."""
         from hyperrl.trajectory import cat_batches, trim_padding
 
         if self.data_world == 1:
@@ -241,6 +241,7 @@ class TorchParallel(LocalParallel):
             ids = torch.unique(p["group_id"], return_inverse=True)[1] if p.batch_size[0] else p["group_id"]
             units.append(ids + sum(int(u.max()) + 1 for u in units if len(u)))
         every = cat_batches(parts, pad_id).set("group_id", torch.cat(units))
+        hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
         tokens = every["attention_mask"].sum(-1).long()
         work = tokens * (6 * hidden) + tokens ** 2 if hidden else tokens  # ∝ L + L² / (6·hidden), in integers
         n = int(every["group_id"].max()) + 1

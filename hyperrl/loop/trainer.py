@@ -167,8 +167,7 @@ class Trainer:
         o = self.cfg.optim
         n, balance = batch.batch_size[0], {}
         if o.balance_rows:
-            hidden = getattr(getattr(self.policy, "config", None), "hidden_size", 0) or 0
-            batch, balance = self.parallel.balance_rows(batch, self.tok.pad_token_id or 0, hidden)
+            batch, balance = self.parallel.balance_rows(batch, self.tok.pad_token_id or 0, self.policy)
         m = self.learner.update(batch, self.loss, epochs=self.cfg.algo.ppo_epochs, mini_batches=o.mini_batches,
                                 seed=self.cfg.run.seed + self.step_idx, micro_batch_tokens=o.micro_batch_tokens,
                                 length_const=self.cfg.rollout.max_new_tokens)

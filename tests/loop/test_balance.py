@@ -41,7 +41,7 @@ def _worker(rank, world, out_dir, balance):
                                           "--rollout.prompts_per_step=2", "--rollout.n=3",
                                           f"--optim.balance_rows={balance}", "--optim.micro_batch_tokens=256"]))
     seen = record_grads(tr)
-    rows = tr.parallel.balance_rows(_batch(rank), 0, tr.policy.config.hidden_size)[0] if balance else None
+    rows = tr.parallel.balance_rows(_batch(rank), 0, tr.policy)[0] if balance else None
     batch, _ = tr.prepare(_batch(rank))
     m = tr.update(batch)
     return {"grads": {k: v.numpy() for k, v in seen.items()}, "m": {k: v for k, v in m.items() if "balance" in k},

@@ -124,13 +124,23 @@ def _grad_worker(rank, world, out_dir, extra):
 
 @pytest.mark.parametrize("cp, extra", [(4, []), (2, []), (2, ["--optim.pack_tokens=4096"]),
                                        (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256"]),
-                                       (2, ["--optim.fused_head=on", "--algo.kl.coef=0.01"])],
-                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed", "cp4-reference-micro", "cp2xdp2-fused-head"])
+                                       (2, ["--optim.fused_head=on", "--algo.kl.coef=0.01"]),
+                                       (4, ["--model.gradient_checkpointing=true"]),
+                                       (2, ["TEACHER", "--algo.distill.coef=1.0"])],
+                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed", "cp4-reference-micro", "cp2xdp2-fused-head",
+                              "cp4-checkpointing", "cp2xdp2-teacher"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
-    rank — plain, packed, with a reference model's KL and micro-batches, and with the fused LM head (whose
-    one-process gradient equals the unfused one's: tests/loop/test_fused_head.py)."""
+    rank — plain, packed, with a reference model's KL and micro-batches, with the fused LM head (whose
+    one-process gradient equals the unfused one's: tests/loop/test_fused_head.py), with gradient checkpointing (the
+    Ulysses exchanges replayed in recompute) and with a distillation teacher (its log-probs sliced as the
+    policy's: the advantages, hence the gradient, depend on them)."""
+    if "TEACHER" in extra:
+        from tests.loop.test_distill import _teacher
+
+        extra = [f"--algo.distill.teacher={_teacher(tmp_path / 'teacher', seed=7, sharp=2.0)}",
+                 *[e for e in extra if e != "TEACHER"]]
     res = run_gloo(_grad_worker, 4, str(tmp_path / "cp"), ["--run.cp=" + str(cp), *extra], timeout=600)
     tr = _trainer(str(tmp_path / "one"), extra)
     one = record_grads(tr)
@@ -153,7 +163,6 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
      r"run.cp=2 with run.tp=2: context parallelism is not composed"),
     (["--run.cp=2", "--model.experts=8"], r"run.cp=2: context parallelism trains a dense policy without a mixture"),
     (["--run.cp=2", "--algo.advantage=gae"], r"run.cp=2: context parallelism trains a dense policy without a critic"),
-    (["--run.cp=2", "--model.gradient_checkpointing=true"], r"without model.gradient_checkpointing"),
 ])
 def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
     from hyperrl.config import ConfigError, load_config
