@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=0, help="a real vocabulary size (0 = the task tokenizer's)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more config overrides, e.g. --algo.advantage.singleton=raw "
+                    "for --rows 1")
     args = ap.parse_args()
     model = [f"--model.hidden={args.hidden}", f"--model.layers={args.layers}", f"--model.heads={args.heads}",
              f"--model.kv_heads={args.heads // 2}", f"--model.head_dim={args.hidden // args.heads}",
@@ -101,7 +103,7 @@ def main():
                   for cp in args.cp]
         res = {}
         for R, f, g, cp in combos:
-            extra = [*model, f"--optim.fused_head={f}", f"--model.gradient_checkpointing={g == 'on'}"]
+            extra = [*model, f"--optim.fused_head={f}", f"--model.gradient_checkpointing={g == 'on'}", *args.extra]
             res[R, f, g, cp] = _run(cp, f"{tmp}/{R}-{f}-{g}-cp{cp}", args.rows, R, extra)
     own = {k: max(r["peak_mib"] - r["built_mib"] for r in rs) for k, rs in res.items()}
     t = {k: max(r["update_s"] for r in rs) for k, rs in res.items()}
