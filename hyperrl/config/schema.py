@@ -348,10 +348,11 @@ class OptimConfig(_Frozen):
                                            "(hyperrl.distributed.offload.HostAdamW) — three fp32 copies of the model "
                                            "off the accelerator; each step copies the gradients to the host and the "
                                            "new weights back")
-    balance_rows: bool = Field(True, description="data-parallel ranks: the step's rows gathered and split again "
-                               "so each rank trains about the same number of tokens (Karmarkar-Karp over row "
-                               "lengths; verl's balance_batch) — ranks finish together; the gradient is unchanged "
-                               "(global token normaliser); one process: nothing to do")
+    balance_rows: bool = Field(True, description="data-parallel ranks: the step's prompt groups split again before "
+                               "the update so each rank does about the same work (Karmarkar-Karp over L + L²/(6·"
+                               "hidden) per row; verl's balance_batch; only the rows that move are sent) — ranks "
+                               "finish together; the gradient is unchanged (global token normaliser); one process: "
+                               "nothing to do")
     fused_head: Literal["auto", "on", "off"] = Field(
         "auto", description="the LM head fused with the log-prob and entropy in the trainer's, reference's and "
         "teacher's forwards: no [B, T, V] logits in either pass, each chunk's logits made again in backward. on: "

@@ -219,50 +219,60 @@ class TorchParallel(LocalParallel):
         return torch.cat([p[:int(k)] for p, k in zip(parts, sizes)]).to(values.device)
 
     def balance_rows(self, batch, pad_id: int = 0, model=None):
-        """The step's groups of every data-parallel rank gathered and split again so each rank's work is about
-        equal — Karmarkar–Karp over the groups' work (:func:`hyperrl.transforms.balanced_partition`; verl's
-        ``balance_batch``), each rank computing the same split — so the ranks finish their forwards and backwards
-        together. A row of ``L`` tokens works ``L + L² / (6·d)``: its linear layers ≈ ``24·L·d²`` FLOPs a layer,
-        its attention ≈ ``4·L²·d`` (at d = 128 a 4,096-token row's attention is 5× its matmuls; ``d`` the
-        ``model``'s ``config.hidden_size``; without one: tokens alone). A group (``group_id``: a prompt's samples, a
-        preference pair) stays whole: its rows share a prompt forward and some losses read them together; on arrival
-        ``group_id`` numbers the step's groups over all ranks. The gradient is unchanged (every loss is normalised
-        by the global token count); only which rank computes which row. Returns ``(rows, metrics)``:
-        ``balance_tokens_before`` / ``_after``, the most tokens a rank holds ÷ the mean (and ``balance_work_*``, of
-        the work). A split leaving a rank without rows keeps the batch as it is (fewer groups than ranks)."""
+        """The step's groups over the data-parallel ranks split again so each rank's work is about equal — every
+        rank learns each group's work (a few numbers a group), computes the same split, and only the rows that move
+        are sent, once (a scatter from each rank: no rank ever holds the whole step's batch) — Karmarkar–Karp over
+        the groups' work (:func:`hyperrl.transforms.balanced_partition`; verl's ``balance_batch``), so the ranks
+        finish their forwards and backwards together. A row of ``L`` tokens works ``L + L² / (6·d)``: its linear
+        layers ≈ ``24·L·d²`` FLOPs a layer, its attention ≈ ``4·L²·d`` (at d = 128 a 4,096-token row's attention
+        is 5× its matmuls; ``d`` the ``model``'s ``config.hidden_size``; without one: tokens alone). A group
+        (``group_id``: a prompt's samples, a preference pair) stays whole: its rows share a prompt forward and some
+        losses read them together; on arrival ``group_id`` numbers the step's groups over all ranks. The gradient
+        is unchanged (every loss is normalised by the global token count); only which rank computes which row.
+        Returns ``(rows, metrics)``: ``balance_tokens_before`` / ``_after``, the most tokens a rank holds ÷ the
+        mean (and ``balance_work_*``, of the work). A split leaving a rank without rows keeps the batch as it is
+        (fewer groups than ranks)."""
         from hyperrl.trajectory import cat_batches, trim_padding
 
-        if self.data_world == 1:
+        W = self.data_world
+        if W == 1:
             return batch, {}
-        parts = [None] * self.data_world
-        self._dist.all_gather_object(parts, batch.cpu(), group=self._dp_group)
-        units = []  # each rank's groups numbered one after another: unit ids over the step
-        for p in parts:
-            ids = torch.unique(p["group_id"], return_inverse=True)[1] if p.batch_size[0] else p["group_id"]
-            units.append(ids + sum(int(u.max()) + 1 for u in units if len(u)))
-        every = cat_batches(parts, pad_id).set("group_id", torch.cat(units))
+        group, me = self._dp_group, self._dist.get_rank(self._dp_group)
+        rows = batch.cpu()
+        local = torch.unique(rows["group_id"], return_inverse=True)[1] if rows.batch_size[0] else rows["group_id"]
         hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
-        tokens = every["attention_mask"].sum(-1).long()
+        tokens = rows["attention_mask"].sum(-1).long()
         work = tokens * (6 * hidden) + tokens ** 2 if hidden else tokens  # ∝ L + L² / (6·hidden), in integers
-        n = int(every["group_id"].max()) + 1
-        per_unit = torch.zeros(n, dtype=torch.long).index_add_(0, every["group_id"], work).tolist()
-        bins = sorted(T.balanced_partition(per_unit, self.data_world), key=lambda b: b[0] if b else n)
+        n = int(local.max()) + 1 if len(local) else 0
+        mine = [torch.zeros(n, dtype=torch.long).index_add_(0, local, v).tolist() for v in (tokens, work)]
+        infos = [None] * W  # each rank's groups' (tokens, work): a few numbers a group, not the rows
+        self._dist.all_gather_object(infos, mine, group=group)
+        offsets = [sum(len(t) for t, _ in infos[:r]) for r in range(W)]
+        per_unit = [w for _, ws in infos for w in ws]
+        bins = sorted(T.balanced_partition(per_unit, W), key=lambda b: b[0] if b else len(per_unit))
         if any(not b for b in bins):
             return batch, {}
-        rows = torch.isin(every["group_id"], torch.tensor(bins[self.data_rank])).nonzero().flatten()
-        mine = trim_padding(every[rows]).to(batch.device)
-        rank_of = torch.cat([torch.full((p.batch_size[0],), r) for r, p in enumerate(parts)])
-        unit_rank = torch.zeros(n, dtype=torch.long)
+        unit_rank = torch.zeros(len(per_unit), dtype=torch.long)
         for r, b in enumerate(bins):
             unit_rank[torch.tensor(b)] = r
+        units = local + offsets[me]  # group ids over the step
+        rows = rows.copy().set("group_id", units)  # a new TensorDict: the caller's batch is not touched
+        dest = unit_rank[units]
+        got = []
+        for src in range(W):  # only the rows that move, each sent once: rank src scatters its rows by destination
+            out = [None]
+            self._dist.scatter_object_list(out, [rows[dest == r] for r in range(W)] if me == src else None,
+                                           group=group, group_src=src)
+            got.append(out[0])
+        arrived = trim_padding(cat_batches([g for g in got if g.batch_size[0]], pad_id)).to(batch.device)
         metrics = {}
-        for name, v in (("tokens", tokens), ("work", work)):
-            before = torch.zeros(len(parts), dtype=torch.long).index_add_(0, rank_of, v)
-            after = torch.zeros(len(parts), dtype=torch.long).index_add_(0, unit_rank[every["group_id"]], v)
-            mean = float(v.sum()) / len(parts)
-            metrics[f"balance_{name}_before"], metrics[f"balance_{name}_after"] = (float(before.max()) / mean,
-                                                                                   float(after.max()) / mean)
-        return mine, metrics
+        for k, name in enumerate(("tokens", "work")):
+            per = [v for info in infos for v in info[k]]
+            mean = sum(per) / W
+            before = max(sum(info[k]) for info in infos)
+            after = max(sum(per[u] for u in b) for b in bins)
+            metrics[f"balance_{name}_before"], metrics[f"balance_{name}_after"] = before / mean, after / mean
+        return arrived, metrics
 
     def agree_calls(self):
         def agree(n: int) -> int:
