@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,10 @@ def head_weights(model: torch.nn.Module) -> HeadWeights:
 def use_fused_head(mode: str, model: torch.nn.Module) -> bool:
     """``optim.fused_head`` (``on`` | ``auto`` | ``off``) for ``model``: whether its forwards fuse the head with the
     log-prob — never where :func:`fusable_head` objects; ``auto`` from :data:`FUSED_HEAD_AUTO_VOCAB` tokens on."""
-    if mode == "off" or fusable_head(model) is not None:
+    why = None if mode == "off" else fusable_head(model)
+    if mode == "on" and why is not None:  # asked for by name: say why it cannot be (once per place and reason)
+        warnings.warn(f"optim.fused_head=on: {type(model).__name__} runs its head unfused — {why}", RuntimeWarning,
+                      stacklevel=2)
+    if mode == "off" or why is not None:
         return False
     return mode == "on" or _causal_lm(model).get_output_embeddings().weight.shape[0] >= FUSED_HEAD_AUTO_VOCAB

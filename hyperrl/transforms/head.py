@@ -46,6 +46,42 @@ def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperatur
     return z.div_(temperature) if temperature != 1.0 else z
 
 
+class _HeadGrads:
+    """The gradients of the head's inputs — hidden states ``[N, H]``, weight, bias — filled chunk by chunk from
+    each chunk's gradient of ``z`` (both fused kernels' backward): ``∂L/∂logits = ∂L/∂z / T`` rounded to the
+    logits' dtype (as autograd rounds it), 0 at masked ids (constants), then ``(∂L/∂logits) W`` for the chunk's
+    rows and ``(∂L/∂logits)ᵀ h`` summed over chunks in fp32 (or the weight's dtype when wider)."""
+
+    def __init__(self, needs, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype, masks,
+                 temperature: float):
+        need_h, need_w, need_b = needs[:3]
+        self.acc = acc = torch.promote_types(weight.dtype, torch.float32)
+        self.h, self.weight, self.bias, self.dtype, self.masks, self.T = h, weight, bias, dtype, masks, temperature
+        self.w = weight.to(dtype)
+        self.g_h = torch.empty_like(h) if need_h else None
+        self.g_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
+        self.g_b = torch.zeros(weight.shape[0], dtype=acc, device=h.device) if need_b else None
+
+    def add(self, s: int, gz: torch.Tensor, hc: torch.Tensor) -> None:
+        """Rows ``s … s + len(gz)``: ``gz`` the chunk's fp32 gradient of ``z`` (consumed), ``hc`` its hidden
+        states in the compute dtype."""
+        gz = gz.div_(self.T).to(self.dtype)
+        for ids, _ in self.masks:  # a masked logit is a constant: nothing flows back through it
+            gz.index_fill_(-1, ids, 0)
+        if self.g_h is not None:
+            self.g_h[s:s + len(gz)] = (gz @ self.w).to(self.h.dtype)
+        if self.g_w is not None:
+            self.g_w.add_((gz.t() @ hc).to(self.acc))
+        if self.g_b is not None:
+            self.g_b.add_(gz.to(self.acc).sum(0))
+
+    def result(self, hidden: torch.Tensor) -> tuple:
+        """``(∂L/∂hidden, ∂L/∂weight, ∂L/∂bias)`` in their inputs' shapes and dtypes (None where not needed)."""
+        return (None if self.g_h is None else self.g_h.view_as(hidden),
+                None if self.g_w is None else self.g_w.to(self.weight.dtype),
+                None if self.g_b is None else self.g_b.to(self.bias.dtype))
+
+
 class _HeadLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, tokens, temperature, chunk, want_entropy, dtype, masks):
@@ -79,12 +115,8 @@ class _HeadLogprobEntropy(torch.autograd.Function):
         g_lp = torch.zeros(tok.shape, device=h.device) if g_lp is None else g_lp.reshape(-1)
         use_ent = want_entropy and g_ent is not None
         g_ent = g_ent.reshape(-1) if use_ent else None
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        g_h = torch.empty_like(h) if need_h else None
-        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight's gradient summed over chunks in this
-        g_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
-        g_b = torch.zeros(V, dtype=acc, device=h.device) if need_b else None
+        grads = _HeadGrads(ctx.needs_input_grad, h, weight, bias, dtype, masks, T)
+        w, b = grads.w, None if bias is None else bias.to(dtype)
         rows = _rows(chunk, V)
         with torch.autocast(device_type=h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
@@ -98,17 +130,8 @@ class _HeadLogprobEntropy(torch.autograd.Function):
                 else:
                     gz = p.mul_(-gl)
                 gz.scatter_add_(-1, tok[s:s + rows, None], gl)
-                gz = gz.div_(T).to(dtype)  # the logits' gradient, in the logits' dtype (as autograd rounds it)
-                for ids, _ in masks:  # a masked logit is a constant: nothing flows back through it
-                    gz.index_fill_(-1, ids, 0)
-                if need_h:
-                    g_h[s:s + rows] = (gz @ w).to(h.dtype)
-                if need_w:
-                    g_w.add_((gz.t() @ hc).to(acc))
-                if need_b:
-                    g_b.add_(gz.to(acc).sum(0))
-        return (None if g_h is None else g_h.view_as(hidden), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
+                grads.add(s, gz, hc)
+        return (*grads.result(hidden), None, None, None, None, None, None)
 
 
 def head_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor,
@@ -165,12 +188,8 @@ class _HeadDivergence(torch.autograd.Function):
         T, chunk, dtype, masks, divergence = ctx.args
         H, V = hidden.shape[-1], weight.shape[0]
         h, g = hidden.reshape(-1, H), g.reshape(-1)
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        acc = torch.promote_types(weight.dtype, torch.float32)
-        g_h = torch.empty_like(h) if need_h else None
-        g_w = torch.zeros(weight.shape, dtype=acc, device=h.device) if need_w else None
-        g_b = torch.zeros(V, dtype=acc, device=h.device) if need_b else None
+        grads = _HeadGrads(ctx.needs_input_grad, h, weight, bias, dtype, masks, T)
+        w, b = grads.w, None if bias is None else bias.to(dtype)
         rows = _rows(chunk, V)
         with torch.autocast(device_type=h.device.type, enabled=False):
             for s in range(0, h.shape[0], rows):
@@ -181,17 +200,8 @@ class _HeadDivergence(torch.autograd.Function):
                 z.requires_grad_()
                 with torch.enable_grad():  # the divergence's own gradient, one chunk at a time
                     gz, = torch.autograd.grad(divergence(z.log_softmax(-1), zt), z, g[s:s + rows])
-                gz = gz.div_(T).to(dtype)
-                for ids, _ in masks:
-                    gz.index_fill_(-1, ids, 0)
-                if need_h:
-                    g_h[s:s + rows] = (gz @ w).to(h.dtype)
-                if need_w:
-                    g_w.add_((gz.t() @ hc).to(acc))
-                if need_b:
-                    g_b.add_(gz.to(acc).sum(0))
-        return (None if g_h is None else g_h.view_as(hidden), None if g_w is None else g_w.to(weight.dtype),
-                None if g_b is None else g_b.to(bias.dtype), None, None, None, None, None, None)
+                grads.add(s, gz, hc)
+        return (*grads.result(hidden), None, None, None, None, None, None)
 
 
 def head_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
