@@ -51,10 +51,12 @@ def run_gloo(fn, world: int, *args, timeout: float = 240.0):
 
 
 def record_grads(tr):
-    """The trainer's policy gradients as its optimizer sees them (after the data-parallel sync), as full
-    tensors: filled on each ``clip_grad_norm`` call of ``tr.parallel``."""
+    """The trainer's policy gradients (and a critic's, named ``critic.…``) as its optimizer sees them (after the
+    data-parallel sync), as full tensors: filled on each ``clip_grad_norm`` call of ``tr.parallel``."""
     seen, clip = {}, tr.parallel.clip_grad_norm
     names = {id(p): n for n, p in tr.policy.named_parameters()}
+    if getattr(tr, "critic", None) is not None:
+        names.update({id(p): f"critic.{n}" for n, p in tr.critic.named_parameters()})
 
     def wrapped(params, max_norm):
         params = list(params)

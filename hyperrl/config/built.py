@@ -19,7 +19,7 @@ def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = Fal
     if dims is not None and dims.ep > 1:
         _check_expert_parallel(cfg, policy, critic, dims.ep)
     elif dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
-        _check_context_parallel(policy, dims.cp)
+        _check_context_parallel(policy, dims.cp, attention=dims.cp_attention)
     _check_context(cfg, task, policy)
 
 
@@ -47,23 +47,30 @@ def check_teachers(teachers: dict, dims) -> None:
     if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
         for key, teacher in teachers.items():
             name = "algo.distill.teacher" if key is None else f"algo.distill.teachers.{key}"
-            _check_context_parallel(teacher, dims.cp, f"the teacher ({name}), {type(teacher).__name__},")
+            _check_context_parallel(teacher, dims.cp, f"the teacher ({name}), {type(teacher).__name__},",
+                                    attention=dims.cp_attention)
 
 
-def _check_context_parallel(policy, cp: int, who: str | None = None) -> None:
-    """``run.cp > 1``: Ulysses attention needs transformers' attention interface, a dense policy and heads that
-    ``cp`` divides."""
+def _check_context_parallel(policy, cp: int, who: str | None = None, attention: str = "ulysses") -> None:
+    """``run.cp > 1``: Ulysses or ring attention needs transformers' attention interface and a dense policy;
+    Ulysses heads that ``cp`` divides."""
     name = who or type(policy).__name__
     if not getattr(policy, "_supports_attention_backend", False):
         raise ConfigError(f"run.cp={cp}: {name} has no context-parallel plan (its attention does not use "
-                          "transformers' attention interface, which Ulysses attention plugs into); set run.cp=1")
+                          f"transformers' attention interface, which {attention} attention plugs into); set run.cp=1")
     if is_moe(policy):
         raise ConfigError(f"run.cp={cp}: {name} is a mixture of experts — context parallelism trains a dense "
                           "policy yet; set run.cp=1")
+    if attention != "ulysses":
+        return
     heads = policy.config.num_attention_heads
     if heads % cp:
         raise ConfigError(f"run.cp={cp} does not divide the attention heads ({heads}) of {name}: Ulysses "
-                          "attention splits the heads over the cp ranks")
+                          "attention splits the heads over the cp ranks — set run.cp_attention=ring (any cp)")
+    from hyperrl.config.checks import _warn_kv_heads
+
+    _warn_kv_heads(f"run.cp={cp}", getattr(policy.config, "num_key_value_heads", None) or heads, cp,
+                   f"{name}'s num_key_value_heads")
 
 
 def _check_context(cfg: TrainConfig, task, policy) -> None:

@@ -322,23 +322,36 @@ def _check_ep(cfg: TrainConfig, world: int) -> None:
 
 
 def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
-    """``run.cp``: it slices every sequence over ranks of this world and splits the attention heads
-    (Ulysses) — a dense policy alone, without tensor or expert parallelism (not composed yet)."""
+    """``run.cp``: it slices every sequence over ranks of this world — Ulysses attention splits the attention heads
+    (``cp`` must divide them; past the key/value heads they are repeated — warned once the model is built,
+    :mod:`hyperrl.config.built`), ring attention any ``cp`` — a
+    dense policy alone, without tensor or expert parallelism (not composed yet)."""
     cp, m = cfg.run.cp, cfg.model
     if cp == 1:
         return
     said = f"run.cp={cp}"
     _dims(world, tp=cfg.run.tp, ep=cfg.run.ep, cp=cp)  # composed with tp / ep, dividing the world
-    if m.checkpoint is None and m.heads % cp:
-        raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
-                          "the cp ranks")
+    if m.checkpoint is None and cfg.run.cp_attention == "ulysses":
+        if m.heads % cp:
+            raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
+                              "the cp ranks — set run.cp_attention=ring (any cp) or a cp that divides the heads")
     why = [w for w, bad in (("a mixture of experts (model.experts)", m.checkpoint is None and m.experts),
                             ("algo.routing_replay", cfg.algo.routing_replay != "none"),
-                            ("a critic (values)", "values" in needs),
                             ) if bad]
     if why:
         raise ConfigError(f"{said}: context parallelism trains a dense policy without {', '.join(why)} yet; set "
                           "run.cp=1 or drop them")
+
+
+def _warn_kv_heads(said: str, kv_heads: int, cp: int, what: str) -> None:
+    """Ulysses past the key/value heads: each rank needs whole K/V heads, so they are repeated to the query heads
+    before the exchange — more bytes moved than ring attention's; warned, naming the fix."""
+    if kv_heads % cp:
+        import warnings
+
+        warnings.warn(f"{said} with run.cp_attention=ulysses goes past the key/value heads ({what}={kv_heads}): "
+                      "they are repeated to the query heads before each exchange (more bytes moved); "
+                      "run.cp_attention=ring exchanges them as they are", RuntimeWarning, stacklevel=3)
 
 
 def _check_replay(cfg: TrainConfig, caps) -> None:

@@ -453,9 +453,13 @@ class RunConfig(_Frozen):
                     "of ep consecutive ranks share each layer's experts (E/ep each; tokens dispatched by all-to-all, "
                     "hyperrl.distributed.expert_parallel), FSDP2 over every rank for the rest; 1 = off")
     cp: int = Field(1, ge=1, description="context parallelism for long sequences under torchrun: groups of cp "
-                    "consecutive ranks train the same rows, each a contiguous slice of every sequence; attention "
-                    "exchanges heads for sequence by all-to-all (Ulysses, hyperrl.distributed.context_parallel) — "
-                    "the update's activations and logits per rank ≈ 1/cp; must divide the attention heads; 1 = off")
+                    "consecutive ranks train the same rows, each a slice of every sequence (the update's activations "
+                    "and logits per rank ≈ 1/cp; attention by run.cp_attention); 1 = off")
+    cp_attention: Literal["ulysses", "ring"] = Field(
+        "ulysses", description="attention under run.cp > 1: ulysses — heads exchanged for sequence by all-to-all "
+        "(contiguous slices; cp must divide the attention heads; hyperrl.distributed.context_parallel); ring — "
+        "each rank keeps its queries, the key/value blocks pass round the cp ranks (any cp; rows cut zigzag for "
+        "equal causal work; hyperrl.distributed.ring_attention)")
     threads: int = Field(0, ge=0, description="torch CPU threads (0 = torch default)")
     fingerprints: bool = Field(True, description="record each step's fingerprints (hashes of the prompts, samples, "
                                "log-probs, rewards, advantages, loss and weights) to fingerprints.jsonl — what "

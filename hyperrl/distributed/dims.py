@@ -34,7 +34,8 @@ class ParallelDims:
     groups of ``ep`` data-parallel ranks at one TP coordinate (``ep`` consecutive ranks when ``tp = 1``;
     :meth:`expert_mesh`). ``tp`` consecutive ranks
     form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
-    every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`; with ``tp = ep = 1``);
+    every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`, attention by ``cp_attention``;
+    with ``tp = ep = 1``);
     ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
     every rank all the same). The rules (each size divides what it splits; what composes with what) are checked
     here, once — the config's checks build this value to check them at load. :meth:`mesh` builds the device mesh
@@ -45,11 +46,14 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     cp: int = 1
+    cp_attention: str = "ulysses"  # how attention runs over the cp ranks (hyperrl.distributed.context_parallel)
 
     def __post_init__(self):
         for name in ("world", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
+        if self.cp_attention not in ("ulysses", "ring"):
+            raise ValueError(f"run.cp_attention={self.cp_attention!r}: ulysses or ring")
         if self.cp > 1 and (self.tp > 1 or self.ep > 1):
             other = f"run.tp={self.tp}" if self.tp > 1 else f"run.ep={self.ep}"
             raise ValueError(f"run.cp={self.cp} with {other}: context parallelism is not composed with tensor or "

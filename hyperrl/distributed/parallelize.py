@@ -148,9 +148,9 @@ def parallelize_models(models: Models, dims, parallel, *, device: torch.device, 
       (``tp > 1``) or FSDP2-sharded, the experts' gradients summed over their replicas by the strategy;
     * else ``tp > 1``: TP × FSDP2 by the family's plan (:data:`PARALLELIZE_PLANS`), the partial-gradient
       parameters summed over the TP group;
-    * else data parallel: Ulysses attention over ``cp`` for the policy and a reference
-      (:mod:`hyperrl.distributed.context_parallel`), FSDP2 over every rank (a LoRA policy: the frozen base replicated,
-      its adapters' gradients all-reduced) and the critic FSDP2-sharded.
+    * else data parallel: Ulysses or ring attention over ``cp`` (``dims.cp_attention``) for the policy, a reference
+      and a critic (:mod:`hyperrl.distributed.context_parallel`), FSDP2 over every rank (a LoRA policy: the frozen
+      base replicated, its adapters' gradients all-reduced) and the critic FSDP2-sharded.
 
     A reference stays a whole frozen copy on every rank. ``parallel``: the data-parallel strategy, told which
     gradients to reduce; checks that need the built models ran before
@@ -165,9 +165,9 @@ def parallelize_models(models: Models, dims, parallel, *, device: torch.device, 
         if dims.cp > 1:  # before sharding: the plain modules' attention is swapped
             from hyperrl.distributed.context_parallel import context_parallel
 
-            for model in (policy, models.reference):
+            for model in (policy, models.reference, None if critic is None else critic.backbone):
                 if model is not None:
-                    context_parallel(model, parallel.cp_group)
+                    context_parallel(model, parallel.cp_group, dims.cp_attention)
         if not lora:
             policy = fully_shard_model(policy, decoder_layers(policy), dims, device, dtype)
         else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
@@ -178,14 +178,14 @@ def parallelize_models(models: Models, dims, parallel, *, device: torch.device, 
 
 
 def parallelize_teachers(teachers: dict, dims, parallel) -> dict:
-    """Distillation teachers (no-grad, whole frozen copies on every rank) under ``cp > 1``: Ulysses attention swapped
-    in, so each rank runs its slice of every sequence as the policy does (their log-probs gathered the same way).
-    Checked first (:func:`hyperrl.config.built.check_teachers`)."""
+    """Distillation teachers (no-grad, whole frozen copies on every rank) under ``cp > 1``: the policy's cp
+    attention swapped in, so each rank runs its slice of every sequence as the policy does (their log-probs gathered
+    the same way). Checked first (:func:`hyperrl.config.built.check_teachers`)."""
     if dims.cp > 1 and dims.tp == 1 and dims.ep == 1 and dims.world > 1:
         from hyperrl.distributed.context_parallel import context_parallel
 
         for teacher in teachers.values():
-            context_parallel(teacher, parallel.cp_group)
+            context_parallel(teacher, parallel.cp_group, dims.cp_attention)
     return teachers
 
 

@@ -28,8 +28,8 @@ from hyperrl.models.head import head_skipped, head_weights
 from hyperrl.multimodal import VisionError, forward_inputs, row_patches, vision_identity, vision_spec
 
 __all__ = ["plain_logprobs_and_entropy", "shared_prefix_logprobs_and_entropy", "packed_logprobs_and_entropy",
-           "context_parallel_logprobs_and_entropy", "policy_logprobs", "prefix_groups", "choose", "RouteReplay",
-           "full_vocab_divergence"]
+           "context_parallel_logprobs_and_entropy", "context_parallel_values", "policy_logprobs",
+           "prefix_groups", "choose", "RouteReplay", "full_vocab_divergence"]
 
 
 class RouteReplay:
@@ -241,15 +241,20 @@ def _right_padded(attn: torch.Tensor, who: str, fix: str) -> torch.Tensor:
 def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature: float, group, *,
                                           packed: bool = False, fused: bool = False):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each rank of the context-parallel
-    ``group`` (``cp`` ranks, the same ``batch`` on each) running a contiguous slice of every sequence
-    (:mod:`hyperrl.distributed.context_parallel`: Ulysses attention over the whole sequence; ``model``
+    ``group`` (``cp`` ranks, the same ``batch`` on each) running its slice of every sequence
+    (:mod:`hyperrl.distributed.context_parallel`: Ulysses or ring attention over the whole sequence; ``model``
     switched by :func:`~hyperrl.distributed.context_parallel.context_parallel`). Each rank computes the
     logits, log-probs and entropies of its slice only — ``[B, T/cp, V]``, the forward's largest tensor —
     and the ``[B, T]`` results are gathered (differentiable: the backward reduce-scatters, summing the
     ``cp`` ranks' identical losses' gradients). ``packed``: the rows' real tokens concatenated into one
     sequence (positions restarting at 0, attention within each row; :func:`packed_logprobs_and_entropy`'s
     padding-free forward), exactly one model call — ranks stay in step. Rows must be right-padded."""
-    from hyperrl.distributed.context_parallel import gather_sequence, packed_segments, split_sequence
+    from hyperrl.distributed.context_parallel import (
+        gather_sequence,
+        layout_index,
+        sequence_layout,
+        split_sequence,
+    )
 
     tokens, attn = batch["tokens"], batch["attention_mask"].bool()
     B, Tn = tokens.shape
@@ -263,20 +268,38 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     else:  # position t predicts token t + 1: run the first T − 1
         ids, pos, seg = tokens[:, :-1], None, None
     N = ids.shape[1]
-    local, lpos, Np = split_sequence(ids, group, position_ids=pos)
-    n = Np // cp
-    targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, r * n:(r + 1) * n]
-    ctx = packed_segments(model, pad(seg, (0, Np - N), value=B)) if packed else contextlib.nullcontext()
-    with ctx:
-        logits = _head_out(model, fused, input_ids=local, position_ids=lpos, use_cache=False).logits  # [B, n, V]
+    layout = sequence_layout(model)  # contiguous slices (Ulysses) or zigzag (ring attention)
+    local, lpos, Np = split_sequence(ids, group, position_ids=pos, layout=layout)
+    mine = layout_index(Np, cp, layout, tokens.device)[r]
+    targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, mine]
+    # packed: the segment ids reach the attention as a keyword argument (gradient checkpointing's recompute too)
+    seg_kw = {"cp_segments": pad(seg, (0, Np - N), value=B)} if packed else {}
+    logits = _head_out(model, fused, input_ids=local, position_ids=lpos, use_cache=False, **seg_kw).logits  # [B, n, V]
     lp, ent = _lp_ent(model, logits, targets, temperature, fused)
-    lp, ent = gather_sequence(lp, group, N), gather_sequence(ent, group, N)
+    lp, ent = gather_sequence(lp, group, N, layout), gather_sequence(ent, group, N, layout)
     if not packed:
         return pad(lp, (1, 0)), pad(ent, (1, 0))
     same = torch.cat([rows[1:] == rows[:-1], rows.new_zeros(1, dtype=torch.bool)])  # predicts its own row's next
     zero = torch.zeros(B, Tn, dtype=lp.dtype, device=tokens.device)
     where = (rows[same], cols[same] + 1)
     return zero.index_put(where, lp[0][same]), zero.index_put(where, ent[0][same])
+
+
+def context_parallel_values(critic, batch: TensorDict, group) -> torch.Tensor:
+    """The critic's token-aligned values ``[B, T]`` (:class:`~hyperrl.models.critic.ValueModel`: ``values[:, t]``
+    read at position ``t − 1``, ``values[:, 0] = 0``) with each rank of the context-parallel ``group`` running its
+    slice of every sequence (the critic's backbone switched by
+    :func:`~hyperrl.distributed.context_parallel.context_parallel`, as the policy's): each rank reads the values of
+    its slice ``[B, T/cp]``, gathered (differentiable, as :func:`context_parallel_logprobs_and_entropy`). Rows must be
+    right-padded."""
+    from hyperrl.distributed.context_parallel import gather_sequence, sequence_layout, split_sequence
+
+    tokens, attn = batch["tokens"], batch["attention_mask"].bool()
+    _right_padded(attn, "context parallelism (run.cp)", "rows are right-padded by the collectors — check custom ones")
+    layout = sequence_layout(critic.backbone)
+    local, lpos, _ = split_sequence(tokens[:, :-1], group, layout=layout)
+    v = critic(input_ids=local, position_ids=lpos, use_cache=False)  # [B, n]
+    return torch.nn.functional.pad(gather_sequence(v, group, tokens.shape[1] - 1, layout), (1, 0))
 
 
 def prefix_groups(batch: TensorDict):

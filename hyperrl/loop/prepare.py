@@ -21,6 +21,7 @@ from hyperrl.device import compute_context, torch_dtype
 from hyperrl.loop.forward import (
     RouteReplay,
     context_parallel_logprobs_and_entropy,
+    context_parallel_values,
     full_vocab_divergence,
     packed_logprobs_and_entropy,
     plain_log_softmax,
@@ -96,8 +97,11 @@ class Forwards:
             return plain_sum_pi_squared(model, batch, self.cfg.rollout.temperature)
 
     def values(self, critic, batch: TensorDict) -> torch.Tensor:
-        """The critic's token-aligned values ``[B, T]`` in fp32."""
+        """The critic's token-aligned values ``[B, T]`` in fp32 (under ``run.cp``: each rank a slice of every
+        sequence)."""
         with self.amp():
+            if self.parallel.cp > 1:
+                return context_parallel_values(critic, batch, self.parallel.cp_group).float()
             return critic(batch).float()
 
     def no_grad(self, fn, batch: TensorDict):

@@ -20,7 +20,12 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, batch: TensorDict) -> torch.Tensor:
+    def forward(self, batch: TensorDict | None = None, **inputs) -> torch.Tensor:
+        """Token-aligned values ``[B, T]`` of ``batch``; or, given the backbone's keyword ``inputs`` instead (a
+        context-parallel slice's ids and positions), the value read at each of their positions ``[B, S]``, unshifted
+        (called through the module, so FSDP2 gathers the weights either way)."""
+        if batch is None:
+            return self.head(self.backbone(**inputs).last_hidden_state).squeeze(-1)
         h = self.backbone(input_ids=batch["tokens"], attention_mask=batch["attention_mask"].long()).last_hidden_state
         v = self.head(h[:, :-1]).squeeze(-1)
         return torch.nn.functional.pad(v, (1, 0))

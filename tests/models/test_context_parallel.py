@@ -34,22 +34,26 @@ def _lp_ent(logits, targets):
     return logp.gather(-1, targets[..., None])[..., 0], -(logp.exp() * logp).sum(-1)
 
 
-def _cp_worker(rank, world):
+def _cp_worker(rank, world, attention="ulysses", heads=(4, 2)):
     import torch.distributed as dist
 
-    from hyperrl.distributed.context_parallel import context_parallel, gather_sequence, split_sequence
+    from hyperrl.distributed.context_parallel import context_parallel, gather_sequence, layout_index, split_sequence
+    from hyperrl.models import tiny_qwen3
 
-    model = context_parallel(_model(), dist.group.WORLD)
+    model = context_parallel(_model() if heads == (4, 2) else tiny_qwen3(
+        V, hidden=32, layers=2, heads=heads[0], kv_heads=heads[1], head_dim=16, intermediate=64, seed=5),
+        dist.group.WORLD, attention)
+    layout = "contiguous" if attention == "ulysses" else "zigzag"
     tokens, attn, weights = _data()
-    local, pos, Tp = split_sequence(tokens, dist.group.WORLD)
-    n = Tp // world
-    targets = torch.nn.functional.pad(tokens, (0, Tp + 1 - T))[:, rank * n + 1:(rank + 1) * n + 1]
+    local, pos, Tp = split_sequence(tokens, dist.group.WORLD, layout=layout)
+    mine = layout_index(Tp, world, layout)[rank]
+    targets = torch.nn.functional.pad(tokens, (0, Tp + 1 - T))[:, mine + 1]
     logits = model(input_ids=local, position_ids=pos).logits  # [B, T'/cp, V]
     lp, ent = _lp_ent(logits, targets)
-    lp_full, ent_full = gather_sequence(lp, dist.group.WORLD, T), gather_sequence(ent, dist.group.WORLD, T)
+    lp_full, ent_full = (gather_sequence(x, dist.group.WORLD, T, layout) for x in (lp, ent))
     # the loss over this rank's slice; the slices' gradients sum to the whole sequence's
-    mask = (torch.arange(Tp)[None] < attn.sum(-1, keepdim=True) - 1)[:, rank * n:(rank + 1) * n]
-    w = torch.nn.functional.pad(weights, (0, Tp - T))[:, rank * n:(rank + 1) * n]
+    mask = (torch.arange(Tp)[None] < attn.sum(-1, keepdim=True) - 1)[:, mine]
+    w = torch.nn.functional.pad(weights, (0, Tp - T))[:, mine]
     (lp * w * mask).sum().backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -59,10 +63,18 @@ def _cp_worker(rank, world):
     return {"lp": lp_full.detach().numpy(), "ent": ent_full.detach().numpy(), "grads": grads}
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ulysses_equals_the_whole_sequence_in_one_process(cp):
-    res = run_gloo(_cp_worker, cp, timeout=300)
-    model = _model()
+@pytest.mark.parametrize("attention, cp, heads", [("ulysses", 2, (4, 2)), ("ulysses", 4, (4, 2)),
+                                                  ("ring", 4, (2, 1))],
+                         ids=["ulysses-cp2", "ulysses-cp4", "ring-cp4-past-the-heads"])
+def test_cp_attention_equals_the_whole_sequence_in_one_process(attention, cp, heads):
+    """Ulysses (cp 2, 4: heads exchanged; cp 4 past the 2 key/value heads, repeated) and ring attention at cp 4 on
+    a model of 2 query heads and 1 key/value head — past both, which Ulysses refuses: the log-probs, entropies and
+    every parameter's gradient of the whole sequence in one process."""
+    res = run_gloo(_cp_worker, cp, attention, heads, timeout=300)
+    from hyperrl.models import tiny_qwen3
+
+    model = _model() if heads == (4, 2) else tiny_qwen3(V, hidden=32, layers=2, heads=heads[0], kv_heads=heads[1],
+                                                        head_dim=16, intermediate=64, seed=5)
     tokens, attn, weights = _data()
     logits = model(input_ids=tokens, attention_mask=attn.long()).logits
     lp, ent = _lp_ent(logits[:, :-1], tokens[:, 1:])
@@ -77,8 +89,70 @@ def test_ulysses_equals_the_whole_sequence_in_one_process(cp):
         for name, p in model.named_parameters():
             g = torch.from_numpy(out["grads"][name])
             gaps["grad"] = max(gaps["grad"], float((g - p.grad).abs().max()) / float(p.grad.abs().max()))
-    print(f"cp={cp}: max gaps {gaps}")
+    print(f"{attention} cp={cp} heads={heads}: max gaps {gaps}")
     assert gaps["lp"] < 1e-5 and gaps["ent"] < 1e-5 and gaps["grad"] < 1e-5
+
+
+def _ring_cases_worker(rank, world):
+    """Ring attention's kernel against SDPA with the same mask over random cases (one seed each, the same on every
+    rank): grouped heads, odd lengths, packed segments, several query-row blocks; each rank its zigzag rows."""
+    import torch.distributed as dist
+
+    import hyperrl.distributed.ring_attention as ra
+    from hyperrl.distributed.context_parallel import layout_index
+
+    ra._ROWS = 3  # several row blocks per rank, some of them skipped (all keys after the queries)
+    gaps = []
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        B, hk = int(torch.randint(1, 3, (), generator=g)), int(torch.randint(1, 3, (), generator=g))
+        h, D = hk * int(torch.randint(1, 4, (), generator=g)), 8
+        S = 2 * world * int(torch.randint(1, 5, (), generator=g))
+        q, dout = torch.randn(B, h, S, D, generator=g, dtype=torch.float64), torch.randn(B, h, S, D, generator=g)
+        k, v = (torch.randn(B, hk, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+        seg = torch.randint(0, 3, (B, S), generator=g).sort(-1).values if seed % 2 else None
+        idx = layout_index(S, world, "zigzag")
+        mine = idx[rank]
+        lq, lk, lv = (t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v))
+        out = ra.ring_attention_kernel(lq, lk, lv, dist.group.WORLD, idx, seg)
+        out.backward(dout[:, :, mine].to(out.dtype))
+        fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+        mask = torch.ones(S, S, dtype=torch.bool).tril()[None]
+        if seg is not None:
+            mask = mask & (seg[:, :, None] == seg[:, None, :])
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            fq, fk.repeat_interleave(h // hk, 1), fv.repeat_interleave(h // hk, 1), attn_mask=mask[:, None])
+        ref.backward(dout.to(ref.dtype))
+        dk, dv = lk.grad.clone(), lv.grad.clone()
+        out = out.detach()
+        gaps.append(max(float((out - ref[:, :, mine]).abs().max()), float((lq.grad - fq.grad[:, :, mine]).abs().max()),
+                        float((dk - fk.grad[:, :, mine]).abs().max()), float((dv - fv.grad[:, :, mine]).abs().max())))
+    return gaps
+
+
+def test_ring_attention_kernel_equals_masked_attention_on_odd_rings():
+    """3 ranks (an odd ring), 12 random cases in float64: outputs and the gradients of q, k, v of each rank's zigzag
+    rows equal SDPA's with the causal (and packed-segment) mask over the whole sequence."""
+    res = run_gloo(_ring_cases_worker, 3, timeout=240)
+    worst = max(max(g) for g in res.values())
+    print(f"ring kernel: max gap {worst:.2e}")
+    assert worst < 1e-10
+
+
+def test_zigzag_layout_gives_each_rank_equal_causal_work_and_gathers_back():
+    """The load-balanced split: rank r holds chunks r and 2·cp − 1 − r, every position exactly once, and the causal
+    pairs (query, key ≤ query) each rank's queries cover are equal across ranks."""
+    from hyperrl.distributed.context_parallel import layout_index
+
+    for cp, total in ((2, 8), (3, 12), (4, 32)):
+        idx = layout_index(total, cp, "zigzag")
+        assert sorted(idx.flatten().tolist()) == list(range(total))
+        work = [int((i + 1).sum()) for i in idx]  # query at position p sees p + 1 keys
+        assert len(set(work)) == 1, work
+        c = total // (2 * cp)
+        assert idx[0, :c].tolist() == list(range(c)) and idx[0, c:].tolist() == list(range(total - c, total))
+    with pytest.raises(ValueError, match="do not cut into 4 ranks' zigzag slices"):
+        layout_index(12, 4, "zigzag")
 
 
 def _heads_worker(rank, world):
@@ -89,17 +163,27 @@ def _heads_worker(rank, world):
 
     model = context_parallel(tiny_qwen3(V, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1),
                              dist.group.WORLD)
+    said = []
     local, pos, _ = split_sequence(_data()[0], dist.group.WORLD)
     try:
         model(input_ids=local, position_ids=pos)
+        said.append("accepted")
     except ValueError as e:
-        return str(e)
-    return "accepted"
+        said.append(str(e))
+    try:
+        split_sequence(_data()[0][:, :5], dist.group.WORLD, layout="zigzag")
+        said.append("accepted")
+    except ValueError as e:
+        said.append(str(e))
+    return said
 
 
-def test_cp_that_does_not_divide_the_heads_is_refused():
-    assert run_gloo(_heads_worker, 4, timeout=120)[0] == "run.cp=4: must divide the attention heads (2) — Ulysses " \
-                                                         "splits heads over ranks"
+def test_cp_that_does_not_divide_the_heads_and_a_sequence_shorter_than_the_ring_are_refused():
+    said = run_gloo(_heads_worker, 4, timeout=120)[0]
+    assert said[0] == "run.cp=4: must divide the attention heads (2) — Ulysses splits heads over ranks; " \
+                      "run.cp_attention=ring takes any cp"
+    assert said[1] == "a sequence of 5 tokens is shorter than ring attention's 8 blocks (2 × run.cp=4): some rank " \
+                      "would hold padding only; lower run.cp or use run.cp_attention=ulysses"
 
 
 # ---------------------------------------------------------------- the trainer with run.cp (the embedded default)
@@ -123,18 +207,22 @@ def _grad_worker(rank, world, out_dir, extra):
 
 
 @pytest.mark.parametrize("cp, extra", [(4, []), (2, []), (2, ["--optim.pack_tokens=4096", "--model.lora={r: 4}"]),
-                                       (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256"]),
+                                       (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256",
+                                            "--algo.advantage=gae"]),
                                        (2, ["--optim.fused_head=on", "TEACHER", "--algo.distill.coef=1.0"]),
-                                       (4, ["--model.gradient_checkpointing=true"])],
-                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed-lora", "cp4-reference-micro",
-                              "cp2xdp2-fused-head-teacher", "cp4-checkpointing"])
+                                       (4, ["--run.cp_attention=ring", "--model.gradient_checkpointing=true",
+                                            "--optim.pack_tokens=4096"])],
+                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed-lora", "cp4-reference-micro-critic",
+                              "cp2xdp2-fused-head-teacher", "cp4-ring-checkpointing-packed"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
-    rank — plain, packed with LoRA adapters, with a reference model's KL and micro-batches, with the fused LM head
+    rank (the policy's and a critic's) — plain, packed with LoRA adapters, with a reference model's KL, micro-batches
+    and a critic (GAE: its values sliced as the log-probs; its gradient compared too), with the fused LM head
     (whose one-process gradient equals the unfused one's: tests/loop/test_fused_head.py) and a distillation teacher
-    (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on them), and with gradient
-    checkpointing (the Ulysses exchanges replayed in recompute)."""
+    (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on them), and ring attention
+    (zigzag rows, keys and values passed round the 4 ranks) with gradient checkpointing (the ring replayed in
+    recompute) on a packed sequence (attention within each row)."""
     if "TEACHER" in extra:
         from tests.loop.test_distill import _teacher
 
@@ -148,6 +236,8 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
                                                   [[0, 2, 4, 6]] * 2 + [[1, 3, 5, 7]] * 2)
     assert abs(res[0]["reward"] - m["reward_mean"]) < 1e-6 and abs(res[0]["loss"] - m["loss_policy"]) < 1e-5
     assert set(res[0]["grads"]) == set(one) and len(one) > 10
+    if "--algo.advantage=gae" in extra:  # the critic's head gradient Σ (v − R)·h reads the CP forward's hidden states
+        assert float(one["critic.head.weight"].abs().max()) > 0
     # (LoRA's A matrices get no gradient at the first step — B starts at 0 — : an absolute gap there)
     gap = max(float((torch.from_numpy(res[0]["grads"][k]) - v).abs().max()) / (float(v.abs().max()) or 1.0)
               for k, v in one.items())
@@ -162,7 +252,6 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
     (["--run.cp=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
      r"run.cp=2 with run.tp=2: context parallelism is not composed"),
     (["--run.cp=2", "--model.experts=8"], r"run.cp=2: context parallelism trains a dense policy without a mixture"),
-    (["--run.cp=2", "--algo.advantage=gae"], r"run.cp=2: context parallelism trains a dense policy without a critic"),
 ])
 def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
     from hyperrl.config import ConfigError, load_config
@@ -170,6 +259,33 @@ def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")  # the world torchrun would give
     with pytest.raises(ConfigError, match=msg):
         load_config(None, over)
+
+
+def test_ring_attention_takes_a_cp_past_the_heads_and_ulysses_past_the_kv_heads_warns(tmp_path, monkeypatch):
+    """cp = 4 on 2 query heads: refused for Ulysses (naming ring), accepted for ring; Ulysses at cp 4 over 2 key/value
+    heads (the default tiny model's) is accepted with a warning naming ring, once the model is built."""
+    from types import SimpleNamespace
+
+    from hyperrl.config import ConfigError, load_config
+    from hyperrl.config.built import check_built
+    from hyperrl.data.tasks import TaskLimits
+    from hyperrl.distributed import ParallelDims
+    from hyperrl.models import tiny_qwen3
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    small = ["--run.cp=4", "--model.heads=2", "--model.kv_heads=1"]
+    with pytest.raises(ConfigError, match="set run.cp_attention=ring"):
+        load_config(None, small)
+    assert load_config(None, [*small, "--run.cp_attention=ring"]).run.cp_attention == "ring"
+    with pytest.raises(ConfigError, match="cp_attention"):
+        load_config(None, ["--run.cp_attention=rings"])
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--run.cp=4"])
+    task = SimpleNamespace(limits=lambda: TaskLimits(longest_prompt=6))
+    model = tiny_qwen3(40, hidden=32, layers=1, heads=4, kv_heads=2, head_dim=16, seed=1)
+    with pytest.warns(RuntimeWarning, match=r"goes past the key/value heads .*run.cp_attention=ring exchanges"):
+        check_built(cfg, task=task, policy=model, dims=ParallelDims(world=4, cp=4))
+    two = tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1)
+    check_built(cfg, task=task, policy=two, dims=ParallelDims(world=4, cp=4, cp_attention="ring"))  # accepted
 
 
 def test_a_family_without_a_cp_plan_and_a_checkpoint_whose_heads_cp_does_not_divide_are_refused_at_build(tmp_path):
