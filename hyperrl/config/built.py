@@ -52,15 +52,12 @@ def check_teachers(teachers: dict, dims) -> None:
 
 
 def _check_context_parallel(policy, cp: int, who: str | None = None, attention: str = "ulysses") -> None:
-    """``run.cp > 1``: Ulysses or ring attention needs transformers' attention interface and a dense policy;
-    Ulysses heads that ``cp`` divides."""
+    """``run.cp > 1``: Ulysses or ring attention needs transformers' attention interface; Ulysses heads that ``cp``
+    divides."""
     name = who or type(policy).__name__
     if not getattr(policy, "_supports_attention_backend", False):
         raise ConfigError(f"run.cp={cp}: {name} has no context-parallel plan (its attention does not use "
                           f"transformers' attention interface, which {attention} attention plugs into); set run.cp=1")
-    if is_moe(policy):
-        raise ConfigError(f"run.cp={cp}: {name} is a mixture of experts — context parallelism trains a dense "
-                          "policy yet; set run.cp=1")
     if attention != "ulysses":
         return
     heads = policy.config.num_attention_heads

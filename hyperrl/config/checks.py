@@ -258,7 +258,7 @@ def check_combinations(cfg: TrainConfig) -> None:
     _check_vision(cfg, needs, caps)
     _check_replay(cfg, caps)
     _check_ep(cfg, world)
-    _check_cp(cfg, world, needs)
+    _check_cp(cfg, world)
     _check_async(cfg, caps, needs, world)
 
 
@@ -321,11 +321,11 @@ def _check_ep(cfg: TrainConfig, world: int) -> None:
     _dims(world, tp=cfg.run.tp, ep=ep)
 
 
-def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
+def _check_cp(cfg: TrainConfig, world: int) -> None:
     """``run.cp``: it slices every sequence over ranks of this world — Ulysses attention splits the attention heads
     (``cp`` must divide them; past the key/value heads they are repeated — warned once the model is built,
-    :mod:`hyperrl.config.built`), ring attention any ``cp`` — a
-    dense policy alone, without tensor or expert parallelism (not composed yet)."""
+    :mod:`hyperrl.config.built`), ring attention any ``cp`` — a dense policy or a mixture of experts (routes sliced
+    with the sequence), a critic; without tensor or expert parallelism (not composed yet: :class:`ParallelDims`)."""
     cp, m = cfg.run.cp, cfg.model
     if cp == 1:
         return
@@ -335,12 +335,6 @@ def _check_cp(cfg: TrainConfig, world: int, needs) -> None:
         if m.heads % cp:
             raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
                               "the cp ranks — set run.cp_attention=ring (any cp) or a cp that divides the heads")
-    why = [w for w, bad in (("a mixture of experts (model.experts)", m.checkpoint is None and m.experts),
-                            ("algo.routing_replay", cfg.algo.routing_replay != "none"),
-                            ) if bad]
-    if why:
-        raise ConfigError(f"{said}: context parallelism trains a dense policy without {', '.join(why)} yet; set "
-                          "run.cp=1 or drop them")
 
 
 def _warn_kv_heads(said: str, kv_heads: int, cp: int, what: str) -> None:

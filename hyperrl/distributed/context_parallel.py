@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ulysses_attention", "ring_attention", "context_parallel", "sequence_layout", "layout_index",
-           "split_sequence", "gather_sequence", "CP_ATTENTION"]
+           "split_sequence", "gather_sequence", "gather_tokens", "CP_ATTENTION"]
 
 CP_ATTENTION = ("ulysses", "ring")  # run.cp_attention
 _GROUPS: dict[int, object] = {}  # id(model config) → its cp process group
@@ -174,3 +174,12 @@ def gather_sequence(x: torch.Tensor, group, T: int, layout: str = "contiguous") 
     if layout != "contiguous":
         seq = seq.index_select(1, layout_index(cp * n, cp, layout, x.device).flatten().argsort())
     return seq[:, :T]
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """``x [N, …]`` of every rank of ``group`` concatenated along dim 0 in rank order (differentiable: the backward
+    hands each rank its rows' gradient, summed over the ranks) — e.g. a mixture's router logits of each rank's
+    slice, for a term over all the sequence's tokens."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
+
+    return wait_tensor(all_gather_single_autograd(x.contiguous(), gather_dim=0, group=group))

@@ -38,7 +38,9 @@ class RouteReplay:
     ``routing``, a :class:`hyperrl.models.Routing`) and, with ``force``, routed by; ``None`` captures
     only. After the pass ``captured [B, T, L, k]`` (int16) holds the experts every token ran (−1
     where no call ran it: a row's last token, padding). The forwards below map each model call's
-    ``N`` tokens to batch positions with ``src [B, T]`` (the call's token index, −1 = not in it)."""
+    ``N`` tokens to batch positions with ``src [B, T]`` (the call's token index, −1 = not in it); a call over a
+    context-parallel ``group`` (each rank a slice of the sequence) merges the ranks' captures and agreement counts
+    afterwards, so every rank holds the whole batch's."""
 
     def __init__(self, routing, batch: TensorDict, routes: torch.Tensor | None = None, force: bool = False):
         B, Tn = batch["tokens"].shape
@@ -46,19 +48,31 @@ class RouteReplay:
         self.captured = torch.full((B, Tn, routing.layers, routing.top_k), -1, dtype=torch.int16)
 
     @contextlib.contextmanager
-    def call(self, src: torch.Tensor, n: int):
+    def call(self, src: torch.Tensor, n: int, group=None):
         valid = src >= 0
         ref = None
         if self.routes is not None:
             ref = torch.full((n, self.routing.layers, self.routing.top_k), -1, dtype=torch.int16)
             ref[src[valid].cpu()] = self.routes[valid].to("cpu", torch.int16)  # a shared prompt: its rows agree
-        with self.routing.call(ref, force=self.force):
+        r = self.routing
+        before = torch.cat([r.agree, r.counted[None], r.all_agree[None]])
+        with r.call(ref, force=self.force):
             yield
-        self.captured[valid.cpu()] = self.routing.used[src[valid].cpu()]
+        self.captured[valid.cpu()] = r.used[src[valid].cpu()]
+        if group is not None:  # the cp ranks' slices: each position captured by one rank (−1 on the others)
+            import torch.distributed as dist
+
+            both = torch.cat([self.captured.flatten().int(),
+                              torch.cat([r.agree, r.counted[None], r.all_agree[None]]).int() - before.int()])
+            dist.all_reduce(both[:self.captured.numel()], op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(both[self.captured.numel():], group=group)
+            self.captured = both[:self.captured.numel()].view(self.captured.shape).to(torch.int16)
+            delta = both[self.captured.numel():].long()
+            r.agree, r.counted, r.all_agree = before[:-2] + delta[:-2], before[-2] + delta[-2], before[-1] + delta[-1]
 
 
-def _call(replay: RouteReplay | None, src: torch.Tensor, n: int):
-    return contextlib.nullcontext() if replay is None else replay.call(src, n)
+def _call(replay: RouteReplay | None, src: torch.Tensor, n: int, group=None):
+    return contextlib.nullcontext() if replay is None else replay.call(src, n, group)
 
 
 def _head_out(model, fused: bool, **kw):
@@ -239,7 +253,7 @@ def _right_padded(attn: torch.Tensor, who: str, fix: str) -> torch.Tensor:
 
 
 def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature: float, group, *,
-                                          packed: bool = False, fused: bool = False):
+                                          packed: bool = False, fused: bool = False, replay: RouteReplay | None = None):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each rank of the context-parallel
     ``group`` (``cp`` ranks, the same ``batch`` on each) running its slice of every sequence
     (:mod:`hyperrl.distributed.context_parallel`: Ulysses or ring attention over the whole sequence; ``model``
@@ -248,7 +262,11 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     and the ``[B, T]`` results are gathered (differentiable: the backward reduce-scatters, summing the
     ``cp`` ranks' identical losses' gradients). ``packed``: the rows' real tokens concatenated into one
     sequence (positions restarting at 0, attention within each row; :func:`packed_logprobs_and_entropy`'s
-    padding-free forward), exactly one model call — ranks stay in step. Rows must be right-padded."""
+    padding-free forward), exactly one model call — ranks stay in step. Rows must be right-padded. ``replay``: a
+    mixture of experts' routes (:class:`RouteReplay`), sliced with the sequence — each rank replays / captures its
+    own tokens' and the captures are merged over ``group``; the call's ``attention_mask`` marks its real tokens
+    (the attention ignores it — the mask is built over the whole sequence — but a :class:`~hyperrl.models.RouterTap`
+    reads it)."""
     from hyperrl.distributed.context_parallel import (
         gather_sequence,
         layout_index,
@@ -270,11 +288,23 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     N = ids.shape[1]
     layout = sequence_layout(model)  # contiguous slices (Ulysses) or zigzag (ring attention)
     local, lpos, Np = split_sequence(ids, group, position_ids=pos, layout=layout)
-    mine = layout_index(Np, cp, layout, tokens.device)[r]
+    mine = layout_index(Np, cp, layout, tokens.device)[r]  # this rank's positions of the (packed) sequence
     targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, mine]
     # packed: the segment ids reach the attention as a keyword argument (gradient checkpointing's recompute too)
     seg_kw = {"cp_segments": pad(seg, (0, Np - N), value=B)} if packed else {}
-    logits = _head_out(model, fused, input_ids=local, position_ids=lpos, use_cache=False, **seg_kw).logits  # [B, n, V]
+    n = len(mine)
+    held = mine < N  # this rank's positions that are the sequence's (not the padding to a multiple of cp)
+    real = held[None].expand(local.shape[0], -1) if packed else pad(attn[:, :-1], (0, Np - N))[:, mine]
+    src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)  # batch position → this call's token
+    j = held.nonzero(as_tuple=True)[0]
+    if packed:
+        src[rows[mine[j]], cols[mine[j]]] = j
+    else:
+        src[:, mine[j]] = torch.arange(B, device=tokens.device)[:, None] * n + j[None]
+        src = torch.where(attn, src, -1)
+    with _call(replay, src, local.numel(), group):
+        logits = _head_out(model, fused, input_ids=local, position_ids=lpos, attention_mask=real.long(),
+                           use_cache=False, **seg_kw).logits  # [B, n, V]
     lp, ent = _lp_ent(model, logits, targets, temperature, fused)
     lp, ent = gather_sequence(lp, group, N, layout), gather_sequence(ent, group, N, layout)
     if not packed:

@@ -11,6 +11,7 @@ with the bit-exact gate, …).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -63,9 +64,9 @@ class Forwards:
             replay = RouteReplay(routing, batch, batch[key] if key is not None else None, force)
         fused = use_fused_head(self.cfg.optim.fused_head, model)  # no [B, T, V] logits
         with self.amp():
-            if self.parallel.cp > 1:  # each rank a slice of every sequence (routes refused at load)
+            if self.parallel.cp > 1:  # each rank a slice of every sequence (a mixture's routes sliced with it)
                 out = context_parallel_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
-                                                            self.parallel.cp_group,
+                                                            self.parallel.cp_group, replay=replay,
                                                             packed=bool(self.cfg.optim.pack_tokens), fused=fused)
             elif self.cfg.optim.pack_tokens:
                 out = packed_logprobs_and_entropy(model, batch, self.cfg.rollout.temperature,
@@ -187,4 +188,8 @@ class Preparer:
         self.routes.routing.reset()
         with RouterTap(self.policy) as tap:
             lp, ent, _ = f.logprobs(self.policy, part, routes)
+        if f.parallel.cp > 1:  # each rank tapped its slice's tokens: the load-balancing term needs all
+            from hyperrl.distributed.context_parallel import gather_tokens
+
+            return PolicyOut(lp, ent, tap.snapshot(functools.partial(gather_tokens, group=f.parallel.cp_group)))
         return PolicyOut(lp, ent, tap)

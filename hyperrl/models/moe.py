@@ -13,11 +13,25 @@ rollout engines import too) and are re-exported here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hyperrl.routing import Routing, check_routes, is_moe, moe_routers, replay_weights
 
-__all__ = ["moe_routers", "is_moe", "RouterTap", "Routing", "replay_weights", "check_routes"]
+__all__ = ["moe_routers", "is_moe", "RouterTap", "TappedRouters", "Routing", "replay_weights", "check_routes"]
+
+
+@dataclass(frozen=True)
+class TappedRouters:
+    """What a :class:`RouterTap` recorded, as values: every router's logits ``[N, E]``, the tokens' ``mask`` ``[N]``
+    (or None), ``top_k`` and ``num_experts`` — e.g. gathered over the context-parallel ranks
+    (:meth:`RouterTap.snapshot`)."""
+
+    logits: list
+    mask: torch.Tensor | None
+    top_k: int
+    num_experts: int
 
 
 class RouterTap:
@@ -70,3 +84,12 @@ class RouterTap:
             return None
         return torch.cat([m if m is not None else torch.ones(x[0].shape[0], dtype=torch.bool, device=x[0].device)
                           for x, m in calls])
+
+    def snapshot(self, gather=None) -> TappedRouters:
+        """The tapped logits and mask as a :class:`TappedRouters`, each passed through ``gather`` (``[N, …] → [M,
+        …]``, differentiable — e.g. the context-parallel ranks' tokens concatenated) when given."""
+        logits, mask = self.logits, self.mask
+        if gather is not None:
+            logits = [gather(x) for x in logits]
+            mask = None if mask is None else gather(mask.to(torch.uint8)).bool()
+        return TappedRouters(logits, mask, self.top_k, self.num_experts)

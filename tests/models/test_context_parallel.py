@@ -155,6 +155,63 @@ def test_zigzag_layout_gives_each_rank_equal_causal_work_and_gathers_back():
         layout_index(12, 4, "zigzag")
 
 
+def _moe_batch():
+    from tensordict import TensorDict
+
+    tokens, attn, _ = _data()
+    act = attn & (torch.arange(T)[None] >= 4)
+    return TensorDict({"tokens": tokens, "attention_mask": attn.long(), "action_mask": act}, batch_size=[B])
+
+
+def _moe_worker(rank, world, attention):
+    """The captured routes and the router tap's tokens of a CP forward (each rank its slice), merged over the ranks."""
+    import torch.distributed as dist
+
+    from hyperrl.distributed.context_parallel import context_parallel
+    from hyperrl.loop.forward import RouteReplay, context_parallel_logprobs_and_entropy
+    from hyperrl.models import RouterTap, Routing, tiny_qwen3_moe
+
+    model = context_parallel(tiny_qwen3_moe(V, experts=4, seed=3), dist.group.WORLD, attention)
+    out = {}
+    for packed in (False, True):
+        routing = Routing(model)
+        replay = RouteReplay(routing, _moe_batch())
+        with RouterTap(model) as tap:
+            lp, _ = context_parallel_logprobs_and_entropy(model, _moe_batch(), 1.0, dist.group.WORLD, packed=packed,
+                                                          replay=replay)
+        out[packed] = {"captured": replay.captured.numpy(), "lp": lp.detach().numpy(), "tapped": int(tap.mask.sum()),
+                       "counted": int(routing.counted)}
+    return out
+
+
+@pytest.mark.parametrize("attention", ["ulysses", "ring"])
+def test_a_mixtures_routes_are_sliced_with_the_sequence_and_merged(attention):
+    """A Qwen3-MoE on 2 gloo ranks (padded and packed, Ulysses and ring's zigzag rows): every rank's merged capture
+    equals one process's plain forward's routes at every token it ran, −1 elsewhere; the log-probs equal; the router
+    tap marked exactly the real tokens of the slice (their sum over ranks = the one-process forward's)."""
+    from hyperrl.loop.forward import RouteReplay, plain_logprobs_and_entropy
+    from hyperrl.models import RouterTap, Routing, tiny_qwen3_moe
+
+    res = run_gloo(_moe_worker, 2, attention, timeout=240)
+    model = tiny_qwen3_moe(V, experts=4, seed=3)
+    replay = RouteReplay(Routing(model), _moe_batch())
+    with RouterTap(model):
+        lp, _ = plain_logprobs_and_entropy(model, _moe_batch(), 1.0, replay)
+    want = replay.captured
+    assert int((want >= 0).all(-1).all(-1).sum()) == int(_moe_batch()["attention_mask"][:, :-1].sum())
+    for packed in (False, True):
+        for rank in (0, 1):
+            got = res[rank][packed]
+            assert torch.equal(torch.from_numpy(got["captured"])[:, :-1], want[:, :-1])
+            act = _moe_batch()["action_mask"]
+            assert float((torch.from_numpy(got["lp"]) - lp.detach())[act].abs().max()) < 1e-5
+        # the padded forward runs each row's T − 1 first positions, the packed one every real token
+        attn = _moe_batch()["attention_mask"]
+        real = attn.sum() - (0 if packed else int(attn[:, -1].sum()))
+        assert res[0][packed]["tapped"] + res[1][packed]["tapped"] == int(real)
+        assert res[0][packed]["counted"] == 0  # no reference routes: nothing compared
+
+
 def _heads_worker(rank, world):
     import torch.distributed as dist
 
@@ -206,19 +263,25 @@ def _grad_worker(rank, world, out_dir, extra):
             "rows": tr.parallel.shard(list(range(8))), "loss": m["loss_policy"]}
 
 
-@pytest.mark.parametrize("cp, extra", [(4, []), (2, []), (2, ["--optim.pack_tokens=4096", "--model.lora={r: 4}"]),
+@pytest.mark.parametrize("cp, extra", [(4, ["--model.experts=4", "--algo.routing_replay=r2",
+                                            "--optim.shared_prefix=false"]),
+                                       (2, ["--optim.pack_tokens=4096", "--model.lora={r: 4}"]),
                                        (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256",
                                             "--algo.advantage=gae"]),
                                        (2, ["--optim.fused_head=on", "TEACHER", "--algo.distill.coef=1.0"]),
                                        (4, ["--run.cp_attention=ring", "--model.gradient_checkpointing=true",
                                             "--optim.pack_tokens=4096"])],
-                         ids=["cp4", "cp2xdp2", "cp2xdp2-packed-lora", "cp4-reference-micro-critic",
+                         ids=["cp4-moe-replay", "cp2xdp2-packed-lora", "cp4-reference-micro-critic",
                               "cp2xdp2-fused-head-teacher", "cp4-ring-checkpointing-packed"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
-    rank (the policy's and a critic's) — plain, packed with LoRA adapters, with a reference model's KL, micro-batches
-    and a critic (GAE: its values sliced as the log-probs; its gradient compared too), with the fused LM head
+    rank (the policy's and a critic's) — a mixture of experts with routing replay (R2: the old pass's routes, each
+    rank capturing its slice's tokens, merged, then replayed by the update; the load-balancing term over the
+    gathered router logits — one cp group, so the term's token set is the one process's: the term is not linear in
+    its tokens, and data-parallel shares take it per share with or without CP), packed with LoRA adapters, with a
+    reference model's KL, micro-batches and a critic (GAE: its values sliced as the log-probs; its gradient compared
+    too), with the fused LM head
     (whose one-process gradient equals the unfused one's: tests/loop/test_fused_head.py) and a distillation teacher
     (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on them), and ring attention
     (zigzag rows, keys and values passed round the 4 ranks) with gradient checkpointing (the ring replayed in
@@ -251,7 +314,6 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
     (["--run.cp=4", "--model.heads=2", "--model.kv_heads=1"], r"run.cp=4 does not divide model.heads=2"),
     (["--run.cp=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
      r"run.cp=2 with run.tp=2: context parallelism is not composed"),
-    (["--run.cp=2", "--model.experts=8"], r"run.cp=2: context parallelism trains a dense policy without a mixture"),
 ])
 def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
     from hyperrl.config import ConfigError, load_config
