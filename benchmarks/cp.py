@@ -10,10 +10,12 @@ memory (the increase) on the largest rank, its ratio to ``cp = 1``, and the upda
 machine's 2 cores ``cp`` processes share them: the time ratio is an upper bound). ``--vocab`` replaces the
 task's tokenizer-sized vocabulary by a real one (a checkpoint is written), where the ``[B, T, V]`` logits
 dominate. ``--fused off on``: the LM head unfused and fused with the log-prob (``optim.fused_head``), side by side;
-``--response`` and ``--checkpointing`` take several values too (every combination runs). Appends to RESULTS.md.
+``--response``, ``--checkpointing`` and ``--attention`` (``run.cp_attention``: ulysses / ring, at ``cp > 1``) take
+several values too (every combination runs). Appends to RESULTS.md.
 
     python benchmarks/cp.py --cp 1 2 4 --response 4096
     python benchmarks/cp.py --cp 1 --response 8192 --vocab 151936 --fused off on
+    python benchmarks/cp.py --cp 1 4 --response 8192 --attention ulysses ring
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main():
     ap.add_argument("--fused", nargs="+", default=["off"], choices=["off", "on"], help="optim.fused_head")
     ap.add_argument("--checkpointing", nargs="+", default=["off"], choices=["off", "on"],
                     help="model.gradient_checkpointing")
+    ap.add_argument("--attention", nargs="+", default=["ulysses"], choices=["ulysses", "ring"],
+                    help="run.cp_attention (cp > 1)")
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -99,29 +103,30 @@ def main():
 
             char_tokenizer().save_pretrained(ckpt)  # the task's tokenizer beside the wider embedding
             model = [f"--model.checkpoint={ckpt}"]
-        combos = [(R, f, g, cp) for R in args.response for f in args.fused for g in args.checkpointing
-                  for cp in args.cp]
+        combos = [(R, f, g, cp, a if cp > 1 else "-") for R in args.response for f in args.fused
+                  for g in args.checkpointing for cp in args.cp for a in (args.attention if cp > 1 else ["-"])]
         res = {}
-        for R, f, g, cp in combos:
-            extra = [*model, f"--optim.fused_head={f}", f"--model.gradient_checkpointing={g == 'on'}", *args.extra]
-            res[R, f, g, cp] = _run(cp, f"{tmp}/{R}-{f}-{g}-cp{cp}", args.rows, R, extra)
+        for R, f, g, cp, a in combos:
+            extra = [*model, f"--optim.fused_head={f}", f"--model.gradient_checkpointing={g == 'on'}",
+                     *([f"--run.cp_attention={a}"] if cp > 1 else []), *args.extra]
+            res[R, f, g, cp, a] = _run(cp, f"{tmp}/{R}-{f}-{g}-cp{cp}-{a}", args.rows, R, extra)
     own = {k: max(r["peak_mib"] - r["built_mib"] for r in rs) for k, rs in res.items()}
     t = {k: max(r["update_s"] for r in rs) for k, rs in res.items()}
     rows = []
     for k in combos:
-        R, f, g, cp = k
-        base = (R, args.fused[0], args.checkpointing[0], args.cp[0])  # the first combination at this length
-        rows.append([R, f, g, cp, len(res[k]), round(max(r["built_mib"] for r in res[k])), round(own[k]),
+        R, f, g, cp, a = k
+        base = next(c for c in combos if c[0] == R)  # the first combination at this length
+        rows.append([R, f, g, cp, a, len(res[k]), round(max(r["built_mib"] for r in res[k])), round(own[k]),
                      f"{own[k] / own[base]:.2f}", f"{t[k]:.1f}", f"{t[k] / t[base]:.2f}", f"{res[k][0]['loss']:.6f}"])
     vocab = f"vocabulary {args.vocab:,}" if args.vocab else "the arith tokenizer's vocabulary"
     body = (f"One update (prepare + update: forward, backward, AdamW) of a random tiny Qwen3 (hidden {args.hidden}, "
             f"{args.layers} layers, {args.heads} heads, {vocab}) on {args.rows} rows of an 8-token prompt + "
             "response of each length; fused head: optim.fused_head; checkpointing: model.gradient_checkpointing; "
-            "cp > 1: torchrun, one context-parallel group (Ulysses attention), each rank a 1/cp slice of every "
-            "sequence; the step's own memory = peak RSS − RSS after build, largest rank; ratios against the first "
-            "row of the same length; time: the update's wall seconds (cp processes share 2 cores)\n\n"
-            + table(["response", "fused head", "checkpointing", "cp", "ranks", "after build MiB", "step's own MiB",
-                     "memory ratio", "update s", "time ratio", "loss"], rows))
+            "cp > 1: torchrun, one context-parallel group (attention: run.cp_attention), each rank a 1/cp slice of "
+            "every sequence; the step's own memory = peak RSS − RSS after build, largest rank; ratios against the "
+            "first row of the same length; time: the update's wall seconds (cp processes share 2 cores)\n\n"
+            + table(["response", "fused head", "checkpointing", "cp", "attention", "ranks", "after build MiB",
+                     "step's own MiB", "memory ratio", "update s", "time ratio", "loss"], rows))
     print(body)
     append_results("context parallelism: the update's memory per rank at a long response", body)
 

@@ -18,7 +18,7 @@ def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = Fal
     _check_budget(cfg, task)
     if dims is not None and dims.ep > 1:
         _check_expert_parallel(cfg, policy, critic, dims.ep)
-    elif dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
+    if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
         _check_context_parallel(policy, dims.cp, attention=dims.cp_attention)
     _check_context(cfg, task, policy)
 

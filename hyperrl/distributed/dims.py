@@ -35,7 +35,7 @@ class ParallelDims:
     :meth:`expert_mesh`). ``tp`` consecutive ranks
     form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
     every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`, attention by ``cp_attention``;
-    with ``tp = ep = 1``);
+    with ``tp = 1``; with ``ep``, an ``ep`` group pools the tokens of its ranks' slices);
     ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
     every rank all the same). The rules (each size divides what it splits; what composes with what) are checked
     here, once — the config's checks build this value to check them at load. :meth:`mesh` builds the device mesh
@@ -54,10 +54,9 @@ class ParallelDims:
                 raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
         if self.cp_attention not in ("ulysses", "ring"):
             raise ValueError(f"run.cp_attention={self.cp_attention!r}: ulysses or ring")
-        if self.cp > 1 and (self.tp > 1 or self.ep > 1):
-            other = f"run.tp={self.tp}" if self.tp > 1 else f"run.ep={self.ep}"
-            raise ValueError(f"run.cp={self.cp} with {other}: context parallelism is not composed with tensor or "
-                             "expert parallelism yet; use one of them")
+        if self.cp > 1 and self.tp > 1:
+            raise ValueError(f"run.cp={self.cp} with run.tp={self.tp}: context parallelism is not composed with "
+                             "tensor parallelism yet; use one of them")
         if self.world % self.cp:
             raise ValueError(f"run.cp={self.cp} does not divide the world size {self.world} (torchrun "
                              "--nproc-per-node)")
@@ -100,7 +99,7 @@ class ParallelDims:
         if key not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape, names = (self.dp // self.ep, self.ep), ("replica", "ep")
+            shape, names = (self.world // self.tp // self.ep, self.ep), ("replica", "ep")
             if self.tp > 1:
                 shape, names = (*shape, self.tp), (*names, "tp")
             self._meshes[key] = init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -143,31 +143,33 @@ def parallelize_models(models: Models, dims, parallel, *, device: torch.device, 
     """Every parallel dimension applied to the trainer's models, in one fixed order — the one place parallelism is
     applied (torchtitan's ``parallelize_llama``):
 
+    * ``cp > 1`` first: Ulysses or ring attention over ``cp`` (``dims.cp_attention``) for the policy, a reference
+      and a critic (:mod:`hyperrl.distributed.context_parallel`), on the plain modules;
     * ``ep > 1``: each sparse layer's experts split over groups of ``ep`` ranks
-      (:mod:`hyperrl.distributed.expert_parallel`), then the rest tensor-parallel by the family's plan
+      (:mod:`hyperrl.distributed.expert_parallel`; with ``cp``, an ``ep`` group pools its ranks' slices' tokens),
+      then the rest tensor-parallel by the family's plan
       (``tp > 1``) or FSDP2-sharded, the experts' gradients summed over their replicas by the strategy;
     * else ``tp > 1``: TP × FSDP2 by the family's plan (:data:`PARALLELIZE_PLANS`), the partial-gradient
       parameters summed over the TP group;
-    * else data parallel: Ulysses or ring attention over ``cp`` (``dims.cp_attention``) for the policy, a reference
-      and a critic (:mod:`hyperrl.distributed.context_parallel`), FSDP2 over every rank (a LoRA policy: the frozen
-      base replicated, its adapters' gradients all-reduced) and the critic FSDP2-sharded.
+    * else data parallel: FSDP2 over every rank (a LoRA policy: the frozen base replicated, its adapters' gradients
+      all-reduced) and the critic FSDP2-sharded.
 
     A reference stays a whole frozen copy on every rank. ``parallel``: the data-parallel strategy, told which
     gradients to reduce; checks that need the built models ran before
     (:func:`hyperrl.config.built.check_built`). Returns the models (the policy and critic wrapped)."""
     policy, critic = models.policy, models.critic
+    if dims.cp > 1 and dims.world > 1:  # before sharding: the plain modules' attention is swapped
+        from hyperrl.distributed.context_parallel import context_parallel
+
+        for model in (policy, models.reference, None if critic is None else critic.backbone):
+            if model is not None:
+                context_parallel(model, parallel.cp_group, dims.cp_attention)
     if dims.ep > 1:
         policy = _expert_parallel(policy, dims, parallel, device, dtype)
     elif dims.tp > 1:
         policy = tensor_parallel_model(policy, dims, device, dtype)
         parallel.sum_over_tp(tp_partial_params(policy))
     elif dims.world > 1:
-        if dims.cp > 1:  # before sharding: the plain modules' attention is swapped
-            from hyperrl.distributed.context_parallel import context_parallel
-
-            for model in (policy, models.reference, None if critic is None else critic.backbone):
-                if model is not None:
-                    context_parallel(model, parallel.cp_group, dims.cp_attention)
         if not lora:
             policy = fully_shard_model(policy, decoder_layers(policy), dims, device, dtype)
         else:  # the frozen base replicated, the adapters' gradients all-reduced (parallel.sync_grads)
@@ -181,7 +183,7 @@ def parallelize_teachers(teachers: dict, dims, parallel) -> dict:
     """Distillation teachers (no-grad, whole frozen copies on every rank) under ``cp > 1``: the policy's cp
     attention swapped in, so each rank runs its slice of every sequence as the policy does (their log-probs gathered
     the same way). Checked first (:func:`hyperrl.config.built.check_teachers`)."""
-    if dims.cp > 1 and dims.tp == 1 and dims.ep == 1 and dims.world > 1:
+    if dims.cp > 1 and dims.tp == 1 and dims.world > 1:
         from hyperrl.distributed.context_parallel import context_parallel
 
         for teacher in teachers.values():

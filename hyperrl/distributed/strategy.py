@@ -310,7 +310,9 @@ class TorchParallel(LocalParallel):
         if experts:
             from hyperrl.distributed.expert_parallel import sync_expert_grads
 
-            sync_expert_grads(experts, self._replicas, 1.0 / self.data_world)
+            # each loss carries loss_scale = data_world; under CP each token's gradient is also cp × its share (the
+            # gathered log-probs' backward sums the cp ranks' identical losses): ÷ (data_world · cp)
+            sync_expert_grads(experts, self._replicas, 1.0 / (self.data_world * self.cp))
         ps = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
         if not ps:
             return

@@ -159,15 +159,17 @@ def _one_process_grads(out_dir, extra):
 TP2 = ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"]
 
 
-@pytest.mark.parametrize("ep, extra, kl", [(4, [], False), (2, [], False),
+@pytest.mark.parametrize("ep, extra, kl", [(4, [], False), (2, ["--run.cp=2"], False),
                                            (2, ["--algo.kl.coef=0.05", "--algo.ppo_epochs=2"], True),
                                            (2, TP2, False), (1, TP2, False)],
-                         ids=["ep4", "ep2xdp2", "ep2xdp2-reference", "ep2xtp2", "tp2-moe"])
+                         ids=["ep4", "ep2xcp2", "ep2xdp2-reference", "ep2xtp2", "tp2-moe"])
 def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, ep, extra, kl):
     """4 processes, experts over ep (4, or 2 × 2 replicas), FSDP2 over the rest, each rank its own rows: the
     synced gradient equals one process's over the same 64 rows (the same prompts and samples: keyed sampling),
     on every rank — and with a reference model's KL (a whole copy on every rank; two epochs, so the second
-    gradient, recorded last, is taken away from the reference: the KL term's gradient is not 0). With tensor
+    gradient, recorded last, is taken away from the reference: the KL term's gradient is not 0). With context
+    parallelism (``ep2xcp2``: a cp group of 2 ranks — each a slice of every sequence of its rows — is an ep group,
+    its experts pooling both slices' tokens; 2 such groups, so dp 2). With tensor
     parallelism (tp 2 × dp 2, the TP engine serving each group's 4 experts a rank): attention split over tp,
     an ep group the 2 data-parallel ranks at one TP coordinate (``ep2xtp2``), or the experts whole on every rank
     of a TP group, FSDP-sharded over dp (``tp2-moe``). The load-balancing term is off here: computed per forward,
@@ -175,7 +177,7 @@ def test_the_ep_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
     next test."""
     extra = ["--model.router_aux_loss_coef=0", *extra]
     res = run_gloo(_grad_worker, 4, str(tmp_path / "ep"), ep, extra, timeout=600)
-    one, reward = _one_process_grads(str(tmp_path / "one"), [a for a in extra if a not in TP2])
+    one, reward = _one_process_grads(str(tmp_path / "one"), [a for a in extra if a not in TP2 + ["--run.cp=2"]])
     assert res[0]["reward"] == reward  # the same batch
     assert (res[0]["kl"] > 0) == kl  # the second epoch has moved away from the reference
     assert set(res[0]["grads"]) == set(one) and len(one) == 24
