@@ -13,14 +13,25 @@ __all__ = ["check_built", "check_teachers"]
 
 def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = False) -> None:
     """Every post-build check, before any parallelism is applied or an engine started: the task's answers fit the
-    response budget, expert and context parallelism suit the built policy (``critic``: one will be built), and the
-    longest sequence fits the model's context. Raises :class:`ConfigError` naming the key and the fix."""
+    response budget, expert and context parallelism and packing suit the built policy (``critic``: one will be built),
+    and the longest sequence fits the model's context. Raises :class:`ConfigError` naming the key and the fix."""
     _check_budget(cfg, task)
     if dims is not None and dims.ep > 1:
         _check_expert_parallel(cfg, policy, critic, dims.ep)
     if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
         _check_context_parallel(policy, dims.cp, attention=dims.cp_attention)
+    _check_packing(cfg, policy)
     _check_context(cfg, task, policy)
+
+
+def _check_packing(cfg: TrainConfig, policy) -> None:
+    """``optim.pack_tokens``: packed rows keep to themselves only where transformers builds the attention mask from
+    the position ids restarting at each row (``masking_utils``, the families on its attention interface) — a family
+    with attention code of its own would let one row attend to another silently."""
+    if cfg.optim.pack_tokens and not getattr(policy, "_supports_attention_backend", False):
+        raise ConfigError(f"optim.pack_tokens={cfg.optim.pack_tokens}: {type(policy).__name__} cannot take packed "
+                          "sequences (its attention does not go through transformers' attention interface, which "
+                          "masks each packed row off the others); set optim.pack_tokens=0")
 
 
 def _check_budget(cfg: TrainConfig, task) -> None:

@@ -52,3 +52,15 @@ def test_the_longest_prompt_and_the_budget_must_fit_the_context(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=8 \+ the longest prompt \(5 tokens\) = 13 "
                                           r"exceeds the model's context \(max_position_embeddings=12\)"):
         check_built(cfg, task=SimpleNamespace(limits=lambda: TaskLimits(3, 5)), policy=policy)
+
+
+def test_packing_refuses_a_family_whose_attention_cannot_take_packed_sequences(tmp_path):
+    """optim.pack_tokens on a family whose attention is its own code (not transformers' attention interface, which
+    masks packed rows off each other): refused naming the family and the fix; a Qwen3 passes."""
+    cfg = load_config(None, [f"--run.out_dir={tmp_path}", "--optim.pack_tokens=4096"])
+    own = tiny_qwen3(40, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1)
+    check_built(cfg, task=TASK, policy=own)  # a family on the interface
+    own._supports_attention_backend = False
+    with pytest.raises(ConfigError, match=r"optim.pack_tokens=4096: Qwen3ForCausalLM cannot take packed sequences "
+                                          r".* set optim.pack_tokens=0"):
+        check_built(cfg, task=TASK, policy=own)
