@@ -18,8 +18,8 @@ def check_built(cfg: TrainConfig, *, task, policy, dims=None, critic: bool = Fal
     _check_budget(cfg, task)
     if dims is not None and dims.ep > 1:
         _check_expert_parallel(cfg, policy, critic, dims.ep)
-    if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
-        _check_context_parallel(policy, dims.cp, attention=dims.cp_attention)
+    if dims is not None and dims.cp > 1 and dims.world > 1:
+        _check_context_parallel(policy, dims.cp, attention=dims.cp_attention, tp=dims.tp)
     _check_packing(cfg, policy)
     _check_context(cfg, task, policy)
 
@@ -55,29 +55,31 @@ def _check_expert_parallel(cfg: TrainConfig, policy, critic: bool, ep: int) -> N
 def check_teachers(teachers: dict, dims) -> None:
     """Distillation teachers under ``run.cp > 1``: each runs its forwards sliced over the cp ranks as the policy
     does, so each must take Ulysses attention too (:func:`_check_context_parallel`, naming the teacher)."""
-    if dims is not None and dims.cp > 1 and dims.tp == 1 and dims.world > 1:
+    if dims is not None and dims.cp > 1 and dims.world > 1:
         for key, teacher in teachers.items():
             name = "algo.distill.teacher" if key is None else f"algo.distill.teachers.{key}"
             _check_context_parallel(teacher, dims.cp, f"the teacher ({name}), {type(teacher).__name__},",
                                     attention=dims.cp_attention)
 
 
-def _check_context_parallel(policy, cp: int, who: str | None = None, attention: str = "ulysses") -> None:
+def _check_context_parallel(policy, cp: int, who: str | None = None, attention: str = "ulysses",
+                            tp: int = 1) -> None:
     """``run.cp > 1``: Ulysses or ring attention needs transformers' attention interface; Ulysses heads that ``cp``
-    divides."""
+    divides (a TP rank's ``heads / tp`` under tensor parallelism: ``tp`` is 1 for a whole copy, a teacher)."""
     name = who or type(policy).__name__
     if not getattr(policy, "_supports_attention_backend", False):
         raise ConfigError(f"run.cp={cp}: {name} has no context-parallel plan (its attention does not use "
                           f"transformers' attention interface, which {attention} attention plugs into); set run.cp=1")
     if attention != "ulysses":
         return
-    heads = policy.config.num_attention_heads
+    heads = policy.config.num_attention_heads // tp
     if heads % cp:
-        raise ConfigError(f"run.cp={cp} does not divide the attention heads ({heads}) of {name}: Ulysses "
+        each = f" a rank holds under run.tp={tp}" if tp > 1 else ""
+        raise ConfigError(f"run.cp={cp} does not divide the attention heads{each} ({heads}) of {name}: Ulysses "
                           "attention splits the heads over the cp ranks — set run.cp_attention=ring (any cp)")
     from hyperrl.config.checks import _warn_kv_heads
 
-    _warn_kv_heads(f"run.cp={cp}", getattr(policy.config, "num_key_value_heads", None) or heads, cp,
+    _warn_kv_heads(f"run.cp={cp}", (getattr(policy.config, "num_key_value_heads", None) or heads * tp) // tp, cp,
                    f"{name}'s num_key_value_heads")
 
 

@@ -325,16 +325,19 @@ def _check_cp(cfg: TrainConfig, world: int) -> None:
     """``run.cp``: it slices every sequence over ranks of this world — Ulysses attention splits the attention heads
     (``cp`` must divide them; past the key/value heads they are repeated — warned once the model is built,
     :mod:`hyperrl.config.built`), ring attention any ``cp`` — a dense policy or a mixture of experts (routes sliced
-    with the sequence), a critic; without tensor or expert parallelism (not composed yet: :class:`ParallelDims`)."""
+    with the sequence), a critic; with tensor or expert parallelism (not both yet: :class:`ParallelDims`)."""
     cp, m = cfg.run.cp, cfg.model
     if cp == 1:
         return
     said = f"run.cp={cp}"
     _dims(world, tp=cfg.run.tp, ep=cfg.run.ep, cp=cp)  # composed with tp / ep, dividing the world
-    if m.checkpoint is None and cfg.run.cp_attention == "ulysses":
-        if m.heads % cp:
-            raise ConfigError(f"{said} does not divide model.heads={m.heads}: Ulysses attention splits the heads over "
-                              "the cp ranks — set run.cp_attention=ring (any cp) or a cp that divides the heads")
+    tp = cfg.run.tp
+    if m.checkpoint is None and cfg.run.cp_attention == "ulysses" and not m.heads % tp:
+        if (m.heads // tp) % cp:
+            each = f" ({m.heads // tp} a rank under run.tp={tp})" if tp > 1 else ""
+            raise ConfigError(f"{said} does not divide model.heads={m.heads}{each}: Ulysses attention splits the "
+                              "heads over the cp ranks — set run.cp_attention=ring (any cp) or a cp that divides the "
+                              "heads")
 
 
 def _warn_kv_heads(said: str, kv_heads: int, cp: int, what: str) -> None:

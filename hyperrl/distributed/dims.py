@@ -33,9 +33,10 @@ class ParallelDims:
     """How the world's ranks are split: ``world = dp · tp · cp``; ``ep`` splits a mixture's experts over
     groups of ``ep`` data-parallel ranks at one TP coordinate (``ep`` consecutive ranks when ``tp = 1``;
     :meth:`expert_mesh`). ``tp`` consecutive ranks
-    form a tensor-parallel group; ``cp`` consecutive ranks a context-parallel group (each holds a slice of
-    every sequence of the group's rows; :mod:`hyperrl.distributed.context_parallel`, attention by ``cp_attention``;
-    with ``tp = 1``; with ``ep``, an ``ep`` group pools the tokens of its ranks' slices);
+    form a tensor-parallel group; ``cp`` ranks a context-parallel group (each holds a slice of every sequence of the
+    group's rows; :mod:`hyperrl.distributed.context_parallel`, attention by ``cp_attention``): ``cp`` consecutive
+    ranks, or with ``tp`` the ranks at one TP coordinate of a block of ``tp · cp`` consecutive ranks (which train
+    the same rows); with ``ep``, an ``ep`` group pools the tokens of its ranks' slices;
     ``dp`` is the data-parallel size — the number of distinct row shares (FSDP2 shards parameters over
     every rank all the same). The rules (each size divides what it splits; what composes with what) are checked
     here, once — the config's checks build this value to check them at load. :meth:`mesh` builds the device mesh
@@ -54,12 +55,15 @@ class ParallelDims:
                 raise ValueError(f"parallel dims: {name}={getattr(self, name)} must be ≥ 1")
         if self.cp_attention not in ("ulysses", "ring"):
             raise ValueError(f"run.cp_attention={self.cp_attention!r}: ulysses or ring")
-        if self.cp > 1 and self.tp > 1:
-            raise ValueError(f"run.cp={self.cp} with run.tp={self.tp}: context parallelism is not composed with "
-                             "tensor parallelism yet; use one of them")
+        if self.cp > 1 and self.tp > 1 and self.ep > 1:
+            raise ValueError(f"run.cp={self.cp} with both run.tp={self.tp} and run.ep={self.ep}: context parallelism "
+                             "composes with one of them at a time yet; drop one")
         if self.world % self.cp:
             raise ValueError(f"run.cp={self.cp} does not divide the world size {self.world} (torchrun "
                              "--nproc-per-node)")
+        if self.world % (self.cp * self.tp):
+            raise ValueError(f"run.cp={self.cp} × run.tp={self.tp} = {self.cp * self.tp} ranks a block does not divide "
+                             f"the world size {self.world} (torchrun --nproc-per-node)")
         if self.world % self.tp:
             raise ValueError(f"run.tp={self.tp}: needs torchrun with a multiple of {self.tp} processes "
                              f"(WORLD_SIZE={self.world})")
@@ -106,10 +110,11 @@ class ParallelDims:
         return self._meshes[key]
 
     def data_groups(self) -> tuple:
-        """``(data-parallel group, TP-or-CP group)`` of this rank (``None, None`` when ``tp · cp = 1``: the world is
-        both), created once on the initialised process group — every rank creates every group, in the same order
-        (torch.distributed's rule): the ranks at one position of their TP / CP group, then each group of ``tp · cp``
-        consecutive ranks."""
+        """``(data-parallel group, share group, TP group, CP group)`` of this rank — the share group: the ``tp · cp``
+        consecutive ranks training the same rows; the TP / CP group that block when only one of them is > 1, else its
+        ``tp`` consecutive ranks / its ranks at this TP coordinate; ``None`` where a size is 1 (``None, None`` first
+        when ``tp · cp = 1``: the world is both) — created once on the initialised process group, every rank creating
+        every group in the same order (torch.distributed's rule)."""
         if "groups" not in self._meshes:
             import torch.distributed as dist
 
@@ -121,7 +126,16 @@ class ParallelDims:
                 for d in range(self.world // s):
                     g = dist.new_group(list(range(d * s, (d + 1) * s)))
                     share = g if d == rank // s else share
-            self._meshes["groups"] = (dp, share)
+            tp_group, cp_group = (share if self.tp > 1 else None), (share if self.cp > 1 else None)
+            if self.tp > 1 and self.cp > 1:  # a block of tp · cp ranks: TP groups consecutive, CP groups strided
+                for d in range(self.world // s):
+                    for c in range(self.cp):
+                        g = dist.new_group(list(range(d * s + c * self.tp, d * s + (c + 1) * self.tp)))
+                        tp_group = g if (d, c) == (rank // s, rank % s // self.tp) else tp_group
+                    for t in range(self.tp):
+                        g = dist.new_group(list(range(d * s + t, (d + 1) * s, self.tp)))
+                        cp_group = g if (d, t) == (rank // s, rank % self.tp) else cp_group
+            self._meshes["groups"] = (dp, share, tp_group, cp_group)
         return self._meshes["groups"]
 
     def mesh(self, device_type: str):
@@ -129,7 +143,8 @@ class ParallelDims:
         if device_type not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape, names = ((self.world,), ("fsdp",)) if self.tp == 1 else ((self.dp, self.tp), ("dp", "tp"))
+            shape, names = ((self.world,), ("fsdp",)) if self.tp == 1 else ((self.world // self.tp, self.tp),
+                                                                             ("dp", "tp"))  # FSDP2 over dp · cp
             self._meshes[device_type] = init_device_mesh(device_type, shape, mesh_dim_names=names)
         return self._meshes[device_type]
 

@@ -183,7 +183,7 @@ def parallelize_teachers(teachers: dict, dims, parallel) -> dict:
     """Distillation teachers (no-grad, whole frozen copies on every rank) under ``cp > 1``: the policy's cp
     attention swapped in, so each rank runs its slice of every sequence as the policy does (their log-probs gathered
     the same way). Checked first (:func:`hyperrl.config.built.check_teachers`)."""
-    if dims.cp > 1 and dims.tp == 1 and dims.world > 1:
+    if dims.cp > 1 and dims.world > 1:
         from hyperrl.distributed.context_parallel import context_parallel
 
         for teacher in teachers.values():

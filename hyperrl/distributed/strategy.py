@@ -165,9 +165,7 @@ class TorchParallel(LocalParallel):
         self._tp_partial: list = []
         self._experts: list = []  # expert-parallel parameters and their replica group (experts_over)
         self._replicas = None
-        self._dp_group, share = dims.data_groups()
-        self._tp_group = share if dims.tp > 1 else None
-        self.cp_group = share if dims.cp > 1 else None
+        self._dp_group, self._share_group, self._tp_group, self.cp_group = dims.data_groups()
 
     def experts_over(self, params, replica_group) -> None:
         """Expert-parallel parameters (DTensors on the ``("replica", "ep"[, "tp"])`` mesh): :meth:`sync_grads`
@@ -193,11 +191,12 @@ class TorchParallel(LocalParallel):
     def share_batch(self, batch):
         """A CP group's ranks must train identical rows (their slices are of the same sequences): keyed
         sampling makes them so, and the group's first rank's batch is broadcast to the rest so no
-        float or reward nondeterminism can make them differ."""
+        float or reward nondeterminism can make them differ (with TP, the first rank of the ``tp · cp`` block)."""
         if self.cp == 1:
             return batch
-        box = [batch.cpu() if self.rank % self.cp == 0 else None]
-        self._dist.broadcast_object_list(box, src=self.rank - self.rank % self.cp, group=self.cp_group)
+        s = self.share  # with tensor parallelism: the whole tp · cp block trains the same rows
+        box = [batch.cpu() if self.rank % s == 0 else None]
+        self._dist.broadcast_object_list(box, src=self.rank - self.rank % s, group=self._share_group)
         return box[0].to(batch.device)
 
     def global_normalizer(self, norm: T.Normalizer) -> T.Normalizer:

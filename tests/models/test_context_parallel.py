@@ -270,9 +270,11 @@ def _grad_worker(rank, world, out_dir, extra):
                                             "--algo.advantage=gae"]),
                                        (2, ["--optim.fused_head=on", "TEACHER", "--algo.distill.coef=1.0"]),
                                        (4, ["--run.cp_attention=ring", "--model.gradient_checkpointing=true",
-                                            "--optim.pack_tokens=4096"])],
+                                            "--optim.pack_tokens=4096"]),
+                                       (2, ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"])],
                          ids=["cp4-moe-replay", "cp2xdp2-packed-lora", "cp4-reference-micro-critic",
-                              "cp2xdp2-fused-head-teacher", "cp4-ring-checkpointing-packed"])
+                              "cp2xdp2-fused-head-teacher", "cp4-ring-checkpointing-packed",
+                              "cp2xtp2"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
@@ -285,17 +287,19 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
     (whose one-process gradient equals the unfused one's: tests/loop/test_fused_head.py) and a distillation teacher
     (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on them), and ring attention
     (zigzag rows, keys and values passed round the 4 ranks) with gradient checkpointing (the ring replayed in
-    recompute) on a packed sequence (attention within each row)."""
+    recompute) on a packed sequence (attention within each row); and with tensor parallelism (cp 2 × tp 2: a TP
+    rank's 2 heads exchanged over its CP group — the ranks at its TP coordinate — all 4 training the same rows)."""
     if "TEACHER" in extra:
         from tests.loop.test_distill import _teacher
 
         extra = [f"--algo.distill.teacher={_teacher(tmp_path / 'teacher', seed=7, sharp=2.0)}",
                  *[e for e in extra if e != "TEACHER"]]
     res = run_gloo(_grad_worker, 4, str(tmp_path / "cp"), ["--run.cp=" + str(cp), *extra], timeout=600)
-    tr = _trainer(str(tmp_path / "one"), extra)
+    tr = _trainer(str(tmp_path / "one"), [e for e in extra if not e.startswith(("--run.tp", "--rollout.engine"))])
     one = record_grads(tr)
     m = tr.step()
-    assert [res[r]["rows"] for r in range(4)] == ([list(range(8))] * 4 if cp == 4 else
+    tp = 2 if "--run.tp=2" in extra else 1
+    assert [res[r]["rows"] for r in range(4)] == ([list(range(8))] * 4 if cp * tp == 4 else
                                                   [[0, 2, 4, 6]] * 2 + [[1, 3, 5, 7]] * 2)
     assert abs(res[0]["reward"] - m["reward_mean"]) < 1e-6 and abs(res[0]["loss"] - m["loss_policy"]) < 1e-5
     assert set(res[0]["grads"]) == set(one) and len(one) > 10
@@ -312,8 +316,13 @@ def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_pat
 @pytest.mark.parametrize("over, msg", [
     (["--run.cp=3"], r"run.cp=3 does not divide the world size 4"),
     (["--run.cp=4", "--model.heads=2", "--model.kv_heads=1"], r"run.cp=4 does not divide model.heads=2"),
-    (["--run.cp=2", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
-     r"run.cp=2 with run.tp=2: context parallelism is not composed"),
+    (["--run.cp=2", "--run.tp=2", "--run.ep=2", "--model.experts=4", "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.cp=2 with both run.tp=2 and run.ep=2: context parallelism composes with one of them"),
+    (["--run.cp=4", "--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.cp=4 × run.tp=2 = 8 ranks a block does not divide the world size 4"),
+    (["--run.cp=2", "--run.tp=2", "--model.heads=2", "--model.kv_heads=2",
+      "--rollout.engine={name: transformers, tp: 2}"],
+     r"run.cp=2 does not divide model.heads=2 \(1 a rank under run.tp=2\)"),
 ])
 def test_bad_cp_settings_are_refused_at_load(over, msg, monkeypatch):
     from hyperrl.config import ConfigError, load_config
