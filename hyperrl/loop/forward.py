@@ -54,21 +54,29 @@ class RouteReplay:
         if self.routes is not None:
             ref = torch.full((n, self.routing.layers, self.routing.top_k), -1, dtype=torch.int16)
             ref[src[valid].cpu()] = self.routes[valid].to("cpu", torch.int16)  # a shared prompt: its rows agree
-        r = self.routing
-        before = torch.cat([r.agree, r.counted[None], r.all_agree[None]])
-        with r.call(ref, force=self.force):
+        counts = self._counts()
+        with self.routing.call(ref, force=self.force):
             yield
-        self.captured[valid.cpu()] = r.used[src[valid].cpu()]
-        if group is not None:  # the cp ranks' slices: each position captured by one rank (−1 on the others)
-            import torch.distributed as dist
+        self.captured[valid.cpu()] = self.routing.used[src[valid].cpu()]
+        if group is not None:
+            self._merge(group, counts)
 
-            both = torch.cat([self.captured.flatten().int(),
-                              torch.cat([r.agree, r.counted[None], r.all_agree[None]]).int() - before.int()])
-            dist.all_reduce(both[:self.captured.numel()], op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(both[self.captured.numel():], group=group)
-            self.captured = both[:self.captured.numel()].view(self.captured.shape).to(torch.int16)
-            delta = both[self.captured.numel():].long()
-            r.agree, r.counted, r.all_agree = before[:-2] + delta[:-2], before[-2] + delta[-2], before[-1] + delta[-1]
+    def _counts(self) -> torch.Tensor:
+        r = self.routing
+        return torch.cat([r.agree, r.counted[None], r.all_agree[None]])
+
+    def _merge(self, group, before: torch.Tensor) -> None:
+        """The cp ranks' slices merged: each position was captured by one rank (−1 on the others: the max), the
+        agreement counts this call added summed — one all-reduce each."""
+        import torch.distributed as dist
+
+        captured = self.captured.int()
+        dist.all_reduce(captured, op=dist.ReduceOp.MAX, group=group)
+        self.captured = captured.to(torch.int16)
+        added = self._counts() - before
+        dist.all_reduce(added, group=group)
+        now, r = before + added, self.routing
+        r.agree, r.counted, r.all_agree = now[:-2], now[-2], now[-1]
 
 
 def _call(replay: RouteReplay | None, src: torch.Tensor, n: int, group=None):
@@ -292,16 +300,7 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     targets = pad(ids[:, 1:] if packed else tokens[:, 1:], (0, Np - N + (1 if packed else 0)))[:, mine]
     # packed: the segment ids reach the attention as a keyword argument (gradient checkpointing's recompute too)
     seg_kw = {"cp_segments": pad(seg, (0, Np - N), value=B)} if packed else {}
-    n = len(mine)
-    held = mine < N  # this rank's positions that are the sequence's (not the padding to a multiple of cp)
-    real = held[None].expand(local.shape[0], -1) if packed else pad(attn[:, :-1], (0, Np - N))[:, mine]
-    src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)  # batch position → this call's token
-    j = held.nonzero(as_tuple=True)[0]
-    if packed:
-        src[rows[mine[j]], cols[mine[j]]] = j
-    else:
-        src[:, mine[j]] = torch.arange(B, device=tokens.device)[:, None] * n + j[None]
-        src = torch.where(attn, src, -1)
+    real, src = _slice_tokens(attn, mine, N, Np, (rows, cols) if packed else None)
     with _call(replay, src, local.numel(), group):
         logits = _head_out(model, fused, input_ids=local, position_ids=lpos, attention_mask=real.long(),
                            use_cache=False, **seg_kw).logits  # [B, n, V]
@@ -313,6 +312,24 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     zero = torch.zeros(B, Tn, dtype=lp.dtype, device=tokens.device)
     where = (rows[same], cols[same] + 1)
     return zero.index_put(where, lp[0][same]), zero.index_put(where, ent[0][same])
+
+
+def _slice_tokens(attn: torch.Tensor, mine: torch.Tensor, N: int, Np: int, packed: tuple | None):
+    """A context-parallel call's tokens: ``real [b, n]`` — which of this rank's ``n`` positions ``mine`` (of a
+    sequence of ``N`` padded to ``Np``, cut in ``cp`` slices) are real tokens — and ``src [B, T]``, each batch position's index
+    among the call's ``b · n`` tokens (−1: another rank's, padding). ``packed = (rows, cols)``: the one packed
+    sequence's batch positions (``b = 1``); else the rows' first ``T − 1`` positions (``b = B``)."""
+    B, Tn = attn.shape
+    held = mine < N  # positions of the sequence (not the padding to a multiple of cp)
+    j = held.nonzero(as_tuple=True)[0]
+    src = torch.full((B, Tn), -1, dtype=torch.long, device=attn.device)
+    if packed is not None:
+        rows, cols = packed
+        src[rows[mine[j]], cols[mine[j]]] = j
+        return held[None], src
+    src[:, mine[j]] = torch.arange(B, device=attn.device)[:, None] * len(mine) + j[None]
+    real = torch.nn.functional.pad(attn[:, :-1], (0, Np - N))[:, mine]
+    return real, torch.where(attn, src, -1)
 
 
 def context_parallel_values(critic, batch: TensorDict, group) -> torch.Tensor:
