@@ -316,9 +316,9 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
 
 def _slice_tokens(attn: torch.Tensor, mine: torch.Tensor, N: int, Np: int, packed: tuple | None):
     """A context-parallel call's tokens: ``real [b, n]`` — which of this rank's ``n`` positions ``mine`` (of a
-    sequence of ``N`` padded to ``Np``, cut in ``cp`` slices) are real tokens — and ``src [B, T]``, each batch position's index
-    among the call's ``b · n`` tokens (−1: another rank's, padding). ``packed = (rows, cols)``: the one packed
-    sequence's batch positions (``b = 1``); else the rows' first ``T − 1`` positions (``b = B``)."""
+    sequence of ``N`` padded to ``Np``, cut in ``cp`` slices) are real tokens — and ``src [B, T]``, each batch
+    position's index among the call's ``b · n`` tokens (−1: another rank's, padding). ``packed = (rows, cols)``: the
+    one packed sequence's batch positions (``b = 1``); else the rows' first ``T − 1`` positions (``b = B``)."""
     B, Tn = attn.shape
     held = mine < N  # positions of the sequence (not the padding to a multiple of cp)
     j = held.nonzero(as_tuple=True)[0]
