@@ -63,11 +63,11 @@ def _cp_worker(rank, world, attention="ulysses", heads=(4, 2)):
     return {"lp": lp_full.detach().numpy(), "ent": ent_full.detach().numpy(), "grads": grads}
 
 
-@pytest.mark.parametrize("attention, cp, heads", [("ulysses", 2, (4, 2)), ("ulysses", 4, (4, 2)),
-                                                  ("ring", 4, (2, 1))],
-                         ids=["ulysses-cp2", "ulysses-cp4", "ring-cp4-past-the-heads"])
+@pytest.mark.parametrize("attention, cp, heads", [("ulysses", 4, (4, 2)), ("ring", 4, (2, 1))],
+                         ids=["ulysses-cp4", "ring-cp4-past-the-heads"])
 def test_cp_attention_equals_the_whole_sequence_in_one_process(attention, cp, heads):
-    """Ulysses (cp 2, 4: heads exchanged; cp 4 past the 2 key/value heads, repeated) and ring attention at cp 4 on
+    """Ulysses (cp 4: heads exchanged, past the 2 key/value heads — repeated; cp 2 in the trainer tests below) and
+    ring attention at cp 4 on
     a model of 2 query heads and 1 key/value head — past both, which Ulysses refuses: the log-probs, entropies and
     every parameter's gradient of the whole sequence in one process."""
     res = run_gloo(_cp_worker, cp, attention, heads, timeout=300)
@@ -163,53 +163,53 @@ def _moe_batch():
     return TensorDict({"tokens": tokens, "attention_mask": attn.long(), "action_mask": act}, batch_size=[B])
 
 
-def _moe_worker(rank, world, attention):
-    """The captured routes and the router tap's tokens of a CP forward (each rank its slice), merged over the ranks."""
+def _moe_worker(rank, world):
+    """The captured routes and the router tap's tokens of a CP forward (each rank its slice), merged over the ranks —
+    under each attention, padded and packed."""
     import torch.distributed as dist
 
     from hyperrl.distributed.context_parallel import context_parallel
     from hyperrl.loop.forward import RouteReplay, context_parallel_logprobs_and_entropy
     from hyperrl.models import RouterTap, Routing, tiny_qwen3_moe
 
-    model = context_parallel(tiny_qwen3_moe(V, experts=4, seed=3), dist.group.WORLD, attention)
     out = {}
-    for packed in (False, True):
+    for attention, packed in (("ulysses", False), ("ulysses", True), ("ring", False), ("ring", True)):
+        model = context_parallel(tiny_qwen3_moe(V, experts=4, seed=3), dist.group.WORLD, attention)
         routing = Routing(model)
         replay = RouteReplay(routing, _moe_batch())
         with RouterTap(model) as tap:
             lp, _ = context_parallel_logprobs_and_entropy(model, _moe_batch(), 1.0, dist.group.WORLD, packed=packed,
                                                           replay=replay)
-        out[packed] = {"captured": replay.captured.numpy(), "lp": lp.detach().numpy(), "tapped": int(tap.mask.sum()),
-                       "counted": int(routing.counted)}
+        out[attention, packed] = {"captured": replay.captured.numpy(), "lp": lp.detach().numpy(),
+                                  "tapped": int(tap.mask.sum()), "counted": int(routing.counted)}
     return out
 
 
-@pytest.mark.parametrize("attention", ["ulysses", "ring"])
-def test_a_mixtures_routes_are_sliced_with_the_sequence_and_merged(attention):
+def test_a_mixtures_routes_are_sliced_with_the_sequence_and_merged():
     """A Qwen3-MoE on 2 gloo ranks (padded and packed, Ulysses and ring's zigzag rows): every rank's merged capture
     equals one process's plain forward's routes at every token it ran, −1 elsewhere; the log-probs equal; the router
     tap marked exactly the real tokens of the slice (their sum over ranks = the one-process forward's)."""
     from hyperrl.loop.forward import RouteReplay, plain_logprobs_and_entropy
     from hyperrl.models import RouterTap, Routing, tiny_qwen3_moe
 
-    res = run_gloo(_moe_worker, 2, attention, timeout=240)
+    res = run_gloo(_moe_worker, 2, timeout=240)
     model = tiny_qwen3_moe(V, experts=4, seed=3)
     replay = RouteReplay(Routing(model), _moe_batch())
     with RouterTap(model):
         lp, _ = plain_logprobs_and_entropy(model, _moe_batch(), 1.0, replay)
     want = replay.captured
     assert int((want >= 0).all(-1).all(-1).sum()) == int(_moe_batch()["attention_mask"][:, :-1].sum())
-    for packed in (False, True):
+    for attention, packed in (("ulysses", False), ("ulysses", True), ("ring", False), ("ring", True)):
         for rank in (0, 1):
-            got = res[rank][packed]
+            got = res[rank][attention, packed]
             assert torch.equal(torch.from_numpy(got["captured"])[:, :-1], want[:, :-1])
             act = _moe_batch()["action_mask"]
             assert float((torch.from_numpy(got["lp"]) - lp.detach())[act].abs().max()) < 1e-5
         # the padded forward runs each row's T − 1 first positions, the packed one every real token
         attn = _moe_batch()["attention_mask"]
         real = attn.sum() - (0 if packed else int(attn[:, -1].sum()))
-        assert res[0][packed]["tapped"] + res[1][packed]["tapped"] == int(real)
-        assert res[0][packed]["counted"] == 0  # no reference routes: nothing compared
+        assert res[0][attention, packed]["tapped"] + res[1][attention, packed]["tapped"] == int(real)
+        assert res[0][attention, packed]["counted"] == 0  # no reference routes: nothing compared
 
 
 def _heads_worker(rank, world):
@@ -218,7 +218,7 @@ def _heads_worker(rank, world):
     from hyperrl.distributed.context_parallel import context_parallel, split_sequence
     from hyperrl.models import tiny_qwen3
 
-    model = context_parallel(tiny_qwen3(V, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=16, seed=1),
+    model = context_parallel(tiny_qwen3(V, hidden=32, layers=1, heads=1, kv_heads=1, head_dim=16, seed=1),
                              dist.group.WORLD)
     said = []
     local, pos, _ = split_sequence(_data()[0], dist.group.WORLD)
@@ -228,7 +228,7 @@ def _heads_worker(rank, world):
     except ValueError as e:
         said.append(str(e))
     try:
-        split_sequence(_data()[0][:, :5], dist.group.WORLD, layout="zigzag")
+        split_sequence(_data()[0][:, :3], dist.group.WORLD, layout="zigzag")
         said.append("accepted")
     except ValueError as e:
         said.append(str(e))
@@ -236,10 +236,10 @@ def _heads_worker(rank, world):
 
 
 def test_cp_that_does_not_divide_the_heads_and_a_sequence_shorter_than_the_ring_are_refused():
-    said = run_gloo(_heads_worker, 4, timeout=120)[0]
-    assert said[0] == "run.cp=4: must divide the attention heads (2) — Ulysses splits heads over ranks; " \
+    said = run_gloo(_heads_worker, 2, timeout=120)[0]
+    assert said[0] == "run.cp=2: must divide the attention heads (1) — Ulysses splits heads over ranks; " \
                       "run.cp_attention=ring takes any cp"
-    assert said[1] == "a sequence of 5 tokens is shorter than ring attention's 8 blocks (2 × run.cp=4): some rank " \
+    assert said[1] == "a sequence of 3 tokens is shorter than ring attention's 4 blocks (2 × run.cp=2): some rank " \
                       "would hold padding only; lower run.cp or use run.cp_attention=ulysses"
 
 
@@ -265,30 +265,33 @@ def _grad_worker(rank, world, out_dir, extra):
 
 @pytest.mark.parametrize("cp, extra", [(4, ["--model.experts=4", "--algo.routing_replay=r2",
                                             "--optim.shared_prefix=false"]),
-                                       (2, ["--optim.pack_tokens=4096", "--model.lora={r: 4}"]),
                                        (4, ["--algo.kl.coef=0.01", "--optim.micro_batch_tokens=256",
                                             "--algo.advantage=gae"]),
-                                       (2, ["--optim.fused_head=on", "TEACHER", "--algo.distill.coef=1.0"]),
+                                       (2, ["--optim.fused_head=on", "TEACHER", "--algo.distill.coef=1.0",
+                                            "--optim.pack_tokens=4096", "--model.lora={r: 4}"]),
                                        (4, ["--run.cp_attention=ring", "--model.gradient_checkpointing=true",
                                             "--optim.pack_tokens=4096"]),
                                        (2, ["--run.tp=2", "--rollout.engine={name: transformers, tp: 2}"])],
-                         ids=["cp4-moe-replay", "cp2xdp2-packed-lora", "cp4-reference-micro-critic",
-                              "cp2xdp2-fused-head-teacher", "cp4-ring-checkpointing-packed",
-                              "cp2xtp2"])
+                         ids=["cp4-moe-replay", "cp4-reference-micro-critic", "cp2xdp2-fused-head-teacher-packed-lora",
+                              "cp4-ring-checkpointing-packed", "cp2xtp2"])
 def test_the_cp_trainers_gradient_is_the_one_process_full_batch_gradient(tmp_path, cp, extra):
     """4 processes, each cp group a slice of every sequence of its rows (cp = 4: one group, all 64 rows; cp = 2:
     two groups of 32): the synced gradient equals one process's over the same 64 rows (keyed sampling), on every
-    rank (the policy's and a critic's) — a mixture of experts with routing replay (R2: the old pass's routes, each
-    rank capturing its slice's tokens, merged, then replayed by the update; the load-balancing term over the
-    gathered router logits — one cp group, so the term's token set is the one process's: the term is not linear in
-    its tokens, and data-parallel shares take it per share with or without CP), packed with LoRA adapters, with a
-    reference model's KL, micro-batches and a critic (GAE: its values sliced as the log-probs; its gradient compared
-    too), with the fused LM head
-    (whose one-process gradient equals the unfused one's: tests/loop/test_fused_head.py) and a distillation teacher
-    (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on them), and ring attention
-    (zigzag rows, keys and values passed round the 4 ranks) with gradient checkpointing (the ring replayed in
-    recompute) on a packed sequence (attention within each row); and with tensor parallelism (cp 2 × tp 2: a TP
-    rank's 2 heads exchanged over its CP group — the ranks at its TP coordinate — all 4 training the same rows)."""
+    rank (the policy's and a critic's) —
+
+    * a mixture of experts with routing replay (R2: the old pass's routes, each rank capturing its slice's tokens,
+      merged, then replayed by the update; the load-balancing term over the gathered router logits — one cp group,
+      so the term's token set is the one process's: the term is not linear in its tokens, and data-parallel shares
+      take it per share with or without CP);
+    * a reference model's KL, micro-batches and a critic (GAE: its values sliced as the log-probs; its gradient
+      compared too);
+    * the fused LM head (whose one-process gradient equals the unfused one's: tests/loop/test_fused_head.py), a
+      distillation teacher (its log-probs sliced as the policy's: the advantages, hence the gradient, depend on
+      them), packed rows and LoRA adapters;
+    * ring attention (zigzag rows, keys and values passed round the 4 ranks) with gradient checkpointing (the ring
+      replayed in recompute) on a packed sequence (attention within each row);
+    * tensor parallelism (cp 2 × tp 2: a TP rank's 2 heads exchanged over its CP group — the ranks at its TP
+      coordinate — all 4 training the same rows)."""
     if "TEACHER" in extra:
         from tests.loop.test_distill import _teacher
 

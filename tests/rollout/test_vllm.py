@@ -148,7 +148,10 @@ def test_vllm_resumable_requests_and_the_async_trainer(reports):
     assert set(r["cut_reasons"]) == {2} and max(r["cut_lengths"]) < 12  # aborted mid-generation
     assert r["resumed_prefix_kept"] and r["resumed_lengths"] == [12] * 4 and set(r["resumed_reasons"]) == {1}
     assert r["gap_same_weights"] < 1e-4
-    assert r["versions_old"] == [5] and r["versions_new"] == [6] and r["policy_version"] == [5] * 4
+    # a row's version is its oldest token's: 5 where the cut kept tokens, 6 for a request not yet scheduled when it
+    # was aborted (under load vLLM may not have started all four in 3 steps)
+    assert r["versions_old"] == [5] and r["versions_new"] == [6] and max(r["cut_again_lengths"]) > 0
+    assert r["policy_version"] == [5 if n else 6 for n in r["cut_again_lengths"]]
     assert r["gap_new_tokens"] < 1e-4  # the resumed tokens come from the published weights
 
 

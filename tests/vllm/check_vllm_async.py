@@ -91,6 +91,7 @@ def run() -> dict:
     res["versions_old"] = sorted({int(v) for i in range(len(reqs)) for v in tv[i][act[i]][:int(k[i])].tolist()})
     res["versions_new"] = sorted({int(v) for i in range(len(reqs)) for v in tv[i][act[i]][int(k[i]):].tolist()})
     res["policy_version"] = resumed["policy_version"].tolist()
+    res["cut_again_lengths"] = k.tolist()  # a request vLLM had not scheduled before the abort has no old token
     new_only = resumed.copy().set("action_mask", act & (tv == tr.version))  # the new tokens: the new weights
     res["gap_new_tokens"] = gap(new_only, tr.policy)
     tr.close()
