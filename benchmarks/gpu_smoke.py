@@ -14,6 +14,12 @@ RESULTS.md.
 ``sleep: 1``, device memory in use (``torch.cuda.mem_get_info``, device-wide: vLLM's workers are other processes)
 sampled after each phase — awake, asleep, ``begin`` (weights woken), ``commit`` (new version loaded), KV cache
 woken — for hyperrl's order and for the naive one (everything woken, then the load), peak of each appended.
+
+``--offload`` (issue 54) adds the optimizer-offload measurement: the same model and batch shape trained a few steps
+with ``optim.offload: none`` and ``cpu`` (AdamW's moments and the fp32 master in host memory,
+``hyperrl.distributed.offload.HostAdamW``), each in a fresh trainer — peak device memory allocated during the
+steps, the step time, and the final loss of each (equal up to the copies' rounding: none — the host runs the same
+AdamW kernel in fp32).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (to check the script on CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--vllm-sleep", action="store_true", help="also measure vLLM's sleep/wake around a publication")
+    ap.add_argument("--offload", action="store_true", help="also measure optim.offload none vs cpu (device memory)")
     args = ap.parse_args()
     shape = TINY if args.tiny else QWEN3_0_6B
     tok = char_tokenizer()
@@ -57,11 +64,11 @@ def main() -> None:
     tok.save_pretrained(ckpt)
     params = sum(p.numel() for p in model.parameters())
     del model
-    cfg = load_config(None, [f"--model.checkpoint={ckpt}", f"--run.device={args.device}", "--model.dtype=bfloat16",
-                             "--algo.recipe=grpo", "--rollout.prompts_per_step=16", "--rollout.n=8",
-                             f"--rollout.max_new_tokens={args.max_new_tokens}", "--optim.lr=1e-5",
-                             "--optim.micro_batch_tokens=8192", f"--run.out_dir={ckpt / 'run'}", "--run.eval_every=0",
-                             f"--run.steps={args.steps}"])
+    common = [f"--model.checkpoint={ckpt}", f"--run.device={args.device}", "--model.dtype=bfloat16",
+              "--algo.recipe=grpo", "--rollout.prompts_per_step=16", "--rollout.n=8",
+              f"--rollout.max_new_tokens={args.max_new_tokens}", "--optim.lr=1e-5", "--optim.micro_batch_tokens=8192",
+              "--run.eval_every=0"]
+    cfg = load_config(None, [*common, f"--run.out_dir={ckpt / 'run'}", f"--run.steps={args.steps}"])
     tr = build_trainer(cfg)
     cuda = tr.device.type == "cuda"
     if cuda:
@@ -92,6 +99,40 @@ def main() -> None:
                    "(16 prompts × 8, up to %d new tokens)" % args.max_new_tokens, body)
     if args.vllm_sleep:
         vllm_sleep_step(shape, ckpt)
+    if args.offload:
+        del tr
+        offload_step(common, ckpt, name, "tiny" if args.tiny else "Qwen3-0.6B-shaped")
+
+
+def offload_step(common: list[str], ckpt: Path, device_name: str, model_name: str, steps: int = 3) -> None:
+    """``optim.offload: none`` vs ``cpu``, each a fresh trainer for ``steps`` steps: the peak device memory allocated
+    during them (CUDA; ``nan`` elsewhere — on the CPU the "device" is the host), the mean step time, the last loss."""
+    import gc
+
+    cuda = torch.cuda.is_available() and "--run.device=cuda" in common
+    rows = []
+    for mode in ("none", "cpu"):
+        tr = build_trainer(load_config(None, [*common, f"--optim.offload={mode}", f"--run.steps={steps}",
+                                              f"--run.out_dir={ckpt / ('offload-' + mode)}"]))
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        ms = [tr.step() for _ in range(steps)]
+        dt = (time.perf_counter() - t0) / steps
+        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+        held = before / 2**30 if cuda else float("nan")  # weights, optimizer state (none: on the device) …
+        rows.append([model_name, device_name, mode, steps, f"{held:.2f}", f"{peak:.2f}", f"{dt:.2f}",
+                     f"{ms[-1]['loss_policy']:.6f}"])
+        del tr, ms
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    body = table(["model", "device", "optim.offload", "steps", "allocated after build GiB", "peak GiB", "step s",
+                  "last loss"], rows)
+    print(body)
+    append_results("GPU smoke: optimizer state on the device vs in host memory (optim.offload)", body)
 
 
 def vllm_sleep_step(shape: dict, ckpt: Path) -> None:

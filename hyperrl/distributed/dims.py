@@ -61,12 +61,12 @@ class ParallelDims:
         if self.world % self.cp:
             raise ValueError(f"run.cp={self.cp} does not divide the world size {self.world} (torchrun "
                              "--nproc-per-node)")
-        if self.world % (self.cp * self.tp):
-            raise ValueError(f"run.cp={self.cp} × run.tp={self.tp} = {self.cp * self.tp} ranks a block does not divide "
-                             f"the world size {self.world} (torchrun --nproc-per-node)")
         if self.world % self.tp:
             raise ValueError(f"run.tp={self.tp}: needs torchrun with a multiple of {self.tp} processes "
                              f"(WORLD_SIZE={self.world})")
+        if self.cp > 1 and self.world % (self.cp * self.tp):
+            raise ValueError(f"run.cp={self.cp} × run.tp={self.tp} = {self.cp * self.tp} ranks a block does not divide "
+                             f"the world size {self.world} (torchrun --nproc-per-node)")
         if (self.world // self.tp) % self.ep:
             within = f"the data-parallel size {self.world // self.tp} (world {self.world} / run.tp={self.tp})" \
                 if self.tp > 1 else f"the world size {self.world}"
