@@ -33,6 +33,7 @@ import torch.distributed as dist
 __all__ = ["ring_attention_kernel"]
 
 _ROWS = 1024  # query rows per block product: the scores of one product are [B, h, _ROWS, n] fp32
+_FLASH = True  # on the CPU, torch's flash kernel per pair of position runs (tests turn it off for the matmul path)
 
 
 def _shift(buf: torch.Tensor, group, cp: int, r: int):
@@ -58,6 +59,14 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
     return s.masked_fill(~mask[:, None, None], float("-inf"))
 
 
+def _merge(o, lse, ob, lse_b) -> None:
+    """``o, lse ←`` the log-sum-exp merge with one block's ``ob, lse_b`` (in place; −∞ where a query saw nothing)."""
+    new = torch.logaddexp(lse, lse_b)
+    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    o.mul_(torch.exp(lse - ref)[..., None]).add_(ob * torch.exp(lse_b - ref)[..., None])
+    lse.copy_(new)
+
+
 def _fold(o, lse, q, k, v, mask, scale):
     """Fold one key/value block into the running output ``o [B, hk, g, m, D]`` and ``lse [B, hk, g, m]``
     (in place)."""
@@ -67,11 +76,81 @@ def _fold(o, lse, q, k, v, mask, scale):
     p = torch.exp(s - mx)
     total = p.sum(-1, keepdim=True)
     ob = torch.matmul(p, v[:, :, None]) / total.clamp_min(torch.finfo(total.dtype).tiny)
-    lse_b = (torch.log(total) + mx)[..., 0]
-    new = torch.logaddexp(lse, lse_b)
-    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    o.mul_(torch.exp(lse - ref)[..., None]).add_(ob * torch.exp(lse_b - ref)[..., None])
-    lse.copy_(new)
+    _merge(o, lse, ob, (torch.log(total) + mx)[..., 0])
+
+
+def _runs(idx: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive positions in ``idx`` (zigzag: a rank's two chunks, or one)."""
+    cuts = [i for i in range(1, len(idx)) if idx[i] != idx[i - 1] + 1]
+    return list(zip([0, *cuts], [*cuts, len(idx)]))
+
+
+def _pairs(iq: list[int], ik: list[int]):
+    """The visible pairs ``(a, b, c, d, causal)`` of query run ``a:b`` and key run ``c:d``: every key at or before
+    every query (``causal`` False), or the same positions (``causal`` True); None when a pair is only partly
+    visible (a layout the flash path does not cut: the masked path takes it)."""
+    out = []
+    for a, b in _runs(iq):
+        for c, d in _runs(ik):
+            if iq[b - 1] < ik[c]:
+                continue  # every key after every query
+            if iq[a] >= ik[d - 1]:
+                out.append((a, b, c, d, False))
+            elif (iq[a], iq[b - 1]) == (ik[c], ik[d - 1]):
+                out.append((a, b, c, d, True))
+            else:
+                return None
+    return out
+
+
+def _grouped(q, hk):
+    """``[B, h, m, D] → [B, hk, g·m, D]``: each key/value head's query heads as one longer sequence (no mask: the
+    rows are independent)."""
+    B, h, m, D = q.shape
+    return q.reshape(B, hk, (h // hk) * m, D)
+
+
+def _flash_fold(o, lse, q, k, v, pairs, scale) -> None:
+    """Fold one block by torch's CPU flash kernel, a pair of runs at a time (``o [B, h, n, D]``, ``lse [B, h, n]``;
+    ``k, v [B, hk, n, D]``): a causal pair with the key/value heads repeated to the query heads, a full pair with
+    the query heads of each key/value head as one sequence."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    B, h, _, D = q.shape
+    hk = k.shape[1]
+    for a, b, c, d, causal in pairs:
+        qs, ks, vs = q[:, :, a:b].contiguous(), k[:, :, c:d].contiguous(), v[:, :, c:d].contiguous()
+        if causal:
+            ks, vs = (t.repeat_interleave(h // hk, 1) for t in (ks, vs))
+            ob, lb = flash(qs, ks, vs, 0.0, True, scale=scale)
+        else:
+            ob, lb = flash(_grouped(qs, hk), ks, vs, 0.0, False, scale=scale)
+            ob, lb = ob.reshape(B, h, b - a, D), lb.reshape(B, h, b - a)
+        _merge(o[:, :, a:b], lse[:, :, a:b], ob, lb.to(lse.dtype))
+
+
+def _flash_unfold(dq, dk, dv, q, k, v, do, o, lse, pairs, scale) -> None:
+    """One block's gradients by the flash kernel's backward, given the *merged* output and log-sum-exp (so each
+    pair's share is exact): accumulated into ``dq [B, h, n, D]``, ``dk, dv [B, hk, n, D]``."""
+    back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    B, h, _, D = q.shape
+    hk = k.shape[1]
+    for a, b, c, d, causal in pairs:
+        qs, dos, os_ = (t[:, :, a:b].contiguous() for t in (q, do, o))
+        ls = lse[:, :, a:b].contiguous()
+        ks, vs = k[:, :, c:d].contiguous(), v[:, :, c:d].contiguous()
+        if causal:
+            g = h // hk
+            gq, gk, gv = back(dos, qs, ks.repeat_interleave(g, 1), vs.repeat_interleave(g, 1), os_, ls, 0.0, True,
+                              scale=scale)
+            gk, gv = (t.reshape(B, hk, g, d - c, D).sum(2) for t in (gk, gv))
+        else:
+            m = (h // hk) * (b - a)
+            gq, gk, gv = back(_grouped(dos, hk), _grouped(qs, hk), ks, vs, _grouped(os_, hk), ls.reshape(B, hk, m), 0.0,
+                              False, scale=scale)
+            gq = gq.reshape(B, h, b - a, D)
+        dq[:, :, a:b] += gq
+        dk[:, :, c:d] += gk
+        dv[:, :, c:d] += gv
 
 
 def _unfold(dq, dk, dv, q, k, v, do, lse, delta, mask, scale):
@@ -95,13 +174,17 @@ class _Ring(torch.autograd.Function):
         o = torch.zeros_like(qf)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=f, device=q.device)
         kv = torch.stack([k, v]).contiguous()
+        flash = _flash_pairs(q, index, segments, r)
         for s in range(cp):
             owner = (r - s) % cp
             if s < cp - 1:
                 nxt, works = _shift(kv, group, cp, r)
             kf, vf = kv.to(f).unbind(0)
-            for a, b, mask in _blocks(index, segments, r, owner, n):
-                _fold(o[..., a:b, :], lse[..., a:b], qf[..., a:b, :], kf, vf, mask, scale)
+            if flash[owner] is not None:
+                _flash_fold(o.view(B, h, n, D), lse.view(B, h, n), qf.view(B, h, n, D), kf, vf, flash[owner], scale)
+            else:
+                for a, b, mask in _blocks(index, segments, r, owner, n):
+                    _fold(o[..., a:b, :], lse[..., a:b], qf[..., a:b, :], kf, vf, mask, scale)
             if s < cp - 1:
                 for w in works:
                     w.wait()
@@ -125,14 +208,19 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=f, device=q.device)
+        flash = _flash_pairs(q, index, segments, r)
         for s in range(cp):
             owner = (r - s) % cp
             if s < cp - 1:
                 nxt, works = _shift(kv, group, cp, r)
             kf, vf = kv.to(f).unbind(0)
-            for a, b, mask in _blocks(index, segments, r, owner, n):
-                _unfold(dq[..., a:b, :], dkv[0], dkv[1], qf[..., a:b, :], kf, vf, do[..., a:b, :], lse[..., a:b],
-                        delta[..., a:b], mask, scale)
+            if flash[owner] is not None:
+                _flash_unfold(dq.view(B, h, n, D), dkv[0], dkv[1], qf.view(B, h, n, D), kf, vf, do.view(B, h, n, D),
+                              o.view(B, h, n, D), lse.view(B, h, n), flash[owner], scale)
+            else:
+                for a, b, mask in _blocks(index, segments, r, owner, n):
+                    _unfold(dq[..., a:b, :], dkv[0], dkv[1], qf[..., a:b, :], kf, vf, do[..., a:b, :],
+                            lse[..., a:b], delta[..., a:b], mask, scale)
             if s < cp - 1:
                 for w in works:
                     w.wait()
@@ -141,6 +229,15 @@ class _Ring(torch.autograd.Function):
             for w in works:
                 w.wait()
         return dq.reshape(B, h, n, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+
+def _flash_pairs(q, index, segments, r: int) -> list:
+    """Per owner rank, the run pairs :func:`_flash_fold` computes for rank ``r``'s queries — or None for the masked
+    matmul path (not on the CPU, packed segments, a layout with partly visible pairs, or ``_FLASH`` off)."""
+    if not _FLASH or q.device.type != "cpu" or segments is not None:
+        return [None] * len(index)
+    rows = index.tolist()
+    return [_pairs(rows[r], ik) for ik in rows]
 
 
 def _blocks(index, segments, r, owner, n):

@@ -95,7 +95,8 @@ def test_cp_attention_equals_the_whole_sequence_in_one_process(attention, cp, he
 
 def _ring_cases_worker(rank, world):
     """Ring attention's kernel against SDPA with the same mask over random cases (one seed each, the same on every
-    rank): grouped heads, odd lengths, packed segments, several query-row blocks; each rank its zigzag rows."""
+    rank): grouped heads, odd lengths, packed segments, several query-row blocks; each rank its zigzag rows (and, for
+    the flash path, contiguous ones) — by torch's CPU flash kernel per run pair and by the masked matmul path."""
     import torch.distributed as dist
 
     import hyperrl.distributed.ring_attention as ra
@@ -103,7 +104,8 @@ def _ring_cases_worker(rank, world):
 
     ra._ROWS = 3  # several row blocks per rank, some of them skipped (all keys after the queries)
     gaps = []
-    for seed in range(12):
+    for seed in range(24):
+        ra._FLASH = seed < 12  # the first 12 cases by the flash kernel (the packed ones by the matmul path)
         g = torch.Generator().manual_seed(seed)
         B, hk = int(torch.randint(1, 3, (), generator=g)), int(torch.randint(1, 3, (), generator=g))
         h, D = hk * int(torch.randint(1, 4, (), generator=g)), 8
@@ -111,7 +113,7 @@ def _ring_cases_worker(rank, world):
         q, dout = torch.randn(B, h, S, D, generator=g, dtype=torch.float64), torch.randn(B, h, S, D, generator=g)
         k, v = (torch.randn(B, hk, S, D, generator=g, dtype=torch.float64) for _ in range(2))
         seg = torch.randint(0, 3, (B, S), generator=g).sort(-1).values if seed % 2 else None
-        idx = layout_index(S, world, "zigzag")
+        idx = layout_index(S, world, "zigzag" if seed % 3 else "contiguous")
         mine = idx[rank]
         lq, lk, lv = (t[:, :, mine].detach().clone().requires_grad_() for t in (q, k, v))
         out = ra.ring_attention_kernel(lq, lk, lv, dist.group.WORLD, idx, seg)
@@ -131,8 +133,9 @@ def _ring_cases_worker(rank, world):
 
 
 def test_ring_attention_kernel_equals_masked_attention_on_odd_rings():
-    """3 ranks (an odd ring), 12 random cases in float64: outputs and the gradients of q, k, v of each rank's zigzag
-    rows equal SDPA's with the causal (and packed-segment) mask over the whole sequence."""
+    """3 ranks (an odd ring), 24 random cases in float64, each by the flash and the matmul path: outputs and the
+    gradients of q, k, v of each rank's zigzag (or contiguous) rows equal SDPA's with the causal (and packed-segment)
+    mask over the whole sequence."""
     res = run_gloo(_ring_cases_worker, 3, timeout=240)
     worst = max(max(g) for g in res.values())
     print(f"ring kernel: max gap {worst:.2e}")
