@@ -233,8 +233,10 @@ class _Ring(torch.autograd.Function):
 
 def _flash_pairs(q, index, segments, r: int) -> list:
     """Per owner rank, the run pairs :func:`_flash_fold` computes for rank ``r``'s queries — or None for the masked
-    matmul path (not on the CPU, packed segments, a layout with partly visible pairs, or ``_FLASH`` off)."""
-    if not _FLASH or q.device.type != "cpu" or segments is not None:
+    matmul path (not on the CPU, packed segments, a layout with partly visible pairs, a torch without the kernel, or
+    ``_FLASH`` off)."""
+    kernel = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if not (_FLASH and kernel) or q.device.type != "cpu" or segments is not None:
         return [None] * len(index)
     rows = index.tolist()
     return [_pairs(rows[r], ik) for ik in rows]
