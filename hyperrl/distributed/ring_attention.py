@@ -16,8 +16,11 @@ Backward (the same ring; the blocks' gradients travel with them and arrive home 
     p = exp(s − lse)   Δ = Σ_d dO·O   dV += pᵀ dO   dS = p ⊙ (dO vᵀ − Δ)
     dQ += dS k · scale   dK += dSᵀ q · scale
 
-Grouped-query attention is computed per key/value head (queries viewed ``[B, h_kv, h/h_kv, n, D]``), never
-repeated. Computed in fp32 (fp64 inputs in fp64); the output is cast to the queries' dtype. Which global
+On the CPU each step runs torch's flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns the
+log-sum-exp the merge needs) per pair of position runs — whole, causal or skipped — and its backward with the merged
+output; packed segments and other devices take a masked matmul path. Grouped-query attention is computed per
+key/value head (queries viewed ``[B, h_kv, h/h_kv, n, D]``; a causal pair repeats the key/value heads). Computed in
+fp32 (fp64 inputs in fp64); the output is cast to the queries' dtype. Which global
 positions each rank holds is the caller's ``index [cp, n]``
 (:func:`hyperrl.distributed.context_parallel.layout_index`; the causal mask is built from it). Written here
 because torch ships ring attention only for its own ``DTensor`` SDPA
