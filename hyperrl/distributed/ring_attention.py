@@ -48,6 +48,19 @@ def _shift(buf: torch.Tensor, group, cp: int, r: int):
     return recv, works
 
 
+def _ring(kv: torch.Tensor, group, cp: int, r: int, f):
+    """Each key/value block as it reaches this rank, ``(owner, k, v)`` in dtype ``f`` — rank ``(r − s) mod cp``'s at
+    step ``s`` — the next block already on its way while the caller folds this one."""
+    for s in range(cp):
+        nxt = _shift(kv, group, cp, r) if s < cp - 1 else None
+        kf, vf = kv.to(f).unbind(0)
+        yield (r - s) % cp, kf, vf
+        if nxt is not None:
+            kv, works = nxt
+            for w in works:
+                w.wait()
+
+
 def _visible(iq: torch.Tensor, ik: torch.Tensor, seg_q, seg_k) -> torch.Tensor:
     """Which keys each query sees: ``[B or 1, m, c]`` — causal by global position, within one packed segment."""
     mask = (iq[:, None] >= ik[None, :])[None]
@@ -176,22 +189,13 @@ class _Ring(torch.autograd.Function):
         qf = q.to(f).reshape(B, hk, h // hk, n, D)
         o = torch.zeros_like(qf)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=f, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
         flash = _flash_pairs(q, index, segments, r)
-        for s in range(cp):
-            owner = (r - s) % cp
-            if s < cp - 1:
-                nxt, works = _shift(kv, group, cp, r)
-            kf, vf = kv.to(f).unbind(0)
+        for owner, kf, vf in _ring(torch.stack([k, v]).contiguous(), group, cp, r, f):
             if flash[owner] is not None:
                 _flash_fold(o.view(B, h, n, D), lse.view(B, h, n), qf.view(B, h, n, D), kf, vf, flash[owner], scale)
             else:
                 for a, b, mask in _blocks(index, segments, r, owner, n):
                     _fold(o[..., a:b, :], lse[..., a:b], qf[..., a:b, :], kf, vf, mask, scale)
-            if s < cp - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
         ctx.save_for_backward(q, k, v, o, lse, index, *(() if segments is None else (segments,)))
         ctx.group, ctx.scale = group, scale
         return o.reshape(B, h, n, D).to(q.dtype)
@@ -212,11 +216,7 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=f, device=q.device)
         flash = _flash_pairs(q, index, segments, r)
-        for s in range(cp):
-            owner = (r - s) % cp
-            if s < cp - 1:
-                nxt, works = _shift(kv, group, cp, r)
-            kf, vf = kv.to(f).unbind(0)
+        for owner, kf, vf in _ring(kv, group, cp, r, f):
             if flash[owner] is not None:
                 _flash_unfold(dq.view(B, h, n, D), dkv[0], dkv[1], qf.view(B, h, n, D), kf, vf, do.view(B, h, n, D),
                               o.view(B, h, n, D), lse.view(B, h, n), flash[owner], scale)
@@ -224,10 +224,6 @@ class _Ring(torch.autograd.Function):
                 for a, b, mask in _blocks(index, segments, r, owner, n):
                     _unfold(dq[..., a:b, :], dkv[0], dkv[1], qf[..., a:b, :], kf, vf, do[..., a:b, :],
                             lse[..., a:b], delta[..., a:b], mask, scale)
-            if s < cp - 1:
-                for w in works:
-                    w.wait()
-                kv = nxt
             dkv, works = _shift(dkv, group, cp, r)  # the block's gradients travel with it; home after cp shifts
             for w in works:
                 w.wait()

@@ -127,6 +127,7 @@ def _ring_cases_worker(rank, world):
         ref.backward(dout.to(ref.dtype))
         dk, dv = lk.grad.clone(), lv.grad.clone()
         out = out.detach()
+        ref = ref.detach()
         gaps.append(max(float((out - ref[:, :, mine]).abs().max()), float((lq.grad - fq.grad[:, :, mine]).abs().max()),
                         float((dk - fk.grad[:, :, mine]).abs().max()), float((dv - fv.grad[:, :, mine]).abs().max())))
     return gaps
