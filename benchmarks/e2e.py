@@ -1,5 +1,6 @@
 """End-to-end: hyperrl's SyncTrainer vs TRL's GRPOTrainer, side by side, on the first default task (modsum)
-(``--shape default``) and at realistic shapes (``--shape long64x4`` / ``long256x4`` / ``long512x8``).
+(``--shape default``), at realistic shapes (``--shape long64x4`` / ``long256x4`` / ``long512x8``) and at short prompts
+where generation dominates (``--shape short32x4`` / ``short64x4`` / ``short128x4``: prompts 8–16 tokens).
 
 Same tiny Qwen3 (random init, same seed), same character tokenizer (wrapped as an HF fast
 tokenizer for TRL), same (a+b) mod 10 prompts, the same prompts × completions per step as
@@ -121,6 +122,9 @@ SHAPES = {  # model dims, prompts × samples per step, prompt-length range, resp
                       prompt=(64, 256), response=256),
     "long512x8": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, prompts=8, n=8,
                       prompt=(64, 256), response=256),
+    # short prompts, where generation dominates (issue 53: the independent measurement's shape, 1.18–1.30× then)
+    **{f"short{r}x4": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, prompts=16, n=8,
+                           prompt=(8, 16), response=r) for r in (32, 64, 128)},
 }
 
 
@@ -291,10 +295,14 @@ def main_long(name: str, steps: int, seed: int, variants: list[str], target: flo
     runs = [(VARIANTS[v][0], run_hyperrl_long(shape, steps, seed, *VARIANTS[v][1])) for v in variants]
     runs.append(("TRL 1.16 GRPOTrainer", run_trl_long(shape, steps, seed)))
     trl = runs[-1][1]
+    # per generated token: the step's seconds over the response tokens it generated (the lengths are each policy's
+    # own draw, so they differ between the trainers)
+    per_token = {n: r["phases"][-1] / (shape["prompts"] * shape["n"] * r["resp"]) for n, r in runs}
     rows = [[n, *r["phases"], round(r["tokens_s"]), round(r["resp"], 1), round(float(np.mean(r["reward"][-3:])), 3),
-             round(trl["phases"][-1] / r["phases"][-1], 2)] for n, r in runs]
+             round(trl["phases"][-1] / r["phases"][-1], 2), round(1e3 * per_token[n], 3),
+             round(per_token[runs[-1][0]] / per_token[n], 2)] for n, r in runs]
     head = ["trainer", "generate s", "log-prob s", "update s", "other s", "step s", "tokens/s", "response len",
-            "train reward (last 3)", "TRL step / this step"]
+            "train reward (last 3)", "TRL step / this step", "step ms per response token", "TRL / this per token"]
     if target is not None:  # time to a fixed reward: the timed steps' seconds until the batch mean first reached it
         head += [f"s to train reward ≥ {target}", "TRL s / this s"]
         t_trl = time_to(trl, target)

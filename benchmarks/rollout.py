@@ -41,7 +41,9 @@ def main():
     from hyperrl.tokenizer import char_tokenizer
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engines", default="hyperrl,hf", help="hyperrl, hf (transformers.generate), vllm")
+    ap.add_argument("--engines", default="hyperrl,hf",
+                    help="hyperrl, hyperrl_model (its decode=model: the model's forward every token), hf "
+                         "(transformers.generate), vllm")
     ap.add_argument("--batches", default="16x8,64x8", help="prompts x samples per prompt")
     ap.add_argument("--responses", default="32,64,128,256", help="tokens generated per sequence")
     ap.add_argument("--prompts", default="8-16,64-256", help="prompt length ranges")
@@ -53,13 +55,14 @@ def main():
     model = tiny_qwen3(tok.vocab_size, hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768,
                        max_positions=1024).eval()
     runners = {}
-    if "hyperrl" in engines:
-        eng = TransformersEngine(copy.deepcopy(model), pad_id=0)
+    for name, decode in (("hyperrl", "auto"), ("hyperrl_model", "model")):
+        if name in engines:  # hyperrl_model: the engine with the model's forward every token (decode=model)
+            eng = TransformersEngine(copy.deepcopy(model), pad_id=0, decode=decode)
 
-        def hyperrl(prompts, n, new):
-            eng.generate(prompts, SamplingParams(max_new_tokens=new, temperature=1.0, seed=0), n=n)
+            def hyperrl(prompts, n, new, eng=eng):
+                eng.generate(prompts, SamplingParams(max_new_tokens=new, temperature=1.0, seed=0), n=n)
 
-        runners["hyperrl"] = hyperrl
+            runners["hyperrl" if decode == "auto" else "hyperrl, decode=model"] = hyperrl
     if "hf" in engines:
         def hf(prompts, n, new):
             L = max(len(p) for p in prompts)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -91,7 +92,8 @@ class EngineSpec:
 
 
 @register_engine("transformers", capabilities=transformers_capabilities)
-def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None):
+def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None,
+                        decode: Literal["auto", "hyperrl", "model"] = "auto"):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
     (publication copies — and casts — the trainer's weights into it); ``dtype`` (e.g. bfloat16)
     serves it in another one than the trainer computes in — production's bf16 engine against an
@@ -101,7 +103,11 @@ def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: 
     :class:`~.hf.TransformersEngine`). ``tp``: split the copy over TP groups of ``tp``
     consecutive ranks in vLLM's layout (fused qkv / gate_up, vocab-parallel; the trainer's
     ``run.tp`` groups — :class:`~.tp.TPTransformersEngine`), so publication sends each rank only
-    its shards."""
+    its shards. ``decode``: ``auto`` decodes the Llama family (Llama, Mistral, Qwen2, Qwen3; fp32, nothing
+    hooked) with the engine's own step (:mod:`~.decode`: the same weights, ≈ 1.3× fewer seconds a token at
+    the benchmark's shapes, the attention's rounding differs by ≈ 1e-6) and every other model with its
+    forward; ``hyperrl`` refuses a model the own step cannot run; ``model``: the model's forward every
+    token (transformers' numbers bit for bit)."""
     from hyperrl.rollout.hf import TransformersEngine
 
     if tp < 1:
@@ -131,9 +137,10 @@ def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: 
                        f"({str(next(ctx.policy.parameters()).dtype).removeprefix('torch.')})")
         if why:
             raise ValueError("rollout.engine.share_weights: " + "; ".join(why) + " — set share_weights: false")
-        return TransformersEngine(ctx.policy, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id, shared=True)
+        return TransformersEngine(ctx.policy, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id, shared=True,
+                                  decode=decode)
     model = copy.deepcopy(ctx.policy).to(device=ctx.device, dtype=ctx.dtype)
-    return TransformersEngine(model, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id)
+    return TransformersEngine(model, device=ctx.device, pad_id=ctx.tokenizer.pad_token_id, decode=decode)
 
 
 _VLLM_HINT = ("`pip install vllm` (GPU) / vllm-ascend (NPU), or on CPU `bash scripts/setup_vllm.sh` and run "

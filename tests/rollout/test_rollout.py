@@ -193,9 +193,9 @@ def test_the_engines_kv_cache_and_grouped_attention_give_transformers_own_tokens
     model = tiny_qwen3(40, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=96)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14, 15]]
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, stop_ids=(7,))
-    new = TransformersEngine(copy.deepcopy(model))
+    new = TransformersEngine(copy.deepcopy(model), decode="model")  # the model's forward (the own step: test_decode)
     assert new.model.config._attn_implementation == "hyperrl_gqa_sdpa"
-    ref = TransformersEngine(copy.deepcopy(model))
+    ref = TransformersEngine(copy.deepcopy(model), decode="model")
     for m in ref.model.modules():  # back to transformers' own attention and cache
         if getattr(m, "config", None) is not None:
             m.config._attn_implementation = "sdpa"
@@ -203,7 +203,7 @@ def test_the_engines_kv_cache_and_grouped_attention_give_transformers_own_tokens
     a, b = new.generate(prompts, sp, n=3), ref.generate(prompts, sp, n=3)
     assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["rollout_logprobs"], b["rollout_logprobs"])
     assert len(set(a["action_mask"].sum(-1).tolist())) > 1  # some rows stopped early
-    small = TransformersEngine(copy.deepcopy(model))
+    small = TransformersEngine(copy.deepcopy(model), decode="model")
     small._cache = lambda capacity: hf_mod.preallocated_cache(4)  # smaller than the prompt + 12 tokens: grows
     c = small.generate(prompts, sp, n=3)
     assert torch.equal(a["tokens"], c["tokens"]) and torch.equal(a["rollout_logprobs"], c["rollout_logprobs"])
