@@ -22,6 +22,7 @@ from torch.nn import functional as F
 __all__ = ["FAMILIES", "DecodeStep", "decode_step", "why_not"]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary types whose frequencies do not change with the length
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,12 +101,27 @@ class DecodeStep:
                          (torch.cat([a.q_norm.weight.expand(self.heads, D), a.k_norm.weight.expand(self.kv_heads, D)]),
                           a.q_norm.variance_epsilon)
                          for a in (layer.self_attn for layer in self.inner.layers)]
+        # a rotary whose frequencies do not depend on the length (not dynamic / longrope): its cos / sin for every
+        # position computed once by the model's own module, then looked up (the same numbers: one product a
+        # frequency and position, then cos / sin)
+        self._static_rope = getattr(self.inner.rotary_emb, "rope_type", None) in STATIC_ROPE
+        self._cos = self._sin = None
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor, length: int):
+        """cos, sin ``[B, 1, D]`` at ``positions [B, 1]`` (every position ``< length``)."""
+        if not self._static_rope:
+            return self.inner.rotary_emb(h, positions)
+        if self._cos is None or self._cos.shape[0] < length:
+            grid = torch.arange(max(2 * length, 64), device=h.device)[None]
+            cos, sin = self.inner.rotary_emb(h, grid)
+            self._cos, self._sin = cos[0], sin[0]
+        return self._cos[positions], self._sin[positions]
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, attention_mask: torch.Tensor):
         H, Hk, D = self.heads, self.kv_heads, self.head_dim
         h = self.inner.embed_tokens(tokens)  # [B, hidden]
-        cos, sin = self.inner.rotary_emb(h, positions)  # [B, 1, D]: the model's own rotary (any scaling)
+        cos, sin = self._rope(h, positions, attention_mask.shape[1])  # [B, 1, D]: the model's own rotary
         bias = torch.zeros(attention_mask.shape, dtype=h.dtype, device=h.device).masked_fill_(attention_mask == 0,
                                                                                               float("-inf"))
         bias = bias[:, None, None, :]  # [B, 1, 1, n + 1]

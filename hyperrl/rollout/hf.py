@@ -31,8 +31,9 @@ DECODE = ("auto", "hyperrl", "model")  # the decode step: own where it can / own
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """fp32 ``logits / temperature`` with tokens outside top-k / the top-p nucleus set to −inf. ``[B, V]``."""
-    z = logits.float() / temperature
+    """fp32 ``logits / temperature`` with tokens outside top-k / the top-p nucleus set to −inf. ``[B, V]``
+    (never written in place: at temperature 1 an fp32 ``logits`` comes back as it is)."""
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     if top_k and top_k < z.shape[-1]:
         kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))

@@ -63,9 +63,14 @@ class PreallocatedLayer(_dynamic_layer()):
         return self.n if self.is_initialized else 0
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self._k, self._v = self._k.repeat_interleave(repeats, 0), self._v.repeat_interleave(repeats, 0)
+        if self.is_initialized:  # only the filled positions are copied (the rest is written before it is read)
+            self._k, self._v = (self._repeat(t, repeats) for t in (self._k, self._v))
             self._views()
+
+    def _repeat(self, buf: torch.Tensor, repeats: int) -> torch.Tensor:
+        out = buf.new_empty(buf.shape[0] * repeats, *buf.shape[1:])
+        out[:, :, :self.n] = buf[:, :, :self.n].repeat_interleave(repeats, 0)
+        return out
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:

@@ -150,3 +150,23 @@ def test_the_engine_factory_takes_decode(tmp_path):
     tr = build_trainer(load_config(None, [f"--run.out_dir={tmp_path}", "--rollout.engine={name: transformers, "
                                                                         "decode: model}"]))
     assert tr.generator.engine.decode == "model"
+
+
+def test_the_rotary_table_is_the_models_rotary():
+    """The own step's cos / sin looked up from a table equal the model's rotary module at those positions bit for
+    bit (default and linear-scaled rotaries); a length-dependent rotary (dynamic) is called every step instead."""
+    import transformers as tf
+
+    from hyperrl.rollout.decode import DecodeStep
+
+    for rope in ({"rope_type": "default", "rope_theta": 1e4}, {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                 {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}):
+        cfg = tf.Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                             rope_parameters=rope)
+        step = DecodeStep(tf.Qwen3ForCausalLM(cfg).eval())
+        assert step._static_rope == (rope["rope_type"] != "dynamic")
+        h, pos = torch.zeros(3, 32), torch.tensor([[0], [17], [200]])
+        want = step.inner.rotary_emb(h, pos)
+        got = step._rope(h, pos, 201)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
