@@ -152,6 +152,12 @@ class LongDigitsTask:
     def held_out(self, k: int) -> list[Sample]:
         return self.sample(k, 10**9)
 
+    def limits(self):
+        """Its longest prompt (``hi`` tokens); no answer to fit."""
+        from hyperrl.data.incode import TaskLimits
+
+        return TaskLimits(longest_prompt=self.hi)
+
     def encode(self, sample: Sample) -> list[int]:
         return encode_prompt(self.tokenizer, sample.prompt)
 
