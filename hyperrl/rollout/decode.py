@@ -6,12 +6,12 @@ bookkeeping, and torch's CPU flash kernel, which at a query of one token costs �
 ``softmax(q kᵀ) v`` (measured: 128 rows, 2 KV heads × 2 groups, 44 cached tokens — 261 µs against 106). For the
 families whose decoder layer is exactly pre-norm attention + gated MLP (Llama, Mistral without a
 window, Qwen2, Qwen3 — :data:`FAMILIES`), :class:`DecodeStep` reads the same modules' weights and runs the same
-operations in the same order — RMSNorm as transformers computes it, the model's own rotary module and
-activation, the K/V written in place into the engine's cache (:mod:`hyperrl.rollout.kv_cache`) — with the
-attention as two matrix products over the cache's filled part, the padding masked by ``−inf``. Every
-number but the attention's is transformers' bit for bit; the attention's differ in rounding (≈ 1e-6
-relative in fp32; ``tests/rollout/test_decode.py``). The prefill, and every model outside the family or
-with anything hooked into it, stays on the model's forward (:func:`decode_step` says why).
+operations in the same order — RMSNorm as transformers computes it, the model's own rotary module (a static
+rotary's cos / sin tabled once a generation) and activation, the K/V written in place into the engine's cache
+(:mod:`hyperrl.rollout.kv_cache`) — with the attention as two matrix products over the cache's filled part,
+the padding masked by ``−inf``. Every number but the attention's is transformers' bit for bit; the attention's
+differ in rounding (≈ 1e-6 relative in fp32; ``tests/rollout/test_decode.py``). The prefill, and every model
+outside the family or with anything hooked into it, stays on the model's forward (:func:`decode_step` says why).
 """
 
 from __future__ import annotations

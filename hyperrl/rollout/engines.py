@@ -104,9 +104,9 @@ def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: 
     consecutive ranks in vLLM's layout (fused qkv / gate_up, vocab-parallel; the trainer's
     ``run.tp`` groups — :class:`~.tp.TPTransformersEngine`), so publication sends each rank only
     its shards. ``decode``: ``auto`` decodes the Llama family (Llama, Mistral, Qwen2, Qwen3; fp32, nothing
-    hooked) with the engine's own step (:mod:`~.decode`: the same weights, ≈ 1.3× fewer seconds a token at
-    the benchmark's shapes, the attention's rounding differs by ≈ 1e-6) and every other model with its
-    forward; ``hyperrl`` refuses a model the own step cannot run; ``model``: the model's forward every
+    hooked) with the engine's own step (:mod:`~.decode`: the same weights at 1.15–1.2× the tokens/s of the
+    model's forward at the benchmark's shapes, the attention's rounding differs by ≈ 1e-6) and every other
+    model with its forward; ``hyperrl`` refuses a model the own step cannot run; ``model``: the model's forward every
     token (transformers' numbers bit for bit)."""
     from hyperrl.rollout.hf import TransformersEngine
 
