@@ -16,10 +16,17 @@ outside the family or with anything hooked into it, stays on the model's forward
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["FAMILIES", "DecodeStep", "decode_step", "why_not"]
+__all__ = ["FAMILIES", "Decode", "DECODE", "DecodeStep", "decode_step", "why_not"]
+
+# the engine's choice (``rollout.engine.decode``): the own step where it can / the own step or refuse / the model's
+# forward every token
+Decode = Literal["auto", "hyperrl", "model"]
+DECODE = get_args(Decode)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary types whose frequencies do not change with the length

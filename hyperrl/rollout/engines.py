@@ -6,12 +6,12 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from hyperrl.registry import Registry
 from hyperrl.rollout.base import Capabilities, check_capabilities, transformers_capabilities, vllm_capabilities
+from hyperrl.rollout.decode import Decode
 
 __all__ = ["ENGINES", "register_engine", "EngineContext", "EngineSpec", "declared_capabilities",
            "transformers_capabilities", "vllm_capabilities", "build_engine"]
@@ -93,7 +93,7 @@ class EngineSpec:
 
 @register_engine("transformers", capabilities=transformers_capabilities)
 def transformers_engine(ctx: EngineContext, *, share_weights: bool = False, tp: int = 1, dtype: str | None = None,
-                        decode: Literal["auto", "hyperrl", "model"] = "auto"):
+                        decode: Decode = "auto"):
     """The engine serves its own copy of the policy on ``ctx.device`` in the compute dtype
     (publication copies — and casts — the trainer's weights into it); ``dtype`` (e.g. bfloat16)
     serves it in another one than the trainer computes in — production's bf16 engine against an

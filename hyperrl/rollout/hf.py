@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from hyperrl.multimodal import forward_inputs, pack_vision, vision_spec
 from hyperrl.rollout.attention import use_gqa_sdpa
 from hyperrl.rollout.base import SamplingParams, TransactionalEngine, WeightPublishError, transformers_capabilities
-from hyperrl.rollout.decode import decode_step
+from hyperrl.rollout.decode import DECODE, decode_step, why_not
 from hyperrl.rollout.kv_cache import full_attention_only, preallocated_cache
 from hyperrl.rollout.requests import Request, keyed_sample, keyed_uniform
 from hyperrl.routing import Routing, is_moe
@@ -27,7 +27,6 @@ from hyperrl.trajectory import FINISH_REASONS, NO_VERSION, check_vision, make_tr
 __all__ = ["TransformersEngine", "filter_logits"]
 
 _ABORTED = FINISH_REASONS.index("aborted")
-DECODE = ("auto", "hyperrl", "model")  # the decode step: own where it can / own or refuse / the model's forward
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -85,7 +84,7 @@ class TransformersEngine(TransactionalEngine):
         self._version, self._failed = version, None
         self._full_attention = full_attention_only(self.model)  # the in-place KV cache fits its layers
         self.decode, self.decode_reason = decode, None  # decode_reason: why the last generation used the model's
-        if decode == "hyperrl" and (why := decode_step(self.model)[1]):
+        if decode == "hyperrl" and (why := why_not(self.model)):
             raise ValueError(f"decode=hyperrl: the engine's own decode step cannot run this model: {why}; "
                              "use decode: auto (the model's forward where it cannot) or decode: model")
         self._undo: list = []  # (weight, undo) of the deltas applied in place by the open publication
