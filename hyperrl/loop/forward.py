@@ -349,6 +349,16 @@ def context_parallel_values(critic, batch: TensorDict, group) -> torch.Tensor:
     return torch.nn.functional.pad(gather_sequence(v, group, tokens.shape[1] - 1, layout), (1, 0))
 
 
+# a model call's fixed cost in tokens, for bucketing a continuation (length_buckets): a split must save more tokens
+# than this per extra call. Measured on 2 cores (2026-12-07, a continuation call forward + backward at several rows ×
+# widths, fitted time = fixed + per token): the default tiny model's (hidden 128, 2 layers) fixed part is ≈ 3 ms ≈ 95
+# of its tokens, the e2e model's (256 × 4) ≈ 9 ms ≈ 80 tokens; 256 leaves a margin
+BUCKET_CALL_COST = 256
+# continuations narrower than this stay in one call: a split saves under this many tokens a row, where the prompt pass
+# and the head are most of the forward (and the default job's 3-token answers keep their numbers)
+BUCKET_MIN_WIDTH = 8
+
+
 def prefix_groups(batch: TensorDict):
     """Rows that share a prompt. The prompt of row ``b`` is ``tokens[b, :p_b]``, ``p_b`` the index
     of its first action token (its length when it has none) — with its images, when the rows carry
@@ -368,7 +378,8 @@ def prefix_groups(batch: TensorDict):
 
 
 def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None, *,
-                                       min_rest: int = 0, replay: RouteReplay | None = None, fused: bool = False):
+                                       min_rest: int = 0, replay: RouteReplay | None = None, fused: bool = False,
+                                       bucket: bool = True):
     """As :func:`plain_logprobs_and_entropy` on action positions, with each distinct prompt run once.
 
     Prompts ``[U, P]`` are left-padded so every row's continuation starts at cache slot ``P``;
@@ -377,6 +388,12 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     continuation token, continuation logit ``s`` predicts token ``s + 1``. ``min_rest ≥ 1`` runs
     the continuation forward even when every row ends one token after its prompt (data-parallel
     ranks must make the same number of model calls under FSDP).
+
+    ``bucket`` (a text model, no routing replay, a continuation of at least :data:`BUCKET_MIN_WIDTH` tokens):
+    the continuation runs in buckets of similar length (:func:`hyperrl.transforms.length_buckets`, each call cut
+    to its rows' longest continuation) when that saves more than :data:`BUCKET_CALL_COST` tokens a call — at a long-tailed step (responses of 1–64 tokens) a
+    third fewer tokens through the model; the same numbers up to the matrix products' rounding. Off under FSDP,
+    whose ranks must make the same calls (:func:`policy_logprobs` turns it off when the forward is agreed).
     """
     tokens, attn = batch["tokens"], batch["attention_mask"]
     p, inverse, first = groups if groups is not None else prefix_groups(batch)
@@ -403,6 +420,13 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     cont_valid = s < (attn.sum(-1) - p)[:, None]
     cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
     if S > 1:
+        needs = (attn.sum(-1) - p - 1).clamp_min(0)  # continuation inputs row b needs: all its tokens but the last
+        split = bucket and replay is None and pre_pos.dim() == 2 and S - 1 >= BUCKET_MIN_WIDTH
+        rows = T.length_buckets(needs, BUCKET_CALL_COST) if split else [list(range(B))]
+        if len(rows) > 1:  # several calls, each cut to its rows' longest continuation
+            rest = _bucketed_rest(model, fused, out.past_key_values, rows, needs, inverse, pre_mask, pre_pos,
+                                  cont[:, :-1], cont_valid[:, :-1], S - 1)
+            return _scatter_lp(model, torch.cat([logits, rest], 1), cont, cont_valid, p, Tn, temperature, fused)
         cache = _select_rows(out.past_key_values, inverse)
         mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
         src = torch.full((B, Tn), -1, dtype=torch.long, device=dev)
@@ -419,12 +443,58 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
             rest = _head_out(model, fused, input_ids=cont[:, :-1], attention_mask=mask, position_ids=cont_pos,
                              past_key_values=cache, use_cache=False).logits
         logits = torch.cat([logits, rest], 1)
+    return _scatter_lp(model, logits, cont, cont_valid, p, Tn, temperature, fused)
+
+
+def _scatter_lp(model, logits, cont, cont_valid, p, Tn: int, temperature: float, fused: bool):
+    """The continuation's log-probs and entropies ``[B, S]`` (from its logits or hidden states) at their tokens'
+    positions ``[B, T]``, zero elsewhere."""
     lp, ent = _lp_ent(model, logits, cont, temperature, fused)
-    cols = p[:, None] + s  # distinct per row; the buffer is wide enough for rows' padding tails
-    zero = torch.zeros(B, Tn + s.shape[1], dtype=lp.dtype, device=dev)
+    B, S = cont.shape
+    cols = p[:, None] + torch.arange(S, device=cont.device)[None, :]  # distinct per row; the buffer is wide
+    zero = torch.zeros(B, Tn + S, dtype=lp.dtype, device=cont.device)  # enough for rows' padding tails
     lp_full = zero.scatter(1, cols, torch.where(cont_valid, lp, 0.0))[:, :Tn]
     ent_full = zero.scatter(1, cols, torch.where(cont_valid, ent, 0.0))[:, :Tn]
     return lp_full, ent_full
+
+
+def _bucketed_rest(model, fused: bool, cache, buckets: list[list[int]], needs, inverse, pre_mask, pre_pos, inputs,
+                   valid, width: int) -> torch.Tensor:
+    """The continuation's logits (or hidden states) ``[B, width, ·]`` run bucket by bucket
+    (:func:`hyperrl.transforms.length_buckets`): each bucket's rows on their prompts' cached K/V, cut to its
+    longest continuation; positions past a row's bucket width are zeros (never read: past its last token)."""
+    kv = _cache_kv(cache)
+    parts, order, empty = [], [], []
+    for rows in buckets:
+        idx = torch.tensor(rows, device=inputs.device)
+        w = int(needs[idx].max())
+        if w == 0:  # one-token responses: predicted by the prompt's last logit alone
+            empty += rows
+            continue
+        u = inverse[idx]
+        for la, (k, v) in zip(cache.layers, kv):
+            if k is not None:
+                la.keys, la.values = k.index_select(0, u), v.index_select(0, u)
+        mask = torch.cat([pre_mask[u], valid[idx, :w]], 1).long()
+        pos = pre_pos[:, -1].index_select(0, u)[:, None] + 1 + torch.arange(w, device=idx.device)[None, :]
+        out = _head_out(model, fused, input_ids=inputs[idx, :w], attention_mask=mask, position_ids=pos,
+                        past_key_values=cache, use_cache=False).logits
+        parts.append(torch.nn.functional.pad(out, (0, 0, 0, width - w)))
+        order.append(idx)
+    if empty:  # rows without a continuation input: zeros
+        like = parts[0]
+        parts.append(like.new_zeros(len(empty), *like.shape[1:]))
+        order.append(torch.tensor(empty, device=inputs.device))
+    return torch.cat(parts, 0).index_select(0, torch.argsort(torch.cat(order)))
+
+
+def _cache_kv(cache) -> list[tuple]:
+    """Every layer's ``(keys, values)`` of a transformers cache (None where a layer holds none)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(la, "keys") and hasattr(la, "values") for la in layers):
+        raise TypeError(f"shared-prefix forward: unsupported cache type {type(cache).__name__} (needs per-layer "
+                        "keys/values, transformers' DynamicCache); use optim.shared_prefix=false")
+    return [(la.keys, la.values) if la.keys is not None and la.keys.numel() else (None, None) for la in layers]
 
 
 def _select_rows(cache, index: torch.Tensor):
@@ -432,11 +502,8 @@ def _select_rows(cache, index: torch.Tensor):
     ``index_add_`` — a fixed summation order — whereas advanced indexing's backward
     (``index_put_(accumulate=True)``) adds in a thread-dependent order on CPU, which made two runs
     with the same seed differ in the last bits."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or not all(hasattr(la, "keys") and hasattr(la, "values") for la in layers):
-        raise TypeError(f"shared-prefix forward: unsupported cache type {type(cache).__name__} (needs per-layer "
-                        "keys/values, transformers' DynamicCache); use optim.shared_prefix=false")
-    for la in layers:
+    _cache_kv(cache)
+    for la in cache.layers:
         if la.keys is not None and la.keys.numel():
             la.keys, la.values = la.keys.index_select(0, index), la.values.index_select(0, index)
     return cache
@@ -466,5 +533,5 @@ def policy_logprobs(model, batch: TensorDict, temperature: float, *, shared_pref
         use, S = agree(use, S)
     if use:  # an agreed `use` implies this rank preferred it too, so its groups exist
         return shared_prefix_logprobs_and_entropy(model, batch, temperature, groups, min_rest=int(S > 1),
-                                                  replay=replay, fused=fused)
+                                                  replay=replay, fused=fused, bucket=agree is None)
     return plain_logprobs_and_entropy(model, batch, temperature, replay, fused=fused)

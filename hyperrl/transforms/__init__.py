@@ -31,6 +31,7 @@ from hyperrl.transforms.advantages import (
 from hyperrl.transforms.aggregation import AGGREGATIONS, Normalizer, aggregate, register_aggregation
 from hyperrl.transforms.batching import (
     balanced_partition,
+    length_buckets,
     micro_batches_by_padded_budget,
     micro_batches_by_token_budget,
     padded_cost,
@@ -158,7 +159,7 @@ __all__ = [
     "informative_groups", "dynamic_sampling_filter",
     "dpo_loss", "DPOLoss", "PREFERENCE_LOSSES", "preference_loss",
     "micro_batches_by_token_budget", "micro_batches_by_padded_budget", "padded_cost", "balanced_partition",
-    "partition_spread",
+    "partition_spread", "length_buckets",
     "RunningStats", "running_stats_init", "running_stats_update", "running_stats_normalize",
     # asynchronous RL: staleness and the proximal policy
     "token_staleness", "staleness_mask", "staleness_metrics", "row_policy_version", "proximal_alpha",

@@ -176,6 +176,67 @@ def test_agreed_choice_forces_the_same_model_calls():
     c.h.remove()
 
 
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(1, 14), min_size=4, max_size=12), seed=st.integers(0, 3))
+def test_bucketed_continuation_equals_one_call_values_and_grads(lengths, seed):
+    """The continuation run in buckets of similar length (each call cut to its rows' longest) gives the one-call
+    values and gradients (the float64 model: equal to rounding); the calls are the prompt pass and one per bucket
+    with a continuation, each as wide as its longest row needs."""
+    from hyperrl import transforms as T
+    from hyperrl.loop import forward
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1, 5, 6], [1, 7, 8, 9]]
+    b = _batch([(prompts[k % 2], [(torch.randint(3, V, (n,), generator=g).tolist(), True)])
+                for k, n in enumerate(lengths)])
+    act = b["action_mask"]
+    w = torch.randn(act.shape, dtype=torch.float64, generator=g)
+    params = list(MODEL.parameters())
+    out, calls = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward, "BUCKET_CALL_COST", 3)
+        mp.setattr(forward, "BUCKET_MIN_WIDTH", 1)
+        for bucket in (False, True):
+            c = _Count(MODEL)
+            lp, ent = shared_prefix_logprobs_and_entropy(MODEL, b, 0.9, bucket=bucket)
+            c.h.remove()
+            calls.append(c.calls)
+            grads = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
+            out.append((lp[act].detach(), ent[act].detach(), grads))
+    (lp0, e0, g0), (lp1, e1, g1) = out
+    torch.testing.assert_close(lp1, lp0, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(e1, e0, atol=1e-10, rtol=1e-10)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-9)
+    needs = [n - 1 for n in lengths]
+    buckets = [bk for bk in T.length_buckets(needs, 3) if max(needs[i] for i in bk) > 0]
+    assert calls[0] == [(2, 4), (len(lengths), max(needs))] if max(needs) > 0 else [(2, 4)]
+    if max(needs) > 0:
+        assert calls[1] == [(2, 4)] + [(len(bk), max(needs[i] for i in bk)) for bk in buckets]
+
+
+def test_bucketing_is_off_when_the_forward_is_agreed_or_narrow():
+    """Data-parallel ranks (an agreed forward) make one continuation call each, whatever their lengths; a
+    continuation narrower than BUCKET_MIN_WIDTH is one call."""
+    from hyperrl.loop import forward
+
+    lengths = [1, 1, 1, 1, 1, 1, 12, 12]  # a split saves 6 · 11 = 66 tokens
+    b = _batch([([1, 5, 6], [(list(range(3, 3 + n)), True)]) for n in lengths])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward, "BUCKET_CALL_COST", 3)
+        c = _Count(MODEL)
+        policy_logprobs(MODEL, b, 1.0)
+        assert c.calls == [(1, 3), (2, 11)]  # the one-token rows need no continuation input at all
+        c.calls.clear()
+        policy_logprobs(MODEL, b, 1.0, agree=lambda use, S: (use, S))
+        assert c.calls == [(1, 3), (8, 11)]
+        c.calls.clear()
+        mp.setattr(forward, "BUCKET_MIN_WIDTH", 12)
+        policy_logprobs(MODEL, b, 1.0)
+        assert c.calls == [(1, 3), (8, 11)]
+        c.h.remove()
+
+
 def test_plain_forward_computes_logits_only_on_the_action_window():
     from hyperrl.loop.forward import plain_logprobs_and_entropy
     from hyperrl.models.tiny import tiny_qwen3

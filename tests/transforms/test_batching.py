@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from hyperrl.transforms import (
     balanced_partition,
+    length_buckets,
     micro_batches_by_padded_budget,
     micro_batches_by_token_budget,
     padded_cost,
@@ -97,3 +98,53 @@ def test_partition_beats_round_robin_on_skewed_lengths():
     kk = partition_spread(lens, balanced_partition(lens, 8))
     rr = partition_spread(lens, [list(range(r, 256, 8)) for r in range(8)])
     assert kk < rr / 10
+
+
+def _bucket_cost(lengths, buckets, call_cost):
+    return sum(padded_cost(lengths, b) for b in buckets) + call_cost * (len(buckets) - 1)
+
+
+def _best_contiguous(lengths, call_cost, k_max):
+    """Brute force: every split of the sorted lengths into ≤ k_max contiguous runs (ties broken arbitrarily)."""
+    c = sorted(lengths)
+    n, best = len(c), None
+    for k in range(1, k_max + 1):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            bounds = [0, *cuts, n]
+            v = sum((bounds[j + 1] - bounds[j]) * c[bounds[j + 1] - 1] for j in range(k)) + call_cost * (k - 1)
+            best = v if best is None else min(best, v)
+    return best
+
+
+@given(st.lists(st.integers(0, 70), min_size=0, max_size=60), st.integers(0, 300), st.integers(1, 5))
+def test_length_buckets_cover_once_in_length_order_never_cost_more(lengths, call_cost, k):
+    bks = length_buckets(lengths, call_cost, k)
+    assert sorted(i for b in bks for i in b) == list(range(len(lengths)))
+    assert all(b == sorted(b) and b for b in bks) and len(bks) <= k
+    # neighbouring lengths: every row of a bucket is no longer than any row of the next
+    for a, b in zip(bks, bks[1:]):
+        assert max(lengths[i] for i in a) <= min(lengths[i] for i in b)
+    if lengths:  # never worse than one call
+        assert _bucket_cost(lengths, bks, call_cost) <= padded_cost(lengths, range(len(lengths)))
+
+
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=9), st.integers(0, 40), st.integers(1, 4))
+def test_length_buckets_optimal_on_small_inputs(lengths, call_cost, k):
+    # at most 13 distinct lengths: the dynamic programme is exact (its 64-boundary thinning never applies)
+    assert _bucket_cost(lengths, length_buckets(lengths, call_cost, k), call_cost) == _best_contiguous(
+        lengths, call_cost, k)
+
+
+def test_length_buckets_golden_and_errors():
+    # one call: 4 · 8 = 32 tokens; [1,1,1] | [8]: 3 + 8 + call 10 = 21
+    assert length_buckets([1, 8, 1, 1], 10) == [[0, 2, 3], [1]]
+    # a split would save 32 − 11 = 21 tokens, not more than a call of 25: one bucket
+    assert length_buckets([1, 8, 1, 1], 25) == [[0, 1, 2, 3]]
+    # [5, 1, 64, 64, 30, 2] at call 20: [1, 2, 5] | [30] | [64, 64] — 15 + 30 + 128 + 40 = 213 (one call: 384)
+    assert length_buckets([5, 1, 64, 64, 30, 2], 20) == [[0, 1, 5], [4], [2, 3]]
+    assert length_buckets([5, 1, 64, 64, 30, 2], 20, max_buckets=1) == [[0, 1, 2, 3, 4, 5]]
+    assert length_buckets([], 5) == []
+    with pytest.raises(ValueError, match="call_cost=-1 must be ≥ 0"):
+        length_buckets([1, 2], -1)
+    with pytest.raises(ValueError, match="lengths: must be non-negative"):
+        length_buckets([1, -2], 3)
