@@ -391,9 +391,10 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
 
     ``bucket`` (a text model, no routing replay, a continuation of at least :data:`BUCKET_MIN_WIDTH` tokens):
     the continuation runs in buckets of similar length (:func:`hyperrl.transforms.length_buckets`, each call cut
-    to its rows' longest continuation) when that saves more than :data:`BUCKET_CALL_COST` tokens a call — at a long-tailed step (responses of 1–64 tokens) a
-    third fewer tokens through the model; the same numbers up to the matrix products' rounding. Off under FSDP,
-    whose ranks must make the same calls (:func:`policy_logprobs` turns it off when the forward is agreed).
+    to its rows' longest continuation) when that saves more than :data:`BUCKET_CALL_COST` tokens a call — at a
+    long-tailed step (responses of 1–64 tokens) ≈ a quarter fewer tokens through the model (8,064 → 6,160 at a
+    step of ``benchmarks/e2e.py --shape short64x4``); the same numbers up to the matrix products' rounding. Off under
+    FSDP, whose ranks must make the same calls (:func:`policy_logprobs` turns it off when the forward is agreed).
     """
     tokens, attn = batch["tokens"], batch["attention_mask"]
     p, inverse, first = groups if groups is not None else prefix_groups(batch)
