@@ -211,10 +211,29 @@ def _run(cfg, trainer, rank, out, jsonl, *, resume, progress, extra_hooks) -> di
                                                                       trainer.step_idx >= cfg.run.steps))):
         last_eval = trainer.evaluate()  # at the start, or again at a resumed step whose evaluation was due
     try:
-        return _loop(cfg, trainer, rank, out, jsonl, bar=bar, last_eval=last_eval, t0=t0)
+        with _frozen_heap():
+            return _loop(cfg, trainer, rank, out, jsonl, bar=bar, last_eval=last_eval, t0=t0)
     finally:
         if bar is not None:  # an error's line starts on a line of its own
             bar.close()
+
+
+@contextmanager
+def _frozen_heap():
+    """The objects alive when the loop starts (the models, the dataset, the tokenizer, every module imported) set
+    aside from Python's cyclic garbage collector until it ends (``gc.freeze``, after a collection so no garbage is
+    kept): a step makes thousands of short-lived objects (reward calls, futures), and each full collection they
+    trigger would otherwise walk every long-lived one again — measured 2026-12-07 on the default job: scoring 12.2 →
+    9.0 ms a step, the step 85.5 → 81.8 ms (100 steps each, twice, alternated). ``gc.unfreeze`` at the end hands
+    them back (a notebook's later collections see them again)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _Profiler:

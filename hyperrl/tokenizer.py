@@ -24,7 +24,8 @@ from hyperrl.errors import HyperRLError
 
 __all__ = ["TOKENIZER_FILES", "DEFAULT_ALPHABET", "CHAR_CHAT_TEMPLATE", "char_tokenizer", "load_tokenizer",
            "read_chat_template", "is_template_file",
-           "encode_prompt", "encode_text", "decode_response", "check_vocab", "observation_ids", "TokenizerError"]
+           "encode_prompt", "encode_text", "decode_response", "decode_responses", "check_vocab", "observation_ids",
+           "TokenizerError"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")  # any one of them
 
@@ -150,15 +151,30 @@ def decode_response(tok, ids, stops=()) -> str:
     turn's end) and the padding after one dropped; every other token rendered — a special token
     the policy sampled mid-answer stays visible. (``skip_special_tokens=True``, what verl and TRL
     decode with, hides it: a policy learns to pad ``"8<pad>5"`` into the reward's ``"85"``.)"""
-    stop = {int(i) for i in stops} | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    keep, ended = [], False
-    for i in (int(i) for i in ids):
-        if i in stop or (ended and i == tok.pad_token_id):
-            ended = True
-            continue
-        keep.append(i)
-        ended = False
-    return tok.decode(keep, skip_special_tokens=False)
+    return decode_responses(tok, [ids], stops)[0]
+
+
+def decode_responses(tok, rows, stops=()) -> list[str]:
+    """:func:`decode_response` of every row of ``rows`` (lists of ids), the stop set read once and the rows
+    decoded in one batch (a fast tokenizer decodes them in Rust)."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    stop = {int(i) for i in stops} | ({eos} if eos is not None else set())
+    kept = []
+    for ids in rows:
+        keep, ended = [], False
+        for i in ids:
+            i = int(i)
+            if i in stop or (ended and i == pad):
+                ended = True
+                continue
+            keep.append(i)
+            ended = False
+        kept.append(keep)
+    if not kept:
+        return []
+    if hasattr(tok, "batch_decode"):
+        return tok.batch_decode(kept, skip_special_tokens=False)
+    return [tok.decode(k, skip_special_tokens=False) for k in kept]
 
 
 def check_vocab(tok, model_vocab: int, where: str = "model") -> None:

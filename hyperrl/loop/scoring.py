@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from hyperrl.rewards import Reward, RewardError, RewardSet
 from hyperrl.rewards.styles import Pending
-from hyperrl.tokenizer import decode_response
+from hyperrl.tokenizer import decode_response, decode_responses
 
 __all__ = ["Scorer", "Scoring"]
 
@@ -81,15 +81,17 @@ class Scorer:
         """Each row's response ids (every action token — or, with ``final_turn``, the final response's), its
         sample, and its decoded text (each distinct response decoded once: a group often repeats one; none
         without configured rewards)."""
-        starts = batch["final_turn"].tolist() if "final_turn" in batch.keys() else [0] * batch.batch_size[0]
-        ids = [[t for t, a in zip(toks[s:], act[s:]) if a] for toks, act, s in zip(batch["tokens"].tolist(),
-                                                                                batch["action_mask"].tolist(), starts)]
+        act = batch["action_mask"].bool()
+        if "final_turn" in batch.keys():  # the final response's tokens only
+            act = act & (torch.arange(act.shape[1])[None, :] >= batch["final_turn"][:, None])
+        flat, ends = batch["tokens"][act].tolist(), act.sum(-1).cumsum(0).tolist()
+        ids = [flat[a:b] for a, b in zip([0, *ends[:-1]], ends)]
         rows = [samples[g] for g in batch["group_id"].tolist()]
-        seen: dict[tuple, str] = {}
-        for i in ids if self.reward_set is not None else ():
-            if tuple(i) not in seen:
-                seen[tuple(i)] = decode_response(self.tok, i, self.stop_ids)
-        return ids, rows, [seen[tuple(i)] for i in ids] if seen or not ids else []
+        if self.reward_set is None or not ids:
+            return ids, rows, []
+        distinct = list(dict.fromkeys(map(tuple, ids)))
+        seen = dict(zip(distinct, decode_responses(self.tok, distinct, self.stop_ids)))
+        return ids, rows, [seen[tuple(i)] for i in ids]
 
     def submit(self, batch: TensorDict, samples) -> Scoring:
         """Start scoring ``batch``'s rows now (:meth:`score` with ``ready=`` collects them): a group scored as
