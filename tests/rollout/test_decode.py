@@ -170,3 +170,25 @@ def test_the_rotary_table_is_the_models_rotary():
         want = step.inner.rotary_emb(h, pos)
         got = step._rope(h, pos, 201)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_the_stacked_projection_is_the_three_bit_for_bit(family):
+    """The own step's one q/k/v product (weights stacked once a build) gives the three projections' numbers exactly
+    — at the test model's width and at the benchmarks' (the engine's generations are those of the three products);
+    a projection without a bias beside ones with biases adds zeros."""
+    from torch.nn import functional as F
+
+    from hyperrl.rollout.decode import _stacked
+
+    a = _family(family).model.layers[0].self_attn
+    for x in (torch.randn(37, a.q_proj.in_features), torch.randn(128, a.q_proj.in_features)):
+        w, b = _stacked(a.q_proj, a.k_proj, a.v_proj)
+        assert (b is None) == (family == "qwen3")  # Qwen3 has no q/k/v biases; Qwen2 and this Llama have them
+        assert torch.equal(F.linear(x, w, b), torch.cat([a.q_proj(x), a.k_proj(x), a.v_proj(x)], -1))
+    wide = [torch.nn.Linear(256, n, bias=False) for n in (256, 128, 128)]
+    x = torch.randn(128, 256)
+    assert torch.equal(F.linear(x, *_stacked(*wide)), torch.cat([m(x) for m in wide], -1))
+    mixed = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 2, bias=False)]
+    w, b = _stacked(*mixed)
+    assert b[4:].eq(0).all() and torch.equal(b[:4], mixed[0].bias)
