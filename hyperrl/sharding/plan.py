@@ -429,40 +429,45 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     check_compatible(src, dst)
     demands = dst.demands()
     grids: dict = {}  # (mesh axes, shape, spec dims) → (source grid, its geometries)
-    placed: dict = {}  # (shape, spec dims, mesh, itemsize) → (the grid's entry, {(pattern, param mesh) → group})
+    placed: dict = {}  # (shape, spec dims, mesh, itemsize) → the first placement so
     groups: list[_Group] = []
     shared: dict = {}
     placements, params = src._p, dst.params
     param_mesh = {n: p.mesh for n, p in params.items()}
     rpn = links.ranks_per_node if links is not None else 0
+    by_key: dict = {}  # (placement key, pattern id, destination mesh id) → group: one lookup a demand
     for tensor in sorted(demands):
         pl = placements[tensor]
         # ints and flat tuples only (meshes by identity — both layouts hold them alive): hashing the spec object,
         # nested tuples or 1,024-rank meshes per tensor cost most of a DeepSeek-V3 plan
-        pkey = (pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize)
-        hit = placed.get(pkey)
-        if hit is None:
-            gkey = (pl.mesh.axes, pl.shape, pl.spec.dims)
-            grid = grids.get(gkey)
-            if grid is None:
-                grid = grids[gkey] = (_src_grid(pl), {})
-            hit = placed[pkey] = (grid, {}, pl)
-        grid, by_demand, first = hit
+        shape, dims, mesh_id, itemsize = pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize
         for demand in demands[tensor]:
             mesh = param_mesh[demand.param]
-            k = (id(demand.pattern), id(mesh))
-            grp = by_demand.get(k)
+            key = (shape, dims, mesh_id, itemsize, id(demand.pattern), id(mesh))
+            grp = by_key.get(key)
             if grp is None:
-                geo = grid[1].get(k[0])
-                if geo is None:
-                    geo = grid[1][k[0]] = _geometry(grid[0], demand.pattern)
-                grp = by_demand[k] = _Group(geo, demand.pattern, first.nbytes, first.itemsize, first.mesh.ranks,
-                                            mesh.ranks, fan_out, ranks_per_node=rpn, shared=shared)
+                grp = by_key[key] = _new_group(grids, placed, pl, demand.pattern, mesh, fan_out, rpn, shared)
                 groups.append(grp)
             grp.members.append((tensor, demand))
     if fan_out:
         _assign_trees(groups)
     return Plan(src, dst, groups, fan_out)
+
+
+def _new_group(grids: dict, placed: dict, pl: Placement, pattern, mesh, fan_out: bool, rpn: int, shared: dict):
+    """The group of tensors placed like ``pl`` that ``pattern`` requests on ``mesh``: its source grid (one per
+    mesh axes, shape and spec) and the pattern's geometry on it computed once, reused by every group sharing them."""
+    pkey = (pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize)
+    first = placed.setdefault(pkey, pl)  # the first tensor placed so: its sizes and ranks stand for all
+    gkey = (pl.mesh.axes, pl.shape, pl.spec.dims)
+    grid = grids.get(gkey)
+    if grid is None:
+        grid = grids[gkey] = (_src_grid(pl), {})
+    geo = grid[1].get(id(pattern))
+    if geo is None:
+        geo = grid[1][id(pattern)] = _geometry(grid[0], pattern)
+    return _Group(geo, pattern, first.nbytes, first.itemsize, first.mesh.ranks, mesh.ranks, fan_out,
+                  ranks_per_node=rpn, shared=shared)
 
 
 TREES = 8  # fan-out trees per group to choose from (each costs one pass over the group's classes: _Group.sent)
