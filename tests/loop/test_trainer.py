@@ -438,3 +438,26 @@ def test_old_and_reference_logprobs_are_micro_batched(tmp_path):
     assert torch.allclose(out["ref_logprobs"][m], whole[m], atol=1e-5)  # the reference is the initial policy
     # every forward of prepare ran at most the 40-token budget; the whole batch is far larger
     assert len(in_prepare) > 2 and max(in_prepare) <= 40 < int(batch["attention_mask"].sum())
+
+
+def test_the_loop_freezes_the_long_lived_heap_and_hands_it_back(tmp_path):
+    """``train`` sets the objects alive at the loop's start aside from the cyclic GC while it runs (gc.freeze) and
+    unfreezes them at the end; a process that froze objects itself keeps its own freeze."""
+    import gc
+
+    seen = []
+    hook = lambda event, trainer, metrics: seen.append(gc.get_freeze_count()) if event == "step" else None  # noqa: E731
+    cfg = _cfg(tmp_path, "--run.steps=2", "--run.eval_every=0")
+    assert gc.get_freeze_count() == 0
+    train(cfg, resume=False, progress=False, extra_hooks=[hook])
+    assert len(seen) == 2 and min(seen) > 1000  # the models, the dataset, every imported module
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's own freeze: left alone (not grown by the loop, not undone after it)
+    try:
+        mine, seen[:] = gc.get_freeze_count(), []
+        train(_cfg(tmp_path / "b", "--run.steps=1", "--run.eval_every=0"), resume=False, progress=False,
+              extra_hooks=[hook])
+        # frozen objects that die leave the count, so "not grown" and "not undone" are ≤ and > 0
+        assert len(seen) == 1 and seen[0] <= mine and 0 < gc.get_freeze_count() <= mine
+    finally:
+        gc.unfreeze()
