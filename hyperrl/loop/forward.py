@@ -421,13 +421,13 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     cont_valid = s < (attn.sum(-1) - p)[:, None]
     cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
     if S > 1:
-        needs = (attn.sum(-1) - p - 1).clamp_min(0)  # continuation inputs row b needs: all its tokens but the last
-        split = bucket and replay is None and pre_pos.dim() == 2 and S - 1 >= BUCKET_MIN_WIDTH
-        rows = T.length_buckets(needs, BUCKET_CALL_COST) if split else [list(range(B))]
-        if len(rows) > 1:  # several calls, each cut to its rows' longest continuation
-            rest = _bucketed_rest(model, fused, out.past_key_values, rows, needs, inverse, pre_mask, pre_pos,
-                                  cont[:, :-1], cont_valid[:, :-1], S - 1)
-            return _scatter_lp(model, torch.cat([logits, rest], 1), cont, cont_valid, p, Tn, temperature, fused)
+        if bucket and replay is None and pre_pos.dim() == 2 and S - 1 >= BUCKET_MIN_WIDTH:
+            needs = (attn.sum(-1) - p - 1).clamp_min(0)  # continuation inputs row b needs: its tokens but the last
+            rows = T.length_buckets(needs, BUCKET_CALL_COST)
+            if len(rows) > 1:  # several calls, each cut to its rows' longest continuation
+                rest = _bucketed_rest(model, fused, out.past_key_values, rows, needs, inverse, pre_mask, pre_pos,
+                                      cont[:, :-1], cont_valid[:, :-1], S - 1)
+                return _scatter_lp(model, torch.cat([logits, rest], 1), cont, cont_valid, p, Tn, temperature, fused)
         cache = _select_rows(out.past_key_values, inverse)
         mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
         src = torch.full((B, Tn), -1, dtype=torch.long, device=dev)
@@ -503,10 +503,9 @@ def _select_rows(cache, index: torch.Tensor):
     ``index_add_`` — a fixed summation order — whereas advanced indexing's backward
     (``index_put_(accumulate=True)``) adds in a thread-dependent order on CPU, which made two runs
     with the same seed differ in the last bits."""
-    _cache_kv(cache)
-    for la in cache.layers:
-        if la.keys is not None and la.keys.numel():
-            la.keys, la.values = la.keys.index_select(0, index), la.values.index_select(0, index)
+    for la, (k, v) in zip(cache.layers, _cache_kv(cache)):
+        if k is not None:
+            la.keys, la.values = k.index_select(0, index), v.index_select(0, index)
     return cache
 
 

@@ -68,16 +68,23 @@ def test_shared_prefix_equals_plain_values_and_grads(prompts, rows):
     act = b["action_mask"]
     w = torch.randn(act.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
     params = list(MODEL.parameters())
-    out = []
-    for f in (plain_logprobs_and_entropy, shared_prefix_logprobs_and_entropy):
-        lp, ent = f(MODEL, b, 0.9)
-        g = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
-        out.append((lp[act].detach(), ent[act].detach(), g))
-    (lp0, e0, g0), (lp1, e1, g1) = out
-    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(e1, e0, atol=1e-5, rtol=1e-5)
-    for a, c in zip(g1, g0):
-        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-4)
+    out = [_values_and_grads(*f(MODEL, b, 0.9), w, act, params)
+           for f in (plain_logprobs_and_entropy, shared_prefix_logprobs_and_entropy)]
+    _assert_same(*out, atol=1e-5, rtol=1e-5, grad_rtol=1e-4)
+
+
+def _values_and_grads(lp, ent, w, act, params):
+    """The action positions' log-probs and entropies, and the parameters' gradients of a weighted sum of both."""
+    g = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
+    return lp[act].detach(), ent[act].detach(), g
+
+
+def _assert_same(a, b, *, atol, rtol, grad_rtol):
+    (lp0, e0, g0), (lp1, e1, g1) = a, b
+    torch.testing.assert_close(lp1, lp0, atol=atol, rtol=rtol)
+    torch.testing.assert_close(e1, e0, atol=atol, rtol=rtol)
+    for x, y in zip(g1, g0):
+        torch.testing.assert_close(x, y, atol=atol, rtol=grad_rtol)
 
 
 @settings(max_examples=25, deadline=None)
@@ -201,13 +208,8 @@ def test_bucketed_continuation_equals_one_call_values_and_grads(lengths, seed):
             lp, ent = shared_prefix_logprobs_and_entropy(MODEL, b, 0.9, bucket=bucket)
             c.h.remove()
             calls.append(c.calls)
-            grads = torch.autograd.grad(((lp + 0.1 * ent) * w * act).sum(), params)
-            out.append((lp[act].detach(), ent[act].detach(), grads))
-    (lp0, e0, g0), (lp1, e1, g1) = out
-    torch.testing.assert_close(lp1, lp0, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(e1, e0, atol=1e-10, rtol=1e-10)
-    for a, c in zip(g1, g0):
-        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-9)
+            out.append(_values_and_grads(lp, ent, w, act, params))
+    _assert_same(*out, atol=1e-10, rtol=1e-10, grad_rtol=1e-9)
     needs = [n - 1 for n in lengths]
     buckets = [bk for bk in T.length_buckets(needs, 3) if max(needs[i] for i in bk) > 0]
     assert calls[0] == [(2, 4), (len(lengths), max(needs))] if max(needs) > 0 else [(2, 4)]
