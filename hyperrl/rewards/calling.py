@@ -84,6 +84,8 @@ def source_of(sample) -> str | None:
 
 def check_value(v, reward: Reward, row: int) -> tuple[float | None, dict]:
     """One returned value → (a finite float, or None when the reward abstains; a verl dict's extras)."""
+    if type(v) is float and v - v == 0.0:  # the common case first: a finite float (inf − inf and NaN are NaN)
+        return v, {}
     extra = {}
     if isinstance(v, dict) and reward_style(reward.style).scores_dicts:
         if "score" not in v:

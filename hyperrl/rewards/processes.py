@@ -19,7 +19,7 @@ import sys
 import time
 
 from hyperrl.errors import HyperRLError
-from hyperrl.rewards.runners import RUNNERS, Call, Outcome, Runner, WorkerStartError, _raised, _Threads
+from hyperrl.rewards.runners import RUNNERS, Call, Outcome, Runner, WorkerStartError, _Threads, raised_outcome
 
 __all__ = ["ProcessRunner", "send_message", "send_bytes", "read_message", "read_bytes"]
 
@@ -199,7 +199,7 @@ class ProcessRunner(Runner):
         except WorkerStartError as e:
             return Outcome(failure=f"failed: its worker process could not be restarted: {e}", kind="died")
         except Exception as e:  # noqa: BLE001 - whatever happens here is this call's outcome, never a lost slot
-            return _raised(e)
+            return raised_outcome(e)
         finally:
             if self.closed:
                 w.kill()

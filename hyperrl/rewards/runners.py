@@ -38,7 +38,7 @@ from typing import Any
 from hyperrl.errors import HyperRLError
 from hyperrl.registry import Registry
 
-__all__ = ["Call", "Outcome", "RUNNERS", "Runner", "submit", "WorkerStartError"]
+__all__ = ["Call", "Outcome", "Finished", "RUNNERS", "Runner", "submit", "raised_outcome", "WorkerStartError"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class _Threads:
 
     def __init__(self, n: int, name: str):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.n, self.name, self.lock, self.surplus = n, name, threading.Lock(), 0
+        self.n, self.name, self.lock, self.retiring = n, name, threading.Lock(), set()
         for k in range(n):
             threading.Thread(target=self._serve, name=f"{name}-{k}", daemon=True).start()
 
@@ -105,16 +105,16 @@ class _Threads:
                 out.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting side
                 out.set_exception(e)
-            with self.lock:  # a thread that came back after a replacement was started for it retires
-                if self.surplus > 0:
-                    self.surplus -= 1
+            with self.lock:  # a thread that came back after a replacement was started for it retires (that thread
+                if threading.get_ident() in self.retiring:  # itself: not the replacement, which serves on)
+                    self.retiring.discard(threading.get_ident())
                     return
 
-    def replace_one(self) -> None:
-        """A thread is stuck in a call past its deadline: start another, so the pool keeps ``n`` serving (the
-        stuck one retires when it returns)."""
+    def replace(self, stuck: int) -> None:
+        """The thread ``stuck`` (its ident) is in a call past its deadline: start another, so the pool keeps ``n``
+        serving (the stuck one retires when it returns)."""
         with self.lock:
-            self.surplus += 1
+            self.retiring.add(stuck)
         threading.Thread(target=self._serve, name=f"{self.name}-spare", daemon=True).start()
 
     def submit(self, fn, *args) -> Future:
@@ -127,7 +127,7 @@ class _Threads:
             self.jobs.put(None)
 
 
-def _raised(e: BaseException) -> Outcome:
+def raised_outcome(e: BaseException) -> Outcome:
     """A call that raised; a hyperrl error (a reward naming bad input: a row without tests) is ``invalid`` — never
     retried, never abstained on."""
     kind = "invalid" if isinstance(e, HyperRLError) else "raised"
@@ -166,6 +166,10 @@ class _Deadline(BaseException):  # not an Exception: the user's `except Exceptio
     pass
 
 
+def _fire(signum, frame):
+    raise _Deadline()
+
+
 class _alarm:
     """Stop what runs inside after ``seconds`` (``SIGALRM`` through a real-time interval timer, on the main thread,
     where Python delivers signals; elsewhere no limit can be enforced in-process and none is set). Python code and
@@ -176,10 +180,7 @@ class _alarm:
 
     def __enter__(self):
         if self.seconds:
-            def fire(signum, frame):
-                raise _Deadline()
-
-            self._old = signal.signal(signal.SIGALRM, fire)
+            self._old = signal.signal(signal.SIGALRM, _fire)
             signal.setitimer(signal.ITIMER_REAL, self.seconds)
         return self
 
@@ -196,15 +197,47 @@ class InlineRunner(Runner):
 
     synchronous = True
 
+    def _late(self) -> Outcome:
+        return Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s; it was stopped",
+                       kind="timeout")
+
     def start(self, call):
         try:
             with _alarm(self.timeout_s):
                 return _done(Outcome(self.fn(*call.args, **call.kwargs)))
         except _Deadline:
-            return _done(Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s; it was "
-                                 "stopped", kind="timeout"))
+            return _done(self._late())
         except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
-            return _done(_raised(e))
+            return _done(raised_outcome(e))
+
+    def run_all(self, calls: list[Call]) -> tuple[list, dict[int, Outcome]]:
+        """Every call now, one after another, each within ``timeout_s`` — the outcomes :meth:`start` gives one call
+        at a time, without a future and an outcome per successful call, the deadline's handler installed once for
+        the pass (at the default job's 1,024 calls a step the per-call path was ≈ 3 ms of its ≈ 5 ms of scoring):
+        the values (None where a call failed) and the failed calls' outcomes by index."""
+        values, failed = [], {}
+        seconds = self.timeout_s if self.timeout_s and threading.current_thread() is threading.main_thread() else None
+        old = signal.signal(signal.SIGALRM, _fire) if seconds else None
+        try:
+            for i, c in enumerate(calls):
+                try:
+                    if seconds:
+                        signal.setitimer(signal.ITIMER_REAL, seconds)
+                    try:
+                        values.append(self.fn(*c.args, **c.kwargs))
+                    finally:
+                        if seconds:
+                            signal.setitimer(signal.ITIMER_REAL, 0)
+                except _Deadline:
+                    values.append(None)
+                    failed[i] = self._late()
+                except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
+                    values.append(None)
+                    failed[i] = raised_outcome(e)
+        finally:
+            if seconds:
+                signal.signal(signal.SIGALRM, old)
+        return values, failed
 
 
 def _first(f: Future, o: Outcome) -> bool:
@@ -227,22 +260,22 @@ class ThreadRunner(Runner):
     def start(self, call):
         out: Future = Future()
 
-        def late():
+        def late(stuck: int):
             if _first(out, Outcome(failure=f"did not return within rewards[].timeout_s={self.timeout_s} s (a thread "
                                    "cannot be stopped: its result is dropped; use pool: process for a reward that can "
                                    "hang)", kind="timeout")):
-                self.pool.replace_one()
+                self.pool.replace(stuck)
 
         def run():
             timer = None
             if self.timeout_s:
-                timer = threading.Timer(self.timeout_s, late)
+                timer = threading.Timer(self.timeout_s, late, (threading.get_ident(),))
                 timer.daemon = True
                 timer.start()
             try:
                 _first(out, Outcome(self.fn(*call.args, **call.kwargs)))
             except BaseException as e:  # noqa: BLE001 - SystemExit too: the call's failure
-                _first(out, _raised(e))
+                _first(out, raised_outcome(e))
             finally:
                 if timer is not None:
                     timer.cancel()
@@ -292,7 +325,7 @@ class AsyncRunner(Runner):
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 - SystemExit too: never the shared loop's end
-                return _raised(e)
+                return raised_outcome(e)
 
     def start(self, call):
         return asyncio.run_coroutine_threadsafe(self._one(call), self.loop)
@@ -314,7 +347,7 @@ def submit(runner: Runner, call: Call, retries: int = 0) -> Future:
             try:
                 o = f.result()
             except BaseException as e:  # noqa: BLE001 - a runner's own failure: still this call's outcome
-                o = _raised(e)
+                o = raised_outcome(e)
             if o.failure is None or k >= retries or o.kind == "invalid":
                 out.set_result(Outcome(o.value, o.failure, o.kind, k + 1, o.error))
                 return

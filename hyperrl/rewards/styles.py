@@ -50,7 +50,7 @@ from hyperrl.rewards.calling import (
     style_of,
 )
 from hyperrl.rewards.remote import CONTRACTS
-from hyperrl.rewards.runners import RUNNERS, WorkerStartError, submit
+from hyperrl.rewards.runners import RUNNERS, Call, Finished, Outcome, WorkerStartError, submit
 
 __all__ = ["Reward", "RewardSet", "RewardError", "load_function", "build_rewards", "check_rewards", "REWARD_STYLES",
            "RewardStyle", "register_reward_style"]  # the calling conventions are :mod:`hyperrl.rewards.calling`'s
@@ -85,6 +85,33 @@ def _own(fn) -> bool:
     return (getattr(fn, "__module__", None) or "").startswith("hyperrl.")
 
 
+class Ran:
+    """An inline reward's calls, made now in one pass (:meth:`~hyperrl.rewards.runners.InlineRunner.run_all`): the
+    same outcomes as :func:`~hyperrl.rewards.runners.submit` gives call by call, without a future per call."""
+
+    __slots__ = ("values", "failed", "futures")
+
+    def __init__(self, runner, calls: list[Call]):
+        self.values, self.failed = runner.run_all(calls)
+        self.futures = (Finished(Outcome()),)  # one stamp: when the last call returned
+
+    def outcomes(self):
+        """Each call's :class:`Outcome`, in order."""
+        for i, v in enumerate(self.values):
+            yield self.failed[i] if i in self.failed else _OK(v)
+
+
+class _OK:
+    """A successful call's outcome (what :class:`Outcome` says of it, without a frozen dataclass per call)."""
+
+    __slots__ = ("value",)
+    failure = kind = error = None
+    attempts = 1
+
+    def __init__(self, value):
+        self.value = value
+
+
 @dataclass(frozen=True)
 class Pending:
     """Scores under way (:meth:`RewardSet.submit`): per reward, its index, the rows it scores, its calls and their
@@ -96,7 +123,7 @@ class Pending:
 
     def finished_at(self) -> float | None:
         """When its last call finished (None: some still running)."""
-        calls = sum(len(fs) for _, _, _, fs in self.parts)
+        calls = sum(len(fs.futures if isinstance(fs, Ran) else fs) for _, _, _, fs in self.parts)
         return max(self.stamps, default=None) if len(self.stamps) >= calls and calls else None
 
 
@@ -152,10 +179,13 @@ class RewardSet:
             if not _own(r.fn):
                 ps, ss = copy.deepcopy(ps), copy.deepcopy(ss)
             calls = reward_style(r.style).make_calls(r, ps, [texts[i] for i in rows], [ids[i] for i in rows], ss)
-            parts.append((k, rows, calls, [submit(run, c, r.retries) for c in calls]))
+            if not r.retries and hasattr(run, "run_all"):  # an inline reward: its calls made now, in one pass
+                parts.append((k, rows, calls, Ran(run, calls)))
+            else:
+                parts.append((k, rows, calls, [submit(run, c, r.retries) for c in calls]))
         out = Pending(len(texts), tuple(parts))
         for _, _, _, fs in parts:
-            for f in fs:
+            for f in fs.futures if isinstance(fs, Ran) else fs:
                 f.add_done_callback(lambda _f, st=out.stamps: st.append(time.perf_counter()))
         return out
 
@@ -177,8 +207,8 @@ class RewardSet:
             conv, everyone = reward_style(r.style), [i for rows, _, _ in parts for i in rows]
             value, extra, failed, retried = {}, {}, 0, 0
             for rows, calls, futures in parts:
-                for c, f in zip(calls, futures):
-                    o = f.result()
+                for c, o in zip(calls, futures.outcomes() if isinstance(futures, Ran) else
+                                (f.result() for f in futures)):
                     retried += o.attempts - 1
                     if o.failure is not None:
                         if o.kind == "invalid" or r.on_error == "raise":

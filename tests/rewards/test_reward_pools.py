@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hyperrl.config.schema import RewardSpec
 from hyperrl.data import Sample
 from hyperrl.rewards import REWARDS, RewardError, build_rewards, check_rewards
+from hyperrl.rewards.styles import Ran
 
 pytestmark = pytest.mark.xdist_group("reward_pools")  # worker processes: kept off the other tests' cores
 
@@ -348,3 +349,33 @@ def test_stuck_threads_are_replaced_and_odd_failures_are_outcomes_not_hangs(fns)
         assert rs.score(["p"], ["3"], [[1]], _SAMPLE[:1])[0][0, 0] == 1.0  # the worker serves on
     finally:
         rs.close()
+
+
+def test_inline_calls_made_in_one_pass_give_what_one_call_at_a_time_gives(fns):
+    # an inline reward's calls are made in one pass (styles.Ran, InlineRunner.run_all), each within its deadline; a
+    # one-thread pool makes them one at a time through the runners' futures: the same values, failures and errors
+    texts = ["3", "raise", "8", "hang", "raise", "no"]
+    samples = [_SAMPLE[i % 3] for i in range(6)]
+    args = (["p"] * 6, texts, [[1]] * 6, samples)
+    spec = dict(fn="faulty", style="verl", on_error="abstain", timeout_s=0.5)
+    fast, slow = _set(fns, spec, dict(fn="mine", style="hyperrl")), _set(fns, {**spec, "workers": 1},
+                                                                          dict(fn="mine", style="hyperrl", workers=1))
+    try:
+        assert isinstance(fast.submit(*args[:2], [[1]] * 2, samples[:2]).parts[0][3], Ran)
+        with pytest.warns(RuntimeWarning, match="raised ValueError: cannot score raise"):
+            a = fast.score(*args)
+        with pytest.warns(RuntimeWarning, match="raised ValueError: cannot score raise"):
+            b = slow.score(*args)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+        # by hand: rows 1 and 4 raised, row 3 ran past its deadline (abstained); row 0 ("3", answer "3") and row 2
+        # ("8", answer "8") score 1, row 5 0 — the rows after the stopped call are scored
+        assert a[1][:, 0].tolist() == [True, False, True, False, False, True]
+        assert a[0][:, 0].tolist() == [1, 0, 1, 0, 0, 0] and a[2]["reward_faulty_failed"] == 3.0
+        for rs in (_set(fns, dict(fn="faulty", style="verl")), _set(fns, dict(fn="faulty", style="verl", workers=1))):
+            with pytest.raises(RewardError, match=r"reward 'faulty' raised ValueError: cannot score raise — batch "
+                               r"row 1"):  # on_error: raise names the first failed row either way
+                rs.score(*args)
+            rs.close()
+    finally:
+        fast.close()
+        slow.close()
