@@ -43,6 +43,26 @@ def test_arith_holds_out_problems_it_never_trains_on():
     assert task.encode(s) == CHAR.encode(s.prompt)
 
 
+def test_a_task_tokenises_each_distinct_prompt_once_and_hands_out_copies(monkeypatch):
+    import hyperrl.data.incode as incode
+    from hyperrl.tokenizer import encode_prompt
+
+    task = TASKS.build("arith")(CHAR, 0)
+    samples = [s for step in range(6) for s in task.sample(64, step)]
+    calls = []
+    real = incode.encode_prompt
+    monkeypatch.setattr(incode, "encode_prompt", lambda tok, p: calls.append(p) or real(tok, p))
+    got = [task.encode(s) for s in samples]
+    assert got == [encode_prompt(CHAR, s.prompt) for s in samples]
+    assert sorted(calls) == sorted({s.prompt for s in samples}) and len(calls) < len(samples)  # repeats: once
+    got[0].append(-1)  # a caller's list is its own: the kept ids are unchanged
+    assert task.encode(samples[0]) == encode_prompt(CHAR, samples[0].prompt)
+    monkeypatch.setattr(incode, "ENCODED_KEPT", 4)  # bounded: past the cap it starts over, same ids
+    assert [task.encode(s) for s in samples[:10]] == [encode_prompt(CHAR, s.prompt) for s in samples[:10]]
+    assert len(task._encoded) <= 4
+
+
+
 @pytest.mark.parametrize("args, match", [({"ops": "*"}, "task.ops"), ({"ops": "++"}, "task.ops"),
                                          ({"min_operand": 5, "max_operand": 3}, "min_operand"),
                                          ({"held_out_frac": 1.0}, "held_out_frac")])
