@@ -416,7 +416,7 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     with _call(replay, src, len(first) * P):
         out = _head_out(model, fused, input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos,
                         use_cache=S > 1, logits_to_keep=1, **kw)
-    logits = out.logits[:, -1].index_select(0, inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
+    logits = _rows(out.logits[:, -1], inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
     cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
@@ -475,7 +475,7 @@ def _bucketed_rest(model, fused: bool, cache, buckets: list[list[int]], needs, i
         u = inverse[idx]
         for la, (k, v) in zip(cache.layers, kv):
             if k is not None:
-                la.keys, la.values = k.index_select(0, u), v.index_select(0, u)
+                la.keys, la.values = _rows(k, u), _rows(v, u)
         mask = torch.cat([pre_mask[u], valid[idx, :w]], 1).long()
         pos = pre_pos[:, -1].index_select(0, u)[:, None] + 1 + torch.arange(w, device=idx.device)[None, :]
         out = _head_out(model, fused, input_ids=inputs[idx, :w], attention_mask=mask, position_ids=pos,
@@ -498,6 +498,29 @@ def _cache_kv(cache) -> list[tuple]:
     return [(la.keys, la.values) if la.keys is not None and la.keys.numel() else (None, None) for la in layers]
 
 
+class _Rows(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward makes the incoming gradient contiguous before autograd's own
+    ``zeros.index_add_(0, index, grad)`` — the same sums in the same order, bit for bit. The gradient of a row's
+    cached K/V arrives as a slice of the continuation's concatenated K/V (non-contiguous), and ``index_add_`` over a
+    non-contiguous source ran ≈ 4× slower (0.36 ms a call at the default job's [512, 2, 7, 32] → [32, …])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_add_(0, index, grad.contiguous()), None
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``x`` (:class:`_Rows` where a gradient flows)."""
+    return _Rows.apply(x, index) if x.requires_grad else x.index_select(0, index)
+
+
 def _select_rows(cache, index: torch.Tensor):
     """Row ``index[b]`` of every layer's keys and values, with ``index_select``: its backward is
     ``index_add_`` — a fixed summation order — whereas advanced indexing's backward
@@ -505,7 +528,7 @@ def _select_rows(cache, index: torch.Tensor):
     with the same seed differ in the last bits."""
     for la, (k, v) in zip(cache.layers, _cache_kv(cache)):
         if k is not None:
-            la.keys, la.values = k.index_select(0, index), v.index_select(0, index)
+            la.keys, la.values = _rows(k, index), _rows(v, index)
     return cache
 
 

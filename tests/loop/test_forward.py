@@ -262,3 +262,20 @@ def test_plain_forward_computes_logits_only_on_the_action_window():
     want = full.gather(-1, tokens[:, 1:, None])[..., 0]
     assert torch.allclose(lp[:, 1:][act[:, 1:]], want[act[:, 1:]], atol=1e-5)
     assert (lp[:, :4] == 0).all() and lp.shape == (B, T_) and ent.shape == (B, T_)
+
+
+@settings(max_examples=25, deadline=None)
+@given(U=st.integers(1, 6), B=st.integers(1, 24), tail=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_the_row_select_gradient_is_autograds_bit_for_bit_from_a_non_contiguous_gradient(U, B, tail, seed):
+    # forward._Rows: index_select whose backward makes the gradient contiguous first — the same index_add_ sums
+    from hyperrl.loop.forward import _rows
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(U, 2, 5, 4, generator=g, requires_grad=True)
+    index = torch.randint(0, U, (B,), generator=g)
+    wide = torch.randn(B, 2, 5 + tail, 4, generator=g) * 10.0 ** torch.randint(-4, 4, (B, 1, 1, 1), generator=g)
+    grad = wide[:, :, :5]  # a slice of a concatenation: non-contiguous when tail > 0
+    want, = torch.autograd.grad(x.index_select(0, index), x, grad)
+    out = _rows(x, index)
+    got, = torch.autograd.grad(out, x, grad)
+    assert torch.equal(out, x.index_select(0, index)) and torch.equal(got, want)
