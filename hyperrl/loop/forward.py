@@ -371,10 +371,19 @@ def prefix_groups(batch: TensorDict):
     P = int(p.max())
     keys = torch.where(torch.arange(P)[None, :] < p[:, None], tokens[:, :P], -1)
     images = vision_identity(batch).to(keys.device)
-    _, inverse = torch.unique(torch.cat([p[:, None], images[:, None], keys], 1), dim=0, return_inverse=True)
+    inverse = _unique_rows(torch.cat([p[:, None], images[:, None], keys], 1))
     B = len(p)
     first = torch.full((int(inverse.max()) + 1,), B).scatter_reduce(0, inverse, torch.arange(B), "amin")
     return p, inverse, first
+
+
+def _unique_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.unique(x, dim=0, return_inverse=True)[1]`` for an integer ``[B, K]``: each row's index among the
+    distinct rows in lexicographic order — by Python tuples (torch's CPU ``unique_dim`` selects and compares row by
+    row: ≈ 1.5 ms at the default job's 512 × 9, against ≈ 0.3 ms here)."""
+    rows = list(map(tuple, x.tolist()))
+    number = {r: i for i, r in enumerate(sorted(set(rows)))}
+    return torch.tensor([number[r] for r in rows], dtype=torch.long, device=x.device)
 
 
 def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: float, groups=None, *,

@@ -279,3 +279,12 @@ def test_the_row_select_gradient_is_autograds_bit_for_bit_from_a_non_contiguous_
     out = _rows(x, index)
     got, = torch.autograd.grad(out, x, grad)
     assert torch.equal(out, x.index_select(0, index)) and torch.equal(got, want)
+
+
+@settings(max_examples=50, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(-3, 3), min_size=4, max_size=4), min_size=1, max_size=40))
+def test_the_distinct_rows_are_numbered_as_torch_unique_numbers_them(rows):
+    from hyperrl.loop.forward import _unique_rows
+
+    x = torch.tensor(rows, dtype=torch.long)
+    assert torch.equal(_unique_rows(x), torch.unique(x, dim=0, return_inverse=True)[1])
