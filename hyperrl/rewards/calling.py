@@ -267,7 +267,8 @@ class HyperRLStyle(RewardStyle):
     calls, splits_tokens = "fn(response, sample)", True
 
     def make_calls(self, reward, prompts, texts, ids, samples):
-        return [Call((i,), (t, s), dict(reward.kwargs)) for i, (t, s) in enumerate(zip(texts, samples))]
+        kw = reward.kwargs  # shared: a call passes it on by ** (a copy), never changes it
+        return [Call((i,), (t, s), kw) for i, (t, s) in enumerate(zip(texts, samples))]
 
     def unfit(self, sig, kwargs):
         return _binds(sig, "", None, **kwargs)

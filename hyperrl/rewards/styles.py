@@ -101,6 +101,18 @@ class Ran:
             yield self.failed[i] if i in self.failed else _OK(v)
 
 
+def _read_values(r: Reward, conv, rows: list[int], calls: list[Call], values: list, value: dict, extra: dict) -> None:
+    """What the calls returned (all of them returned) → ``value`` / ``extra`` by batch row, read by the style."""
+    try:
+        for c, out in zip(calls, values):
+            for j, (v, e) in zip(c.rows, conv.read(r, c, out)):
+                value[rows[j]], extra[rows[j]] = v, e
+    except RewardError as e:  # the row within this reward's rows → the batch row
+        if e.row is None:
+            raise
+        raise RewardError(f"{e} — batch row {rows[e.row]}", row=rows[e.row]) from e
+
+
 class _OK:
     """A successful call's outcome (what :class:`Outcome` says of it, without a frozen dataclass per call)."""
 
@@ -207,6 +219,9 @@ class RewardSet:
             conv, everyone = reward_style(r.style), [i for rows, _, _ in parts for i in rows]
             value, extra, failed, retried = {}, {}, 0, 0
             for rows, calls, futures in parts:
+                if isinstance(futures, Ran) and not futures.failed:  # every call returned: read the values
+                    _read_values(r, conv, rows, calls, futures.values, value, extra)
+                    continue
                 for c, o in zip(calls, futures.outcomes() if isinstance(futures, Ran) else
                                 (f.result() for f in futures)):
                     retried += o.attempts - 1
