@@ -8,6 +8,7 @@ time (the work each version does, whatever the machine's noise).
 
     python benchmarks/overhead.py --ref e67ffff --steps 200
     python benchmarks/overhead.py --ref 6fa1566 57447a8 --repeats 5      # several versions, interleaved
+    python benchmarks/overhead.py --ref 9e2c360 --job default            # today's default job (arith)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ except ImportError:  # commits before the composition root
     from hyperrl.train import build_trainer
 warmup, steps = int(sys.argv[2]), int(sys.argv[3])
 cfg = load_config(None, ["--run.out_dir=" + sys.argv[4], "--run.eval_every=0", f"--run.steps={warmup + steps}",
-                         "--task=modsum", "--rollout.max_new_tokens=1"])  # the first default job, on old commits too
+                         *json.loads(sys.argv[6])])
 tr = build_trainer(cfg)
 for _ in range(warmup):
     tr.step()
@@ -56,8 +57,13 @@ print(json.dumps({"s_per_step": dt / steps, "calls_per_step": calls / steps}))
 """
 
 
-def _run(src: Path, warmup: int, steps: int, out: str, profile: bool) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(warmup), str(steps), out, str(int(profile))],
+# the jobs: today's default (`hyperrl train`: arith, 3-token answers) and the first default job (modsum, one token)
+JOBS = {"default": [], "modsum": ["--task=modsum", "--rollout.max_new_tokens=1"]}
+
+
+def _run(src: Path, warmup: int, steps: int, out: str, profile: bool, job: str = "modsum") -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(warmup), str(steps), out, str(int(profile)),
+                        json.dumps(JOBS[job])],
                        capture_output=True, text=True, cwd=src, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -70,6 +76,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="time under cProfile and count function calls per step")
+    ap.add_argument("--job", choices=sorted(JOBS), default="modsum", help="default: today's `hyperrl train` "
+                    "(arith); modsum: the first default job (one-token answers), which old commits also run")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         trees = {ref: Path(tmp) / f"ref_{ref}" for ref in args.ref}
@@ -82,7 +90,7 @@ def main():
             for i in range(args.repeats):
                 for k, src in trees.items():
                     runs[k].append(_run(src, args.warmup, args.steps, f"{tmp}/run_{len(runs[k])}_{i}_{k[:7]}",
-                                        args.profile))
+                                        args.profile, args.job))
         finally:
             for ref in args.ref:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees[ref])], cwd=ROOT, capture_output=True)
@@ -100,8 +108,9 @@ def main():
         if args.profile:
             row += [round(calls[k]), round(calls[k] / calls[first], 3)]
         rows.append(row)
+    job = "The default job (arith, 3-token answers" if args.job == "default" else "The modsum job (one-token answers"
     append_results("loop overhead (old commits vs this checkout)" + (", under cProfile" if args.profile else ""),
-                   f"Default config (32 prompts x 16, tiny Qwen3), {args.steps} timed steps after {args.warmup}, "
+                   f"{job}; 32 prompts x 16, tiny Qwen3), {args.steps} timed steps after {args.warmup}, "
                    f"{args.repeats} rounds, each version once per round in turn, a process each:\n\n"
                    + table(heads, rows))
 
