@@ -409,7 +409,7 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     p, inverse, first = groups if groups is not None else prefix_groups(batch)
     if int(p.min()) < 1:
         raise ValueError("action_mask: position 0 is an action; a sequence must start with a prompt token")
-    B, dev = tokens.shape[0], tokens.device
+    dev = tokens.device
     P, S = int(p.max()), max(int((attn.sum(-1) - p).max()), min_rest + 1)
     j = torch.arange(P, device=dev)[None, :]
     src = j - (P - p[first, None])  # left-pad each distinct prompt to P
@@ -430,28 +430,14 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     cont_valid = s < (attn.sum(-1) - p)[:, None]
     cont = torch.where(cont_valid, tokens.gather(1, (p[:, None] + s).clamp_max(tokens.shape[1] - 1)), 0)
     if S > 1:
+        buckets = [(None, S - 1)]  # one call: every row, the agreed width (min_rest: even with nothing to run)
         if bucket and replay is None and pre_pos.dim() == 2 and S - 1 >= BUCKET_MIN_WIDTH:
             needs = (attn.sum(-1) - p - 1).clamp_min(0)  # continuation inputs row b needs: its tokens but the last
             rows = T.length_buckets(needs, BUCKET_CALL_COST)
             if len(rows) > 1:  # several calls, each cut to its rows' longest continuation
-                rest = _bucketed_rest(model, fused, out.past_key_values, rows, needs, inverse, pre_mask, pre_pos,
-                                      cont[:, :-1], cont_valid[:, :-1], S - 1)
-                return _scatter_lp(model, torch.cat([logits, rest], 1), cont, cont_valid, p, Tn, temperature, fused)
-        cache = _select_rows(out.past_key_values, inverse)
-        mask = torch.cat([pre_mask[inverse], cont_valid[:, :-1]], 1).long()
-        src = torch.full((B, Tn), -1, dtype=torch.long, device=dev)
-        v = cont_valid[:, :-1]
-        b_idx = torch.arange(B, device=dev)[:, None].expand_as(v)
-        src[b_idx[v], (p[:, None] + s[:, :-1])[v]] = (b_idx * (S - 1) + s[:, :-1])[v]
-        # the continuation counts on from the prompt's largest position (its last token's, for text; M-RoPE:
-        # the largest over the three axes, as the engine decodes)
-        last = pre_pos[..., -1].amax(0) if pre_pos.dim() == 3 else pre_pos[:, -1]
-        cont_pos = last.index_select(0, inverse)[:, None] + 1 + s[:, :-1]
-        if pre_pos.dim() == 3:
-            cont_pos = cont_pos.expand(3, -1, -1)
-        with _call(replay, src, B * (S - 1)):
-            rest = _head_out(model, fused, input_ids=cont[:, :-1], attention_mask=mask, position_ids=cont_pos,
-                             past_key_values=cache, use_cache=False).logits
+                buckets = [(torch.tensor(r, device=dev), int(needs[r].max())) for r in rows]
+        rest = _continuation(model, fused, out.past_key_values, buckets, inverse, pre_mask, pre_pos, p,
+                             cont[:, :-1], cont_valid[:, :-1], S - 1, Tn, replay)
         logits = torch.cat([logits, rest], 1)
     return _scatter_lp(model, logits, cont, cont_valid, p, Tn, temperature, fused)
 
@@ -468,34 +454,56 @@ def _scatter_lp(model, logits, cont, cont_valid, p, Tn: int, temperature: float,
     return lp_full, ent_full
 
 
-def _bucketed_rest(model, fused: bool, cache, buckets: list[list[int]], needs, inverse, pre_mask, pre_pos, inputs,
-                   valid, width: int) -> torch.Tensor:
-    """The continuation's logits (or hidden states) ``[B, width, ·]`` run bucket by bucket
-    (:func:`hyperrl.transforms.length_buckets`): each bucket's rows on their prompts' cached K/V, cut to its
-    longest continuation; positions past a row's bucket width are zeros (never read: past its last token)."""
-    kv = _cache_kv(cache)
+def _continuation(model, fused: bool, cache, buckets: list, inverse, pre_mask, pre_pos, p, inputs, valid, width: int,
+                  Tn: int, replay: RouteReplay | None) -> torch.Tensor:
+    """The continuation's logits (or hidden states) ``[B, width, ·]``: one model call per bucket ``(rows, w)`` — the
+    rows (None: every row, in order) on their prompts' cached K/V, ``inputs [B, width]`` cut to the bucket's width
+    ``w`` (≥ 1; a bucket of rows with nothing to run, ``w = 0``, makes no call: zeros). Positions count on from each
+    prompt's largest (its last token's for text; M-RoPE: the largest over the three axes, as the engine decodes);
+    ``replay`` maps the call's tokens to batch positions (``src``). Positions past a row's bucket width are zeros
+    (never read: past its last token)."""
+    kv, dev = _cache_kv(cache), inputs.device
+    last = pre_pos[..., -1].amax(0) if pre_pos.dim() == 3 else pre_pos[:, -1]
     parts, order, empty = [], [], []
-    for rows in buckets:
-        idx = torch.tensor(rows, device=inputs.device)
-        w = int(needs[idx].max())
+    for idx, w in buckets:
         if w == 0:  # one-token responses: predicted by the prompt's last logit alone
-            empty += rows
+            empty.append(idx)
             continue
-        u = inverse[idx]
+        u = inverse if idx is None else inverse[idx]
         for la, (k, v) in zip(cache.layers, kv):
             if k is not None:
                 la.keys, la.values = _rows(k, u), _rows(v, u)
-        mask = torch.cat([pre_mask[u], valid[idx, :w]], 1).long()
-        pos = pre_pos[:, -1].index_select(0, u)[:, None] + 1 + torch.arange(w, device=idx.device)[None, :]
-        out = _head_out(model, fused, input_ids=inputs[idx, :w], attention_mask=mask, position_ids=pos,
-                        past_key_values=cache, use_cache=False).logits
+        ids, ok = (inputs, valid) if idx is None else (inputs[idx], valid[idx])
+        ids, ok = ids[:, :w], ok[:, :w]
+        s = torch.arange(w, device=dev)[None, :]
+        pos = last.index_select(0, u)[:, None] + 1 + s
+        if pre_pos.dim() == 3:
+            pos = pos.expand(3, -1, -1)
+        src = None if replay is None else _call_src(idx, ok, p, s, w, Tn)
+        with _call(replay, src, len(u) * w):
+            out = _head_out(model, fused, input_ids=ids, attention_mask=torch.cat([pre_mask[u], ok], 1).long(),
+                            position_ids=pos, past_key_values=cache, use_cache=False).logits
+        if idx is None:  # every row in one call: already in order
+            return out if w == width else torch.nn.functional.pad(out, (0, 0, 0, width - w))
         parts.append(torch.nn.functional.pad(out, (0, 0, 0, width - w)))
         order.append(idx)
     if empty:  # rows without a continuation input: zeros
         like = parts[0]
-        parts.append(like.new_zeros(len(empty), *like.shape[1:]))
-        order.append(torch.tensor(empty, device=inputs.device))
+        parts.append(like.new_zeros(sum(len(e) for e in empty), *like.shape[1:]))
+        order += empty
     return torch.cat(parts, 0).index_select(0, torch.argsort(torch.cat(order)))
+
+
+def _call_src(idx, ok: torch.Tensor, p: torch.Tensor, s: torch.Tensor, w: int, Tn: int) -> torch.Tensor:
+    """``src [B, T]`` of a continuation call over rows ``idx`` (None: all), ``ok [b, w]`` its real inputs: the
+    call's token index ``j · w + s`` at batch position ``(idx[j], p + s)``, −1 elsewhere (:class:`RouteReplay`)."""
+    n = ok.shape[0]
+    rows = torch.arange(n, device=ok.device) if idx is None else idx
+    B = n if idx is None else int(p.shape[0])
+    src = torch.full((B, Tn), -1, dtype=torch.long, device=ok.device)
+    j = torch.arange(n, device=ok.device)[:, None].expand_as(ok)
+    src[rows[:, None].expand_as(ok)[ok], (p[rows][:, None] + s).expand_as(ok)[ok]] = (j * w + s)[ok]
+    return src
 
 
 def _cache_kv(cache) -> list[tuple]:
@@ -528,17 +536,6 @@ class _Rows(torch.autograd.Function):
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index`` of ``x`` (:class:`_Rows` where a gradient flows)."""
     return _Rows.apply(x, index) if x.requires_grad else x.index_select(0, index)
-
-
-def _select_rows(cache, index: torch.Tensor):
-    """Row ``index[b]`` of every layer's keys and values, with ``index_select``: its backward is
-    ``index_add_`` — a fixed summation order — whereas advanced indexing's backward
-    (``index_put_(accumulate=True)``) adds in a thread-dependent order on CPU, which made two runs
-    with the same seed differ in the last bits."""
-    for la, (k, v) in zip(cache.layers, _cache_kv(cache)):
-        if k is not None:
-            la.keys, la.values = _rows(k, index), _rows(v, index)
-    return cache
 
 
 def choose(batch: TensorDict, shared_prefix: bool = True):
