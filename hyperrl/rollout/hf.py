@@ -72,8 +72,8 @@ class TransformersEngine(TransactionalEngine):
         if decode not in DECODE:
             raise ValueError(f"decode={decode!r}: one of {DECODE}")
         self.model = model.to(device)
-        if not shared:  # the engine's own copy: grouped K/V never repeated per decoded token (the trainer's
-            self.model.eval()  # shared model keeps transformers' attention)
+        if not shared:  # the engine's own copy: grouped K/V never repeated per decoded token (a shared model is
+            self.model.eval()  # the trainer's, switched as it was built: hyperrl.compose)
             use_gqa_sdpa(self.model)
         self.device = torch.device(device)
         self.pad_id, self.shared = pad_id, shared
