@@ -163,7 +163,9 @@ class _Group:
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
     fan_out: bool
-    members: list = field(default_factory=list)  # [(tensor name, Demand)]
+    tensors: list = field(default_factory=list)  # the members' tensor names …
+    demands: list = field(default_factory=list)  # … and their Demands (two lists: 45,000 pairs were as many tuples
+    # for the collector to walk after a DeepSeek-V3 plan)
     offsets: list = field(default_factory=list)  # the tree of each member (fan-out; empty: tree 0 for all)
     ranks_per_node: int = 0  # > 0: among source replicas, prefer one on the receiver's node
     # arrays equal for every group of one geometry, source and destination meshes (planning shares them: the 16
@@ -259,6 +261,11 @@ class _Group:
         sender = np.where(is_leader, self._src_sender, self._dst_r[self._dst_pos[parent]])
         return _Tree(is_leader, parent, phase, sender)
 
+    @property
+    def members(self) -> list[tuple[str, Demand]]:
+        """``[(tensor name, Demand)]``, in planning order."""
+        return list(zip(self.tensors, self.demands))
+
     def member_counts(self) -> list[tuple[_Tree, int]]:
         """Each tree in use with the number of members using it."""
         return [(self.tree_at(t), k) for t, k in self.offset_counts()]
@@ -266,7 +273,7 @@ class _Group:
     def offset_counts(self) -> list[tuple[int, int]]:
         """``(tree, members using it)`` for each tree in use."""
         if not self.offsets:
-            return [(0, len(self.members))]
+            return [(0, len(self.tensors))]
         counts = np.bincount(np.asarray(self.offsets, np.int64), minlength=self.rotations)
         return [(t, int(k)) for t, k in enumerate(counts.tolist()) if k]
 
@@ -327,14 +334,14 @@ class Plan:
 
     def __iter__(self):
         for g in self.groups:
-            for k, (tensor, demand) in enumerate(g.members):
+            for k, (tensor, demand) in enumerate(zip(g.tensors, g.demands)):
                 yield from _materialise(g, g.tree(k), tensor, demand)
 
     def transfers(self) -> list[Transfer]:
         return list(self)
 
     def __len__(self) -> int:
-        return sum(len(g) * len(g.members) for g in self.groups)
+        return sum(len(g) * len(g.tensors) for g in self.groups)
 
     def stats(self) -> PlanStats:
         """Byte accounting per group (vectorised), multiplied by the group's member count (:mod:`.report`)."""
@@ -448,7 +455,8 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
             if grp is None:
                 grp = by_key[key] = _new_group(grids, placed, pl, demand.pattern, mesh, fan_out, rpn, shared)
                 groups.append(grp)
-            grp.members.append((tensor, demand))
+            grp.tensors.append(tensor)
+            grp.demands.append(demand)
     if fan_out:
         _assign_trees(groups)
     return Plan(src, dst, groups, fan_out)
@@ -480,8 +488,8 @@ def _assign_trees(groups: list[_Group]) -> None:
     the tree whose busiest touched rank ends up least loaded (ties: the lower index). Deterministic."""
     top = max((max(g.src_ranks + g.dst_ranks) for g in groups), default=0)
     load = np.zeros(top + 1, np.int64)
-    for g in sorted(groups, key=lambda g: (-g.tensor_nbytes * len(g.members), g.src_ranks, g.dst_ranks)):
-        m = len(g.members)
+    for g in sorted(groups, key=lambda g: (-g.tensor_nbytes * len(g.tensors), g.src_ranks, g.dst_ranks)):
+        m = len(g.tensors)
         R = min(g.rotations, TREES)  # candidate trees, their rotations spaced evenly over the requesters
         cand = [t * g.rotations // R for t in range(R)]
         full, rem = divmod(m, R)

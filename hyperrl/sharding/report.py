@@ -66,7 +66,7 @@ def plan_stats(plan) -> PlanStats:
     outb: dict[int, int] = defaultdict(int)
     wire = local = fwd = egress = src_min = msgs = transfers = full = needed = 0
     for g in plan.groups:
-        m, geo = len(g.members), g.geo
+        m, geo = len(g.tensors), g.geo
         nb = geo.numel * g.itemsize
         needed += sum(p.src_box.numel for p in g.pattern) * g.itemsize * m
         transfers += len(g) * m
