@@ -220,20 +220,22 @@ class InlineRunner(Runner):
         old = signal.signal(signal.SIGALRM, _fire) if seconds else None
         try:
             for i, c in enumerate(calls):
+                v = None
                 try:
                     if seconds:
+                        if signal.getsignal(signal.SIGALRM) is not _fire:  # a call replaced it (a reward's own
+                            signal.signal(signal.SIGALRM, _fire)  # alarm): the deadline's again, as each call had
                         signal.setitimer(signal.ITIMER_REAL, seconds)
                     try:
-                        values.append(self.fn(*c.args, **c.kwargs))
+                        v = self.fn(*c.args, **c.kwargs)
                     finally:
                         if seconds:
                             signal.setitimer(signal.ITIMER_REAL, 0)
-                except _Deadline:
-                    values.append(None)
-                    failed[i] = self._late()
+                except _Deadline:  # also when it fired as the call returned: a timeout, as start() reports it
+                    v, failed[i] = None, self._late()
                 except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
-                    values.append(None)
-                    failed[i] = raised_outcome(e)
+                    v, failed[i] = None, raised_outcome(e)
+                values.append(v)  # exactly one value a call: rows never shift
         finally:
             if seconds:
                 signal.signal(signal.SIGALRM, old)

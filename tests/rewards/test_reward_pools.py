@@ -66,6 +66,16 @@ async def slow_async(data_source, solution_str, ground_truth, extra_info=None):
     await asyncio.sleep(10.0 if solution_str == "hang" else 0.3)
     return float(solution_str == ground_truth)
 
+def own_alarm(data_source, solution_str, ground_truth, extra_info=None):
+    import signal
+    if solution_str == "install":  # a reward with its own alarm handler, left installed
+        def mine(signum, frame):
+            raise TimeoutError("the reward's own alarm")
+        signal.signal(signal.SIGALRM, mine)
+    if solution_str == "hang":
+        time.sleep(600)
+    return 1.0
+
 def pids(prompts, completions, **kw):
     return [float(os.getpid()) for _ in completions]
 '''
@@ -380,3 +390,42 @@ def test_inline_calls_made_in_one_pass_give_what_one_call_at_a_time_gives(fns):
     finally:
         fast.close()
         slow.close()
+
+
+def test_a_deadline_as_a_call_returns_is_its_timeout_and_no_row_shifts(monkeypatch):
+    # InlineRunner.run_all: the alarm delivered after the call returned, before the timer is cancelled (simulated:
+    # the cancelling setitimer raises the deadline after the "race" row) — that call is a timeout, one value a call
+    import hyperrl.rewards.runners as runners
+
+    seen = []
+
+    def fn(text):
+        seen.append(text)
+        return float(len(text))
+
+    real = runners.signal.setitimer
+
+    def setitimer(which, seconds, *rest):
+        out = real(which, seconds, *rest)
+        if seconds == 0 and seen and seen[-1] == "race" and len(seen) not in fired:
+            fired.add(len(seen))
+            raise runners._Deadline()
+        return out
+
+    fired = set()
+    monkeypatch.setattr(runners.signal, "setitimer", setitimer)
+    run = runners.InlineRunner(fn, workers=0, timeout_s=30)
+    values, failed = run.run_all([runners.Call((i,), (t,)) for i, t in enumerate(["a", "race", "ccc", "dddd"])])
+    assert values == [1.0, None, 3.0, 4.0] and list(failed) == [1] and failed[1].kind == "timeout"
+
+
+def test_a_reward_that_takes_the_alarm_signal_still_meets_its_deadline(fns):
+    # a reward installing its own SIGALRM handler (and leaving it) must not turn the next call's deadline into its
+    # exception: each call runs under the deadline's handler, as one call at a time did
+    rs = _set(fns, dict(fn="own_alarm", style="verl", on_error="abstain", timeout_s=0.5))
+    try:
+        with pytest.warns(RuntimeWarning, match=r"did not return within rewards\[\].timeout_s=0.5 s"):
+            comps, app, m = rs.score(["p"] * 3, ["install", "hang", "x"], [[1]] * 3, _SAMPLE)
+        assert app[:, 0].tolist() == [True, False, True] and m["reward_own_alarm_failed"] == 1.0
+    finally:
+        rs.close()
