@@ -170,27 +170,6 @@ def _fire(signum, frame):
     raise _Deadline()
 
 
-class _alarm:
-    """Stop what runs inside after ``seconds`` (``SIGALRM`` through a real-time interval timer, on the main thread,
-    where Python delivers signals; elsewhere no limit can be enforced in-process and none is set). Python code and
-    sleeps are interrupted; a C extension that never returns to the interpreter is not — use ``pool: process``."""
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds if seconds and threading.current_thread() is threading.main_thread() else None
-
-    def __enter__(self):
-        if self.seconds:
-            self._old = signal.signal(signal.SIGALRM, _fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc):
-        if self.seconds:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self._old)
-        return False
-
-
 @RUNNERS.register("inline")
 class InlineRunner(Runner):
     """On the caller's thread, now (``start`` returns a finished future)."""
@@ -202,17 +181,15 @@ class InlineRunner(Runner):
                        kind="timeout")
 
     def start(self, call):
-        try:
-            with _alarm(self.timeout_s):
-                return _done(Outcome(self.fn(*call.args, **call.kwargs)))
-        except _Deadline:
-            return _done(self._late())
-        except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
-            return _done(raised_outcome(e))
+        values, failed = self.run_all([call])
+        return _done(failed[0] if failed else Outcome(values[0]))
 
     def run_all(self, calls: list[Call]) -> tuple[list, dict[int, Outcome]]:
-        """Every call now, one after another, each within ``timeout_s`` — the outcomes :meth:`start` gives one call
-        at a time, without a future and an outcome per successful call, the deadline's handler installed once for
+        """Every call now, one after another, each within ``timeout_s`` (``SIGALRM`` through a real-time interval
+        timer, on the main thread, where Python delivers signals; elsewhere no limit can be enforced in-process and
+        none is set: Python code and sleeps are interrupted, a C extension that never returns to the interpreter is
+        not — use ``pool: process``) — :meth:`start` is its one-call case — without a future and an outcome per
+        successful call, the deadline's handler installed once for
         the pass (at the default job's 1,024 calls a step the per-call path was ≈ 3 ms of its ≈ 5 ms of scoring):
         the values (None where a call failed) and the failed calls' outcomes by index."""
         values, failed = [], {}
