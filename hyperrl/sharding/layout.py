@@ -356,9 +356,18 @@ class DstLayout:
         return {b.src: b.shape for _, _, _, _, b in self.blocks()}
 
     def demands(self) -> dict[str, list[Demand]]:
-        """``src name → [Demand]``. Patterns are built once per (part, elementary slot range) and
-        shared by every block in it, so ``E`` stacked experts cost ``O(#positions)``, not ``O(E·#positions)``."""
+        """``src name → [Demand]``, in :meth:`demanded_parts` order."""
         out: defaultdict[str, list[Demand]] = defaultdict(list)
+        for name, _, blocks, results in self.demanded_parts():
+            for block, (pattern, shift) in zip(blocks, results):  # tuple.__new__: 45,000 of them
+                out[block.src].append(_new_tuple(Demand, (name, pattern, shift)))
+        return dict(out)
+
+    def demanded_parts(self) -> Iterator[tuple[str, DstParam, list[Block], list[tuple[tuple[Piece, ...], tuple]]]]:
+        """Per part of every parameter, ``(param name, param, blocks, [(pattern, shift)])``: block ``i`` of the part
+        needs pattern ``i`` at shift ``i`` — the :class:`Demand` of its source, not yet made (a planner groups them as
+        they come). Patterns are built once per (part, elementary slot range) and shared by every block in it, so
+        ``E`` stacked experts cost ``O(#positions)``, not ``O(E·#positions)``; equal patterns are one object."""
         interned: dict[tuple, tuple] = {}  # equal patterns (e.g. of every layer) become one object
         # the same pattern object again (a stacked part's slots share one): no re-hashing of its 256 pieces —
         # kept with the object, so that its id cannot be reused while this runs
@@ -382,9 +391,7 @@ class DstLayout:
             for part, results in zip(param.parts, cached):
                 blocks = sorted(part.blocks, key=lambda b: b.offset[0]) if part.blocks and part.blocks[0].stacked \
                     else part.blocks
-                for block, (pattern, shift) in zip(blocks, results):  # tuple.__new__: 45,000 of them
-                    out[block.src].append(_new_tuple(Demand, (name, pattern, shift)))
-        return dict(out)
+                yield name, param, blocks, results
 
 
 def _part_patterns(param: DstParam, j: int, part: Part):

@@ -163,9 +163,12 @@ class _Group:
     src_ranks: tuple[int, ...]
     dst_ranks: tuple[int, ...]
     fan_out: bool
-    tensors: list = field(default_factory=list)  # the members' tensor names …
-    demands: list = field(default_factory=list)  # … and their Demands (two lists: 45,000 pairs were as many tuples
-    # for the collector to walk after a DeepSeek-V3 plan)
+    # the members, as parallel lists — tensor names, destination params and shifts (their Demands' fields; the pattern
+    # is the group's): 45,000 Demand and (tensor, Demand) tuples were as many objects to make and for the collector to
+    # walk after a DeepSeek-V3 plan
+    tensors: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+    shifts: list = field(default_factory=list)
     offsets: list = field(default_factory=list)  # the tree of each member (fan-out; empty: tree 0 for all)
     ranks_per_node: int = 0  # > 0: among source replicas, prefer one on the receiver's node
     # arrays equal for every group of one geometry, source and destination meshes (planning shares them: the 16
@@ -264,7 +267,7 @@ class _Group:
     @property
     def members(self) -> list[tuple[str, Demand]]:
         """``[(tensor name, Demand)]``, in planning order."""
-        return list(zip(self.tensors, self.demands))
+        return [(t, Demand(p, self.pattern, s)) for t, p, s in zip(self.tensors, self.params, self.shifts)]
 
     def member_counts(self) -> list[tuple[_Tree, int]]:
         """Each tree in use with the number of members using it."""
@@ -334,8 +337,8 @@ class Plan:
 
     def __iter__(self):
         for g in self.groups:
-            for k, (tensor, demand) in enumerate(zip(g.tensors, g.demands)):
-                yield from _materialise(g, g.tree(k), tensor, demand)
+            for k, (tensor, param, shift) in enumerate(zip(g.tensors, g.params, g.shifts)):
+                yield from _materialise(g, g.tree(k), tensor, param, shift)
 
     def transfers(self) -> list[Transfer]:
         return list(self)
@@ -363,8 +366,8 @@ class Plan:
         return cache[max_bytes]
 
 
-def _materialise(g: _Group, tree: _Tree, tensor: str, demand: Demand):
-    pattern, shift = g.pattern, demand.shift
+def _materialise(g: _Group, tree: _Tree, tensor: str, param: str, shift: tuple[int, ...]):
+    pattern = g.pattern
     geo = g.geo
     extra = len(shift) - geo.inter_lo.shape[1]
     rows = zip(geo.piece.tolist(), geo.src_lo.tolist(), geo.inter_lo.tolist(), geo.size.tolist(),
@@ -378,12 +381,12 @@ def _materialise(g: _Group, tree: _Tree, tensor: str, demand: Demand):
         nb = numel * g.itemsize
         src_slice = Box(tuple(a - b for a, b in zip(lo, src_lo)), tuple(size))
         if local:
-            yield Transfer(dst, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, True)
+            yield Transfer(dst, dst, tensor, src_slice, param, dst_slice, nb, 0, True)
         elif leader:
-            yield Transfer(sender, dst, tensor, src_slice, demand.param, dst_slice, nb, 0, False)
+            yield Transfer(sender, dst, tensor, src_slice, param, dst_slice, nb, 0, False)
         else:  # forwarded from the parent's copy (its local param) in a later phase
             parent_off = _dst_offset(pattern[parent], shift, lo, extra)
-            yield Transfer(sender, dst, tensor, Box(parent_off, sizes), demand.param, dst_slice, nb, phase, False)
+            yield Transfer(sender, dst, tensor, Box(parent_off, sizes), param, dst_slice, nb, phase, False)
 
 
 def _dst_offset(piece, shift, lo, extra) -> tuple[int, ...]:
@@ -434,32 +437,55 @@ def _no_gc():
 
 def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     check_compatible(src, dst)
-    demands = dst.demands()
     grids: dict = {}  # (mesh axes, shape, spec dims) → (source grid, its geometries)
     placed: dict = {}  # (shape, spec dims, mesh, itemsize) → the first placement so
     groups: list[_Group] = []
+    seqs: list[list[int]] = []  # per group, each member's place in the walk
     shared: dict = {}
-    placements, params = src._p, dst.params
-    param_mesh = {n: p.mesh for n, p in params.items()}
+    placements = src._p
     rpn = links.ranks_per_node if links is not None else 0
-    by_key: dict = {}  # (placement key, pattern id, destination mesh id) → group: one lookup a demand
-    for tensor in sorted(demands):
-        pl = placements[tensor]
-        # ints and flat tuples only (meshes by identity — both layouts hold them alive): hashing the spec object,
-        # nested tuples or 1,024-rank meshes per tensor cost most of a DeepSeek-V3 plan
-        shape, dims, mesh_id, itemsize = pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize
-        for demand in demands[tensor]:
-            mesh = param_mesh[demand.param]
-            key = (shape, dims, mesh_id, itemsize, id(demand.pattern), id(mesh))
-            grp = by_key.get(key)
-            if grp is None:
-                grp = by_key[key] = _new_group(grids, placed, pl, demand.pattern, mesh, fan_out, rpn, shared)
+    by_key: dict = {}  # (placement key, pattern id, destination mesh id) → the group's appends: one lookup a demand
+    n = 0
+    # one walk over the destination's demands as they are made (no Demand objects, no per-tensor lists) …
+    for param, p, blocks, results in dst.demanded_parts():
+        mesh = p.mesh
+        mesh_id = id(mesh)
+        for block, (pattern, shift) in zip(blocks, results):
+            tensor = block.src
+            pl = placements[tensor]
+            # ints and flat tuples only (meshes by identity — both layouts hold them alive): hashing the spec object,
+            # nested tuples or 1,024-rank meshes per tensor cost most of a DeepSeek-V3 plan
+            key = (pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize, id(pattern), mesh_id)
+            hit = by_key.get(key)
+            if hit is None:
+                grp = _new_group(grids, placed, pl, pattern, mesh, fan_out, rpn, shared)
                 groups.append(grp)
-            grp.tensors.append(tensor)
-            grp.demands.append(demand)
+                seqs.append([])
+                hit = by_key[key] = (grp.tensors.append, grp.params.append, grp.shifts.append, seqs[-1].append)
+            add_tensor, add_param, add_shift, add_seq = hit
+            add_tensor(tensor)
+            add_param(param)
+            add_shift(shift)
+            add_seq(n)
+            n += 1
+    groups = _in_tensor_order(groups, seqs)
     if fan_out:
         _assign_trees(groups)
     return Plan(src, dst, groups, fan_out)
+
+
+def _in_tensor_order(groups: list[_Group], seqs: list[list[int]]) -> list[_Group]:
+    """The plan's order: that of a walk over the source tensors by name, each tensor's demands in the destination's
+    order — each group's members sorted by tensor name (stably: ``seqs`` is the walk), the groups by their first."""
+    firsts = []
+    for grp, seq in zip(groups, seqs):
+        t = grp.tensors
+        idx = sorted(range(len(t)), key=t.__getitem__)
+        if any(i != j for i, j in enumerate(idx)):
+            grp.tensors, grp.params, grp.shifts = [t[i] for i in idx], [grp.params[i] for i in idx], \
+                [grp.shifts[i] for i in idx]
+        firsts.append((grp.tensors[0], seq[idx[0]]))
+    return [groups[k] for k in sorted(range(len(groups)), key=firsts.__getitem__)]
 
 
 def _new_group(grids: dict, placed: dict, pl: Placement, pattern, mesh, fan_out: bool, rpn: int, shared: dict):

@@ -117,6 +117,28 @@ def test_model_layouts_exact(model, trainer, rollout, fan_out):
         assert s.egress_bytes == s.src_min_bytes
 
 
+@pytest.mark.parametrize("model, trainer, rollout", [
+    ("qwen3-tiny", dict(fsdp=2, tp=2), dict(tp=4, dp=1)),
+    ("qwen3-moe-tiny", dict(fsdp=1, ep=2, tp=2), dict(tp=2, dp=2, ep=4, expert_placement="round_robin")),
+    ("deepseek-tiny", dict(fsdp=2, ep=2), dict(tp=2, dp=2, ep=4)),
+])
+def test_the_plans_order_is_a_walk_over_the_tensors_by_name(model, trainer, rollout):
+    """The planner groups demands as the destination makes them; its order is still that of a walk over the source
+    tensors by name (each tensor's Demands in the destination's order), every member in the group of its placement,
+    pattern and destination mesh, the groups in the order of their first member — built here from ``demands()``."""
+    src, dst = _plan_for(model, trainer, rollout)
+    plan = reshard_plan(src, dst)
+    demands = dst.demands()
+    want: dict = {}
+    for tensor in sorted(demands):
+        pl = src[tensor]
+        for d in demands[tensor]:
+            key = (pl.shape, pl.spec, pl.mesh.ranks, pl.dtype, d.pattern, dst.params[d.param].mesh.ranks)
+            want.setdefault(key, []).append((tensor, d))
+    assert [g.members for g in plan.groups] == list(want.values())
+    assert len(plan.groups) < sum(len(ds) for ds in demands.values())  # some groups have several members
+
+
 def test_tensor_counts_from_config_numbers():
     assert len(hf_tensor_shapes(MODELS["qwen3-4b"])) == 398
     assert len(hf_tensor_shapes(MODELS["qwen3-30b-a3b"])) == 18_867
