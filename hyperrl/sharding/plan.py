@@ -436,7 +436,6 @@ def _no_gc():
 
 
 def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
-    check_compatible(src, dst)
     grids: dict = {}  # (mesh axes, shape, spec dims) → (source grid, its geometries)
     placed: dict = {}  # (shape, spec dims, mesh, itemsize) → the first placement so
     groups: list[_Group] = []
@@ -446,13 +445,16 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
     rpn = links.ranks_per_node if links is not None else 0
     by_key: dict = {}  # (placement key, pattern id, destination mesh id) → the group's appends: one lookup a demand
     n = 0
-    # one walk over the destination's demands as they are made (no Demand objects, no per-tensor lists) …
+    # one walk over the destination's demands as they are made (no Demand objects, no per-tensor lists), checking
+    # each against its source as check_compatible does (which names every mismatch when one is found) …
     for param, p, blocks, results in dst.demanded_parts():
-        mesh = p.mesh
+        mesh, dtype = p.mesh, p.dtype
         mesh_id = id(mesh)
         for block, (pattern, shift) in zip(blocks, results):
             tensor = block.src
-            pl = placements[tensor]
+            pl = placements.get(tensor)
+            if pl is None or pl.shape != block.shape or pl.dtype != dtype:
+                _incompatible(src, dst)
             # ints and flat tuples only (meshes by identity — both layouts hold them alive): hashing the spec object,
             # nested tuples or 1,024-rank meshes per tensor cost most of a DeepSeek-V3 plan
             key = (pl.shape, pl.spec.dims, id(pl.mesh), pl.dtype.itemsize, id(pattern), mesh_id)
@@ -468,10 +470,20 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
             add_shift(shift)
             add_seq(n)
             n += 1
+    read: set = set()
+    for grp in groups:
+        read.update(grp.tensors)
+    if len(read) != len(placements):  # a source tensor no destination parameter reads
+        _incompatible(src, dst)
     groups = _in_tensor_order(groups, seqs)
     if fan_out:
         _assign_trees(groups)
     return Plan(src, dst, groups, fan_out)
+
+
+def _incompatible(src: Layout, dst: DstLayout) -> None:
+    check_compatible(src, dst)  # raises LayoutError listing every mismatch
+    raise AssertionError("the planner found a mismatch that check_compatible did not")
 
 
 def _in_tensor_order(groups: list[_Group], seqs: list[list[int]]) -> list[_Group]:

@@ -187,6 +187,37 @@ def test_bad_layouts_named():
         reshard_plan(Layout(bad), rollout_layout(MODELS["qwen3-tiny"], tp=2))
 
 
+@given(st.sets(st.sampled_from(["drop", "extra", "shape", "dtype"])), st.integers(0, 10_000))
+def test_the_planner_refuses_what_check_compatible_refuses_with_its_message(faults, pick):
+    """The planner checks each demand against its source as it walks them; whatever the mismatch (or several), it
+    raises check_compatible's own error, and plans when there is none."""
+    from hyperrl.sharding import check_compatible
+
+    src = dict(trainer_layout(MODELS["qwen3-tiny"], fsdp=2).items())
+    dst = rollout_layout(MODELS["qwen3-tiny"], tp=2)
+    names = sorted(src)
+    victim = names[pick % len(names)]
+    pl = src[victim]
+    if "shape" in faults:
+        src[victim] = Placement((*pl.shape[:-1], pl.shape[-1] + 1), pl.dtype, pl.spec, pl.mesh)
+    if "dtype" in faults:
+        src[victim] = Placement(src[victim].shape, torch.float16, pl.spec, pl.mesh)
+    if "drop" in faults:
+        del src[names[(pick + 1) % len(names)]]
+    if "extra" in faults:
+        src["extra.weight"] = Placement((2,), pl.dtype, Spec.replicate(1), pl.mesh)
+    src = Layout(src)
+    try:
+        check_compatible(src, dst)
+    except LayoutError as e:
+        with pytest.raises(LayoutError) as got:
+            reshard_plan(src, dst)
+        assert str(got.value) == str(e)
+    else:
+        assert not faults
+        verify(reshard_plan(src, dst))
+
+
 def test_verify_catches_dropped_and_duplicated_transfers():
     src, dst = _plan_for("qwen3-moe-tiny", dict(fsdp=2, ep=2), dict(tp=2, dp=1, offset=4))
     plan = reshard_plan(src, dst)
