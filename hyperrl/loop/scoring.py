@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.rewards import Reward, RewardError, RewardSet
-from hyperrl.rewards.styles import Pending
+from hyperrl.rewards.scoring import Pending
 from hyperrl.tokenizer import decode_response, decode_responses
 
 __all__ = ["Scorer", "Scoring"]

@@ -1,7 +1,7 @@
 """Rewards: one registry (``REWARDS``: reward functions and reward factories), the built-in
 functions (:mod:`.builtin`), and rewards as users write them — TRL-, verl- and hyperrl-style
-functions from a file or the registry, weighted, routed by ``data_source``, batched (:mod:`.styles`; how each
-style calls its functions: :mod:`.calling`).
+functions from a file or the registry, weighted, routed by ``data_source`` (:mod:`.styles`; how each style calls
+its functions: :mod:`.calling`), and a batch scored with them (:mod:`.scoring`).
 """
 
 from hyperrl.rewards import (
@@ -24,7 +24,8 @@ from hyperrl.rewards.builtin import (
     register_reward_factory,
     starts_with_digit,
 )
-from hyperrl.rewards.styles import Reward, RewardError, RewardSet, build_rewards, check_rewards, load_function
+from hyperrl.rewards.scoring import RewardSet
+from hyperrl.rewards.styles import Reward, RewardError, build_rewards, check_rewards, load_function
 
 __all__ = ["REWARDS", "register_reward", "register_reward_factory", "is_factory", "RewardName", "Reward", "RewardSet",
            "RewardError", "load_function", "build_rewards", "check_rewards", "extract_gsm8k_answer",

@@ -3,7 +3,7 @@
 arguments), ``hyperrl`` (per sample, ``fn(response, sample)``) — each with the check of a function's signature
 against it; every returned value checked (a finite number, or None from a reward that abstains), every call within
 its deadline, a failure of the user's code a :class:`RewardError` naming the reward and the row.
-:mod:`hyperrl.rewards.styles` resolves a config's rewards and scores batches with them.
+:mod:`hyperrl.rewards.styles` resolves a config's rewards; :mod:`hyperrl.rewards.scoring` scores batches with them.
 """
 
 from __future__ import annotations

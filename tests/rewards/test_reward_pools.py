@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hyperrl.config.schema import RewardSpec
 from hyperrl.data import Sample
 from hyperrl.rewards import REWARDS, RewardError, build_rewards, check_rewards
-from hyperrl.rewards.styles import Ran
+from hyperrl.rewards.scoring import Ran
 
 pytestmark = pytest.mark.xdist_group("reward_pools")  # worker processes: kept off the other tests' cores
 
@@ -362,7 +362,7 @@ def test_stuck_threads_are_replaced_and_odd_failures_are_outcomes_not_hangs(fns)
 
 
 def test_inline_calls_made_in_one_pass_give_what_one_call_at_a_time_gives(fns):
-    # an inline reward's calls are made in one pass (styles.Ran, InlineRunner.run_all), each within its deadline; a
+    # an inline reward's calls are made in one pass (scoring.Ran, InlineRunner.run_all), each within its deadline; a
     # one-thread pool makes them one at a time through the runners' futures: the same values, failures and errors
     texts = ["3", "raise", "8", "hang", "raise", "no"]
     samples = [_SAMPLE[i % 3] for i in range(6)]
