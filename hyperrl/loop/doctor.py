@@ -40,7 +40,7 @@ import torch
 from tensordict import TensorDict
 
 from hyperrl.errors import HyperRLError
-from hyperrl.loop.forward import _first_action
+from hyperrl.loop.model_calls import first_action
 from hyperrl.rollout.hf import filter_logits
 
 
@@ -72,7 +72,7 @@ def _logits(model, batch: TensorDict, *, dtype: torch.dtype, head_dtype: torch.d
     """``(a, logits [B, T − a, V])`` fp32 of one plain forward from the batch's first action position ``a``, the
     forward under ``dtype`` autocast (fp32: none) and the LM head recomputed in ``head_dtype`` (None: as it ran)."""
     tokens, act = batch["tokens"], batch["action_mask"]
-    a = _first_action(act)
+    a = first_action(act)
     head = model.get_output_embeddings()
     seen = []
     hook = head.register_forward_hook(lambda m, inp, out: seen.append(inp[0])) if head_dtype is not None else None
@@ -135,7 +135,7 @@ def _compute_dtype(model, batch, ctx):
 
 
 def _routes(model, batch, ctx):
-    from hyperrl.loop.forward import RouteReplay
+    from hyperrl.loop.model_calls import RouteReplay
     from hyperrl.routing import Routing, is_moe
 
     if not is_moe(model) or "routed_experts" not in batch.keys():

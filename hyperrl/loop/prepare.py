@@ -20,7 +20,6 @@ from tensordict import TensorDict
 from hyperrl.algorithms import GateError, PolicyOut, PrepareContext, Provided, providers
 from hyperrl.device import compute_context, torch_dtype
 from hyperrl.loop.forward import (
-    RouteReplay,
     context_parallel_logprobs_and_entropy,
     context_parallel_values,
     full_vocab_divergence,
@@ -30,6 +29,7 @@ from hyperrl.loop.forward import (
     policy_logprobs,
 )
 from hyperrl.loop.learner import map_micro_batches
+from hyperrl.loop.model_calls import RouteReplay
 from hyperrl.models.head import use_fused_head
 from hyperrl.models.moe import RouterTap, Routing, is_moe
 from hyperrl.multimodal import vision_spec

@@ -190,7 +190,7 @@ def test_bucketed_continuation_equals_one_call_values_and_grads(lengths, seed):
     values and gradients (the float64 model: equal to rounding); the calls are the prompt pass and one per bucket
     with a continuation, each as wide as its longest row needs."""
     from hyperrl import transforms as T
-    from hyperrl.loop import forward
+    from hyperrl.loop import shared_prefix
 
     g = torch.Generator().manual_seed(seed)
     prompts = [[1, 5, 6], [1, 7, 8, 9]]
@@ -201,8 +201,8 @@ def test_bucketed_continuation_equals_one_call_values_and_grads(lengths, seed):
     params = list(MODEL.parameters())
     out, calls = [], []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forward, "BUCKET_CALL_COST", 3)
-        mp.setattr(forward, "BUCKET_MIN_WIDTH", 1)
+        mp.setattr(shared_prefix, "BUCKET_CALL_COST", 3)
+        mp.setattr(shared_prefix, "BUCKET_MIN_WIDTH", 1)
         for bucket in (False, True):
             c = _Count(MODEL)
             lp, ent = shared_prefix_logprobs_and_entropy(MODEL, b, 0.9, bucket=bucket)
@@ -220,12 +220,12 @@ def test_bucketed_continuation_equals_one_call_values_and_grads(lengths, seed):
 def test_bucketing_is_off_when_the_forward_is_agreed_or_narrow():
     """Data-parallel ranks (an agreed forward) make one continuation call each, whatever their lengths; a
     continuation narrower than BUCKET_MIN_WIDTH is one call."""
-    from hyperrl.loop import forward
+    from hyperrl.loop import shared_prefix
 
     lengths = [1, 1, 1, 1, 1, 1, 12, 12]  # a split saves 6 · 11 = 66 tokens
     b = _batch([([1, 5, 6], [(list(range(3, 3 + n)), True)]) for n in lengths])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(forward, "BUCKET_CALL_COST", 3)
+        mp.setattr(shared_prefix, "BUCKET_CALL_COST", 3)
         c = _Count(MODEL)
         policy_logprobs(MODEL, b, 1.0)
         assert c.calls == [(1, 3), (2, 11)]  # the one-token rows need no continuation input at all
@@ -233,7 +233,7 @@ def test_bucketing_is_off_when_the_forward_is_agreed_or_narrow():
         policy_logprobs(MODEL, b, 1.0, agree=lambda use, S: (use, S))
         assert c.calls == [(1, 3), (8, 11)]
         c.calls.clear()
-        mp.setattr(forward, "BUCKET_MIN_WIDTH", 12)
+        mp.setattr(shared_prefix, "BUCKET_MIN_WIDTH", 12)
         policy_logprobs(MODEL, b, 1.0)
         assert c.calls == [(1, 3), (8, 11)]
         c.h.remove()
@@ -267,8 +267,8 @@ def test_plain_forward_computes_logits_only_on_the_action_window():
 @settings(max_examples=25, deadline=None)
 @given(U=st.integers(1, 6), B=st.integers(1, 24), tail=st.integers(0, 3), seed=st.integers(0, 2**16))
 def test_the_row_select_gradient_is_autograds_bit_for_bit_from_a_non_contiguous_gradient(U, B, tail, seed):
-    # forward._Rows: index_select whose backward makes the gradient contiguous first — the same index_add_ sums
-    from hyperrl.loop.forward import _rows
+    # shared_prefix._Rows: index_select whose backward makes the gradient contiguous first — the same index_add_ sums
+    from hyperrl.loop.shared_prefix import _rows
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(U, 2, 5, 4, generator=g, requires_grad=True)
@@ -284,7 +284,7 @@ def test_the_row_select_gradient_is_autograds_bit_for_bit_from_a_non_contiguous_
 @settings(max_examples=50, deadline=None)
 @given(rows=st.lists(st.lists(st.integers(-3, 3), min_size=4, max_size=4), min_size=1, max_size=40))
 def test_the_distinct_rows_are_numbered_as_torch_unique_numbers_them(rows):
-    from hyperrl.loop.forward import _unique_rows
+    from hyperrl.loop.shared_prefix import _unique_rows
 
     x = torch.tensor(rows, dtype=torch.long)
     assert torch.equal(_unique_rows(x), torch.unique(x, dim=0, return_inverse=True)[1])
