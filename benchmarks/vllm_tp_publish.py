@@ -54,7 +54,7 @@ def byte_rows() -> list[list]:
             for g in plan.groups:  # vectorised: bytes per destination rank (every transfer is remote: offset 1)
                 nb = g.geo.numel * g.itemsize
                 for r in range(tp):
-                    inbound[r] += int(nb[g.dst_rank == r + 1].sum()) * len(g.members)
+                    inbound[r] += int(nb[g.dst_rank == r + 1].sum()) * len(g.tensors)
             rows.append([name, tp, _human(full), _human(max(inbound)), _human(min(inbound)),
                          f"{max(inbound) / full:.3f}", f"{1 / tp:.3f}", f"{time.perf_counter() - t0:.1f}"])
     return rows

@@ -46,8 +46,8 @@ def plain_logprobs_and_entropy(model, batch: TensorDict, temperature: float, rep
     kw = vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     with route_call(replay, torch.where(batch["attention_mask"].bool(), src, -1), B * W):
         logits = head_out(model, fused, input_ids=tokens[:, :-1],
-                           attention_mask=batch["attention_mask"][:, :-1].long(),
-                           logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
+                          attention_mask=batch["attention_mask"][:, :-1].long(),
+                          logits_to_keep=tokens.shape[1] - a, **kw).logits  # [B, T − a, V]: predicts tokens a … T − 1
     lp, ent = lp_ent(model, logits, tokens[:, a:], temperature, fused)
     pad = torch.nn.functional.pad
     return pad(lp, (a, 0)), pad(ent, (a, 0))
@@ -63,7 +63,7 @@ def plain_log_softmax(model, batch: TensorDict, temperature: float, *, fused: bo
     a = first_action(act) if bool(act[:, 1:].any()) else tokens.shape[1] - 1
     kw = vision_inputs(model, batch, tokens[:, :-1], batch["attention_mask"][:, :-1])
     logits = head_out(model, fused, input_ids=tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1].long(),
-                       logits_to_keep=tokens.shape[1] - a, **kw).logits
+                      logits_to_keep=tokens.shape[1] - a, **kw).logits
     return a, logits if fused else torch.log_softmax(logits.float() / temperature, -1)
 
 
@@ -137,14 +137,14 @@ def packed_logprobs_and_entropy(model, batch: TensorDict, temperature: float, ma
             calls.append((r, c, keep))
     for _ in range((agree(len(calls)) if agree is not None else len(calls)) - len(calls)):  # another rank's more
         idle = head_out(model, fused, input_ids=tokens[rows_[:1], cols_[:1]][None], position_ids=cols_[:1][None] * 0,
-                         use_cache=False).logits
+                        use_cache=False).logits
         lp_out = lp_out + 0.0 * idle.float().sum()
     for r, c, keep in calls:
         src = torch.full((B, Tn), -1, dtype=torch.long, device=tokens.device)
         src[r, c] = torch.arange(len(r), device=tokens.device)
         with route_call(replay, src, len(r)):
             logits = head_out(model, fused, input_ids=tokens[r, c][None], position_ids=c[None], logits_to_keep=keep,
-                               use_cache=False).logits
+                              use_cache=False).logits
         lp, ent = lp_ent(model, logits, tokens[r[keep], c[keep] + 1][None], temperature, fused)
         lp_out = lp_out.index_put((r[keep], c[keep] + 1), lp[0])
         ent_out = ent_out.index_put((r[keep], c[keep] + 1), ent[0])
@@ -202,7 +202,7 @@ def context_parallel_logprobs_and_entropy(model, batch: TensorDict, temperature:
     real, src = _slice_tokens(attn, mine, N, Np, (rows, cols) if packed else None)
     with route_call(replay, src, local.numel(), group):
         logits = head_out(model, fused, input_ids=local, position_ids=lpos, attention_mask=real.long(),
-                           use_cache=False, **seg_kw).logits  # [B, n, V]
+                          use_cache=False, **seg_kw).logits  # [B, n, V]
     lp, ent = lp_ent(model, logits, targets, temperature, fused)
     lp, ent = gather_sequence(lp, group, N, layout), gather_sequence(ent, group, N, layout)
     if not packed:

@@ -23,7 +23,8 @@ class RouteReplay:
     ``[B, T, L, k]`` — the reference each call's tokens are compared with (the agreement counters of
     ``routing``, a :class:`hyperrl.models.Routing`) and, with ``force``, routed by; ``None`` captures
     only. After the pass ``captured [B, T, L, k]`` (int16) holds the experts every token ran (−1
-    where no call ran it: a row's last token, padding). The forwards below map each model call's
+    where no call ran it: a row's last token, padding). The forwards (:mod:`hyperrl.loop.forward`,
+    :mod:`hyperrl.loop.shared_prefix`) map each model call's
     ``N`` tokens to batch positions with ``src [B, T]`` (the call's token index, −1 = not in it); a call over a
     context-parallel ``group`` (each rank a slice of the sequence) merges the ranks' captures and agreement counts
     afterwards, so every rank holds the whole batch's."""
@@ -66,6 +67,8 @@ class RouteReplay:
 
 
 def route_call(replay: RouteReplay | None, src: torch.Tensor, n: int, group=None):
+    """The context of one model call: ``replay.call(src, n, group)`` (:meth:`RouteReplay.call`), or none without
+    routing replay."""
     return contextlib.nullcontext() if replay is None else replay.call(src, n, group)
 
 

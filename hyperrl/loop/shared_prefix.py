@@ -96,7 +96,7 @@ def shared_prefix_logprobs_and_entropy(model, batch: TensorDict, temperature: fl
     src = torch.where(t < p[:, None], inverse[:, None] * P + (P - p[:, None]) + t, -1)  # row b's prompt in its u
     with route_call(replay, src, len(first) * P):
         out = head_out(model, fused, input_ids=pre_ids, attention_mask=pre_mask.long(), position_ids=pre_pos,
-                        use_cache=S > 1, logits_to_keep=1, **kw)
+                       use_cache=S > 1, logits_to_keep=1, **kw)
     logits = _rows(out.logits[:, -1], inverse)[:, None]  # [B, 1, V]: predicts the first token after the prompt
     s = torch.arange(max(S, 1), device=dev)[None, :]
     cont_valid = s < (attn.sum(-1) - p)[:, None]
@@ -154,7 +154,7 @@ def _continuation(model, fused: bool, cache, buckets: list, inverse, pre_mask, p
         src = None if replay is None else _call_src(idx, ok, p, s, w, Tn)
         with route_call(replay, src, len(u) * w):
             out = head_out(model, fused, input_ids=ids, attention_mask=torch.cat([pre_mask[u], ok], 1).long(),
-                            position_ids=pos, past_key_values=cache, use_cache=False).logits
+                           position_ids=pos, past_key_values=cache, use_cache=False).logits
         if idx is None:  # every row in one call: already in order
             return out if w == width else torch.nn.functional.pad(out, (0, 0, 0, width - w))
         parts.append(torch.nn.functional.pad(out, (0, 0, 0, width - w)))

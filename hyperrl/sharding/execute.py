@@ -65,8 +65,8 @@ def _view(t: torch.Tensor, box) -> torch.Tensor:
 def execute_full_gather(src_layout: Layout, dst_layout: DstLayout, rank: int, src: dict[str, torch.Tensor],
                         dst: dict[str, torch.Tensor], *, max_bytes: int = 128 << 20, group=None) -> dict[str, int]:
     """Baseline: gather full tensors, send them whole, slice on the destination (see module doc).
-    Who reads what comes from the destination's demands — the planner's own description of the
-    destination — not from a second walk over its parts."""
+    Who reads what comes from the destination's demands (:meth:`DstLayout.demands`, built on the walk the planner
+    makes, :meth:`DstLayout.demanded_parts`) — not from a second walk over its parts."""
     demands = dst_layout.demands()
     readers = {n: {dst_layout.params[d.param].mesh.ranks[pc.dst_pos] for d in ds for pc in d.pattern}
                for n, ds in demands.items()}

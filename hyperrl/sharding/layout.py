@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from itertools import product
@@ -290,8 +290,9 @@ _new_tuple = tuple.__new__
 
 class Demand(NamedTuple):
     """What one destination parameter needs from one source tensor: a shared ``pattern`` of pieces
-    plus a ``shift`` added to every piece's destination offset (an expert's slot). (A named tuple:
-    a DeepSeek-V3 layout makes 45,000 of them.)"""
+    plus a ``shift`` added to every piece's destination offset (an expert's slot). (A named tuple: a DeepSeek-V3
+    layout's :meth:`DstLayout.demands` makes 45,000 of them; the planner makes none — it files the fields of each as
+    :meth:`DstLayout.demanded_parts` yields them.)"""
 
     param: str
     pattern: tuple[Piece, ...]
@@ -363,7 +364,7 @@ class DstLayout:
                 out[block.src].append(_new_tuple(Demand, (name, pattern, shift)))
         return dict(out)
 
-    def demanded_parts(self) -> Iterator[tuple[str, DstParam, list[Block], list[tuple[tuple[Piece, ...], tuple]]]]:
+    def demanded_parts(self) -> Iterator[tuple[str, DstParam, Sequence[Block], list[tuple[tuple[Piece, ...], tuple]]]]:
         """Per part of every parameter, ``(param name, param, blocks, [(pattern, shift)])``: block ``i`` of the part
         needs pattern ``i`` at shift ``i`` — the :class:`Demand` of its source, not yet made (a planner groups them as
         they come). Patterns are built once per (part, elementary slot range) and shared by every block in it, so

@@ -7,7 +7,10 @@ sorted chunk intervals, vectorised over the pieces — never all-pairs box tests
 result by the signature (shape, spec, mesh shape, demand pattern), so identically placed
 tensors — the 44,544 routed experts of DeepSeek-V3 — are planned once and shared. A plan is a
 list of *groups*: one geometry, one source rank map, one destination rank map and the tensors
-that share them; transfers are materialised lazily (``iter(plan)``), statistics per group.
+that share them; transfers are materialised lazily (``iter(plan)``), statistics per group. Each demand is filed into
+its group as the destination layout makes it (:meth:`DstLayout.demanded_parts`: no Demand objects; each checked
+against its source there, :func:`check_compatible`'s error on a mismatch), and the plan's order is that of a walk
+over the source tensors by name.
 """
 
 from __future__ import annotations
@@ -470,6 +473,8 @@ def _plan(src: Layout, dst: DstLayout, fan_out: bool, links) -> Plan:
             add_shift(shift)
             add_seq(n)
             n += 1
+    # (a source tensor nothing reads is found only now, after the walk built its groups' geometries: a failing layout
+    # costs a walk before its error — the same error)
     read: set = set()
     for grp in groups:
         read.update(grp.tensors)
