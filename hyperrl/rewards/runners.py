@@ -185,13 +185,13 @@ class InlineRunner(Runner):
         return _done(failed[0] if failed else Outcome(values[0]))
 
     def run_all(self, calls: list[Call]) -> tuple[list, dict[int, Outcome]]:
-        """Every call now, one after another, each within ``timeout_s`` (``SIGALRM`` through a real-time interval
-        timer, on the main thread, where Python delivers signals; elsewhere no limit can be enforced in-process and
-        none is set: Python code and sleeps are interrupted, a C extension that never returns to the interpreter is
-        not — use ``pool: process``) — :meth:`start` is its one-call case — without a future and an outcome per
-        successful call, the deadline's handler installed once for
-        the pass (at the default job's 1,024 calls a step the per-call path was ≈ 3 ms of its ≈ 5 ms of scoring):
-        the values (None where a call failed) and the failed calls' outcomes by index."""
+        """Every call now, one after another, each within ``timeout_s``: the values (None where a call failed) and
+        the failed calls' outcomes by index; :meth:`start` is its one-call case. The deadline is ``SIGALRM`` through a
+        real-time interval timer, its handler installed once a pass — on the main thread, where Python delivers
+        signals (elsewhere no limit can be enforced in-process and none is set); Python code and sleeps are
+        interrupted, a C extension that never returns to the interpreter is not (use ``pool: process``). No future
+        and no outcome per successful call: at the default job's 1,024 calls a step the per-call path was ≈ 3 ms of
+        its ≈ 5 ms of scoring."""
         values, failed = [], {}
         seconds = self.timeout_s if self.timeout_s and threading.current_thread() is threading.main_thread() else None
         old = signal.signal(signal.SIGALRM, _fire) if seconds else None
@@ -208,7 +208,7 @@ class InlineRunner(Runner):
                     finally:
                         if seconds:
                             signal.setitimer(signal.ITIMER_REAL, 0)
-                except _Deadline:  # also when it fired as the call returned: a timeout, as start() reports it
+                except _Deadline:  # also when it fired as the call returned: the call timed out
                     v, failed[i] = None, self._late()
                 except Exception as e:  # noqa: BLE001 - any failure of user code is the call's outcome
                     v, failed[i] = None, raised_outcome(e)

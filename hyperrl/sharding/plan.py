@@ -2,8 +2,8 @@
 
 ``reshard_plan(src, dst)`` returns a :class:`Plan` — plain data in a deterministic order. For
 every source tensor and every destination piece that reads it, the planner intersects the piece
-with the source shards by a per-dimension interval sweep (``searchsorted`` over each dim's
-sorted chunk intervals, vectorised over the pieces — never all-pairs box tests) and memoises the
+with the source shards by a per-dimension interval sweep (:mod:`hyperrl.sharding.geometry`: ``searchsorted`` over each
+dim's sorted chunk intervals, vectorised over the pieces — never all-pairs box tests) and memoises the
 result by the signature (shape, spec, mesh shape, demand pattern), so identically placed
 tensors — the 44,544 routed experts of DeepSeek-V3 — are planned once and shared. A plan is a
 list of *groups*: one geometry, one source rank map, one destination rank map and the tensors
@@ -23,118 +23,13 @@ from typing import NamedTuple
 import numpy as np
 
 from hyperrl.sharding.buckets import bucketize
+from hyperrl.sharding.geometry import Geometry, geometry, src_grid
 from hyperrl.sharding.layout import Demand, DstLayout, Layout, Placement, check_compatible
 from hyperrl.sharding.report import PlanStats, _sum_by, plan_stats, plan_str, plan_traffic
-from hyperrl.sharding.spec import Box, dim_intervals
+from hyperrl.sharding.spec import Box
 from hyperrl.sharding.transfer import Transfer
 
 __all__ = ["Transfer", "Plan", "PlanStats", "reshard_plan"]
-
-
-@dataclass(frozen=True)
-class _SrcGrid:
-    """Per-dim sorted chunk intervals of one source placement, and the replica table."""
-
-    lo: tuple  # per dim: np.ndarray of interval starts, indexed by the dim-coordinate k
-    hi: tuple
-    holders: np.ndarray  # [Π n_k, R] source mesh positions holding each k-tuple (row-major)
-
-
-def _src_grid(pl: Placement) -> _SrcGrid:
-    mesh, spec = pl.mesh, pl.spec
-    ivs = [dim_intervals(L, tuple(mesh.axis_size(a) for a in axes)) for L, axes in zip(pl.shape, spec.dims)]
-    # a mesh with no axes (one rank: e.g. a pure-EP expert's sub-mesh) has no coordinates to unravel
-    coords = dict(zip(mesh.names, np.unravel_index(np.arange(mesh.size), mesh.shape))) if mesh.names else {}
-    flat = np.zeros(mesh.size, np.int64)
-    for axes, iv in zip(spec.dims, ivs):
-        k = np.zeros(mesh.size, np.int64)
-        for a in axes:
-            k = k * mesh.axis_size(a) + coords[a]
-        flat = flat * len(iv) + k
-    order = np.argsort(flat, kind="stable")  # every k-tuple has the same number of replicas
-    holders = order.reshape(len(np.unique(flat)), -1)
-    return _SrcGrid(tuple(np.array([a for a, _ in iv], dtype=np.int64) for iv in ivs),
-                    tuple(np.array([b for _, b in iv], dtype=np.int64) for iv in ivs), holders)
-
-
-class _Geometry:
-    """Every (piece × overlapping source shard) intersection of one pattern, as arrays ``[E]`` / ``[E, nd]``. The
-    distinct regions (source shard ∩ requested box) are computed once; the per-entry boxes (``src_lo``,
-    ``inter_lo``, ``size``: the materialisation's) are gathered from them on first use — planning and its byte
-    accounting read only ``piece``, ``holders``, ``sender``, ``key`` and ``numel``."""
-
-    def __init__(self, piece, ent, r_src_lo, r_lo, r_size, holders, sender, key, numel):
-        self.piece = piece  # [E] index into the pattern
-        self._ent, self._r = ent, (r_src_lo, r_lo, r_size)  # [E] → region row; the regions' boxes
-        self.holders = holders  # [E, R] source mesh positions
-        self.sender = sender  # [E] holder chosen to send (replicas rotate with the piece index)
-        self.key = key  # [E] region id: equal for replicas requesting the same region
-        self.numel = numel  # [E]
-
-    @property
-    def src_lo(self) -> np.ndarray:  # [E, nd] the holders' shard box start
-        return self._r[0][self._ent]
-
-    @property
-    def inter_lo(self) -> np.ndarray:  # [E, nd] intersection (global coords of the source tensor)
-        return self._r[1][self._ent]
-
-    @property
-    def size(self) -> np.ndarray:  # [E, nd]
-        return self._r[2][self._ent]
-
-
-def _geometry(grid: _SrcGrid, pattern) -> _Geometry:
-    """Intersect each *distinct* requested box with the source shards once (destination replicas
-    request the same boxes: 256 pieces of a replicated norm are one box), then expand to the
-    pieces by index — every per-entry array is one gather."""
-    nd = len(grid.lo)
-    box_ids: dict = {}
-    box_of_piece = np.array([box_ids.setdefault(p.src_box, len(box_ids)) for p in pattern], np.int64)
-    U = len(box_ids)
-    plo = np.array([b.offsets for b in box_ids], dtype=np.int64).reshape(U, nd)
-    phi = plo + np.array([b.sizes for b in box_ids], dtype=np.int64).reshape(U, nd)
-    # per dim, the k range overlapping [plo, phi): from the first interval ending after plo to the
-    # first interval starting at or after phi (intervals are sorted and contiguous)
-    k0 = np.zeros((U, nd), np.int64)
-    k1 = np.zeros((U, nd), np.int64)
-    for d in range(nd):
-        k0[:, d] = np.searchsorted(grid.hi[d], plo[:, d], side="right")
-        k1[:, d] = np.searchsorted(grid.lo[d], phi[:, d], side="left")
-    cnt = np.maximum(k1 - k0, 0)
-    n_per = np.where((phi > plo).all(1), cnt.prod(1), 0)
-    box = np.repeat(np.arange(U), n_per)  # the distinct (box, source shard) regions
-    j = np.arange(box.size) - np.repeat(np.cumsum(n_per) - n_per, n_per)
-    ks = np.zeros((box.size, nd), np.int64)
-    for d in range(nd - 1, -1, -1):
-        c = cnt[box, d]
-        ks[:, d] = k0[box, d] + j % c
-        j = j // c
-    src_lo = np.zeros((box.size, nd), np.int64)
-    src_hi = np.zeros((box.size, nd), np.int64)
-    for d in range(nd):
-        src_lo[:, d], src_hi[:, d] = grid.lo[d][ks[:, d]], grid.hi[d][ks[:, d]]
-    lo = np.maximum(src_lo, plo[box])
-    size = np.minimum(src_hi, phi[box]) - lo
-    keep = (size > 0).all(1)
-    box, ks, src_lo, lo, size = box[keep], ks[keep], src_lo[keep], lo[keep], size[keep]
-    flat_k = np.ravel_multi_index(tuple(ks.T), [len(a) for a in grid.lo]) if nd else np.zeros(box.size, np.int64)
-    # region id: the rank of (source shard, box) — replicas requesting the same box share it
-    region = np.empty(box.size, np.int64)
-    region[np.lexsort((box, flat_k))] = np.arange(box.size)
-    # expand: piece i takes the regions of its box, in order
-    first = np.searchsorted(box, np.arange(U))  # box is sorted: its regions are contiguous
-    per_box = np.bincount(box, minlength=U)
-    n_piece = per_box[box_of_piece]
-    # the per-entry index arrays in int32 (E ≤ 2³¹; half the memory of a 262,144-entry geometry to touch)
-    piece = np.repeat(np.arange(len(pattern), dtype=np.int32), n_piece)
-    ent = np.repeat((first[box_of_piece] - (np.cumsum(n_piece) - n_piece)).astype(np.int32), n_piece)
-    ent += np.arange(piece.size, dtype=np.int32)
-    R = grid.holders.shape[1]
-    r_holders = grid.holders[flat_k].astype(np.int32)
-    holders = r_holders[ent]
-    sender = holders[:, 0] if R == 1 else holders[np.arange(piece.size), piece % R]
-    return _Geometry(piece, ent, src_lo, lo, size, holders, sender, region.astype(np.int32)[ent], size.prod(1)[ent])
 
 
 class _Classes(NamedTuple):
@@ -159,7 +54,7 @@ class _Tree(NamedTuple):
 
 @dataclass
 class _Group:
-    geo: _Geometry
+    geo: Geometry
     pattern: tuple
     tensor_nbytes: int
     itemsize: int
@@ -513,10 +408,10 @@ def _new_group(grids: dict, placed: dict, pl: Placement, pattern, mesh, fan_out:
     gkey = (pl.mesh.axes, pl.shape, pl.spec.dims)
     grid = grids.get(gkey)
     if grid is None:
-        grid = grids[gkey] = (_src_grid(pl), {})
+        grid = grids[gkey] = (src_grid(pl), {})
     geo = grid[1].get(id(pattern))
     if geo is None:
-        geo = grid[1][id(pattern)] = _geometry(grid[0], pattern)
+        geo = grid[1][id(pattern)] = geometry(grid[0], pattern)
     return _Group(geo, pattern, first.nbytes, first.itemsize, first.mesh.ranks, mesh.ranks, fan_out,
                   ranks_per_node=rpn, shared=shared)
 
