@@ -29,7 +29,7 @@ PKG = Path(__file__).parents[1] / "hyperrl"
 
 LAYERS = [
     ("errors",),
-    ("trajectory", "registry", "sampling", "device", "tokenizer", "routing", "multimodal", "sandbox"),
+    ("trajectory", "registry", "sampling", "device", "allocator", "tokenizer", "routing", "multimodal", "sandbox"),
     ("transforms", "sharding"),
     ("rewards",),
     ("envs", "data"),

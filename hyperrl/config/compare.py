@@ -16,8 +16,8 @@ LAYOUT = ("run.tp", "run.ep")
 _TINY = ("model.hidden", "model.layers", "model.heads", "model.kv_heads", "model.head_dim", "model.intermediate")
 # keys that say where a run writes and how long it goes, not what it trains: never listed as changes
 BOOKKEEPING = ("run.out_dir", "run.steps", "run.eval_every", "run.eval_prompts", "run.eval_n", "run.log_completions",
-               "run.keep_last_k", "run.export", "run.ckpt_every", "run.threads", "run.wandb_project",
-               "run.fingerprints", "run.fingerprint_values", "run.profile",
+               "run.keep_last_k", "run.export", "run.ckpt_every", "run.threads", "run.keep_freed_memory",
+               "run.wandb_project", "run.fingerprints", "run.fingerprint_values", "run.profile",
                "run.doctor_above")
 
 
