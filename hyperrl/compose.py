@@ -16,7 +16,6 @@ import torch
 
 from hyperrl.agents.mcp import Toolbox
 from hyperrl.algorithms import term
-from hyperrl.allocator import keep_freed_memory
 from hyperrl.config import ConfigError, TrainConfig, validate_config
 from hyperrl.config.built import check_built, check_teachers
 from hyperrl.data.tasks import TASKS, make_task
@@ -113,8 +112,6 @@ def build(cfg: TrainConfig, hooks=(), *, trainer: type | None = None, pipeline=N
     cfg = _with_async(cfg, async_overrides)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    if cfg.run.keep_freed_memory:  # process wide, like the thread count: the allocator's policy (bit for bit)
-        keep_freed_memory()
     pipeline = pipeline if pipeline is not None else build_pipeline(cfg.algo)
     device = pick_device(cfg.run.device)
     tok = build_tokenizer(cfg)

@@ -16,6 +16,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from hyperrl.allocator import keep_freed_memory
 from hyperrl.compose import build
 from hyperrl.config import TrainConfig
 from hyperrl.distributed import init_distributed
@@ -141,6 +142,8 @@ def train(cfg: TrainConfig, *, resume: bool = True, progress: bool = True, extra
     ``resume=False`` over a used directory sets its checkpoints and records aside; a resume of
     another model's run is refused before anything is written. Returns a summary (out_dir, steps,
     seconds, the final evaluation, the policy version, the export directory)."""
+    if cfg.run.keep_freed_memory:  # the job's process: freed memory kept for the next step (bit for bit)
+        keep_freed_memory()
     rank = init_distributed(cfg.run.device)
     out = Path(cfg.run.out_dir)
     jsonl = out / "metrics.jsonl"
