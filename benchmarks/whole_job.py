@@ -110,8 +110,8 @@ def main():
         for k in range(args.pairs):  # ABBA: the order turns each round, so a drift of the machine's speed
             order = list(trees.items())  # within a pair of rounds weighs on every version alike
             for name, tree in (order[::-1] if k % 2 == 0 else order):
-                runs[name].append(_job(tree, args.extra))
-                r = runs[name][-1]
+                r = _job(tree, args.extra)
+                runs[name].append(r)
                 print(f"{name}: wall {r['wall']:.1f} s, done in {r['done_s']} s, curve {r['curve']}", flush=True)
     finally:
         for wt in made:
@@ -123,7 +123,7 @@ def main():
             rows.append([name, i + 1, round(r["wall"], 1), r["done_s"], *(round(p.get(k, 0.0), 1) for k in
                          ("generate", "reward", "update", "publish")), " / ".join(str(c) for c in r["curve"])])
     med = {name: statistics.median(r["wall"] for r in rs) for name, rs in runs.items()}
-    ratios = "; ".join(f"{name} / {ref}: {med[name] / med[ref]:.3f}" for ref in args.ref for name in ["this"])
+    ratios = "; ".join(f"this / {ref}: {med['this'] / med[ref]:.3f}" for ref in args.ref)
     body = (table(["version", "round", "wall s", "done in s", "generate s", "reward s", "update s", "publish s",
                    "held-out exact @ " + " / ".join(map(str, AT))], rows)
             + "\n\nMedian wall: " + ", ".join(f"{k} {v:.1f} s" for k, v in med.items()) + f" ({ratios}).")
